@@ -1,0 +1,111 @@
+"""A checkout saga: reserve stock, charge the card, ship; each step knows how to undo itself.
+
+Run it locally:   ryusen dev examples/shop.py:app
+Then start runs:  ryusen run checkout --input '{"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}' --wait
+
+Inputs that show the engine at work:
+
+* ``"card": "4000"``: the card is declined (a ``NonRetryableError``); the
+  function lets the failure escape, so the run fails and the reserved stock
+  is released (compensation in reverse order).
+* ``"card": "flaky"``: the payment API fails twice, then succeeds: retries
+  with backoff, invisible to the function.
+* ``"express": true`` with ``"sku": "piano"``: express shipping is refused
+  (a terminal step failure); the function catches ``StepFailed`` and falls
+  back to standard shipping, a *handled* failure: the run completes and
+  nothing is compensated.
+* ``"fail_after_ship": true``: everything succeeds, then the function raises:
+  all three steps are compensated, newest first.
+
+The "systems" here are in-memory dictionaries so the example runs anywhere;
+a real app would call its inventory, payment and shipping services, passing
+``ryusen.operation().id`` as the idempotency key.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import ryusen
+from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step, StepFailed
+
+app = Ryusen("shop")
+
+_lock = threading.Lock()
+STOCK: dict[str, int] = {"lamp": 100, "piano": 3, "chair": 50}
+CHARGES: dict[str, dict[str, Any]] = {}
+SHIPMENTS: dict[str, dict[str, Any]] = {}
+_flaky_calls: dict[str, int] = {}
+
+
+def reserve_stock(sku: str, qty: int) -> dict[str, Any]:
+    with _lock:
+        if STOCK.get(sku, 0) < qty:
+            raise NonRetryableError(f"only {STOCK.get(sku, 0)} of {sku} left", data={"sku": sku})
+        STOCK[sku] -= qty
+    return {"sku": sku, "qty": qty, "reservation": ryusen.operation().id}
+
+
+def release_stock(reservation: dict[str, Any]) -> dict[str, Any]:
+    with _lock:
+        STOCK[reservation["sku"]] = STOCK.get(reservation["sku"], 0) + reservation["qty"]
+    return {"released": reservation["qty"]}
+
+
+def charge_card(card: str, amount: int) -> dict[str, Any]:
+    key = ryusen.operation().id  # the payment API's idempotency key: stable across retries
+    if card == "4000":
+        raise NonRetryableError("card declined", data={"decline_code": "insufficient_funds"})
+    if card == "flaky":
+        _flaky_calls[key] = _flaky_calls.get(key, 0) + 1
+        if _flaky_calls[key] < 3:
+            raise ConnectionError("payment API timed out")
+    with _lock:
+        charge = CHARGES.setdefault(key, {"charge_id": f"ch_{key[-8:]}", "amount": amount, "refunded": False})
+    return dict(charge)
+
+
+def refund(charge: dict[str, Any]) -> dict[str, Any]:
+    with _lock:
+        for stored in CHARGES.values():
+            if stored["charge_id"] == charge["charge_id"]:
+                stored["refunded"] = True
+    return {"refunded": charge["charge_id"], "refund_key": ryusen.operation().id}
+
+
+def ship(sku: str, express: bool) -> dict[str, Any]:
+    if express and sku == "piano":
+        raise NonRetryableError("pianos cannot ship express")
+    tracking = f"trk_{ryusen.operation().id[-8:]}"
+    with _lock:
+        SHIPMENTS[tracking] = {"sku": sku, "express": express, "cancelled": False}
+    return {"tracking": tracking, "express": express}
+
+
+def cancel_shipment(shipment: dict[str, Any]) -> dict[str, Any]:
+    with _lock:
+        SHIPMENTS[shipment["tracking"]]["cancelled"] = True
+    return {"cancelled": shipment["tracking"]}
+
+
+@app.function("checkout", timeout=timedelta(hours=1))
+def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
+    stock = step.run("reserve-stock", reserve_stock, order["sku"], order.get("qty", 1), compensate=release_stock)
+    charge = step.run(
+        "charge-card",
+        charge_card,
+        order["card"],
+        order["amount"],
+        compensate=refund,
+        retry=RetryPolicy(max_attempts=5, initial_delay=timedelta(milliseconds=200)),
+    )
+    try:
+        shipment = step.run("ship", ship, order["sku"], order.get("express", False), compensate=cancel_shipment)
+    except StepFailed:
+        # handled failure: fall back to standard shipping; nothing is compensated
+        shipment = step.run("ship-standard", ship, order["sku"], False, compensate=cancel_shipment)
+    if order.get("fail_after_ship"):
+        raise RuntimeError("order rejected by the fraud check after shipping")
+    return {"stock": stock, "charge": charge, "shipment": shipment}

@@ -1,0 +1,782 @@
+"""The engine core: ``decide(state, event, now=..., settings=...) -> Decision``.
+
+Theory of operation. The core holds no I/O, clock, uuid or randomness: time
+arrives as ``now`` and everything it creates gets an id derived from the run
+(operation ids hash run, step and phase). Given a run's state and one event it
+returns the next state and the commands an adapter carries out after it has
+written that state with one conditional write (the version the decision was
+made from must still be current). A lost race re-reads and decides again, so
+every decision must be safe to make twice on the same message.
+
+Forward path: a run starts ``running`` with discovery #1 queued. A delivered
+task is *authorized* (the fence: refused once a stop intent exists) and then
+invoked. Discovery reports the first step without a recorded outcome, which
+gets forward attempt generation 1. A failed attempt consumes the step's retry
+policy; exhaustion records one terminal failure and queues discovery, whose
+replay raises ``StepFailed`` in the function. Completion records the output.
+
+Recovery: an uncaught failure, a cancellation or the deadline decides the
+outcome once. Effect attempts authorized before it must settle (``settling``);
+then completed steps are compensated one at a time in reverse completion
+order (``compensating``) until the unwind is ``compensated`` or stops
+``partially_compensated``. An empty unwind is ``not_required``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timedelta
+from typing import Any
+
+from ryusen._internal.wire import (
+    AttemptResponse,
+    CallbackFailed,
+    CallbackSucceeded,
+    ConflictFound,
+    DiscoveryResponse,
+    DuplicateStepConflict,
+    ErrorInfo,
+    FunctionCompleted,
+    FunctionFailed,
+    Phase,
+    RetryPolicyWire,
+    StepReached,
+    TargetNotFound,
+    TaskKind,
+)
+
+from .events import (
+    AttemptReported,
+    Command,
+    Decision,
+    DiscoveryReported,
+    EngineSettings,
+    EnqueueTask,
+    Event,
+    InvocationFailed,
+    InvocationFailure,
+    InvokeTask,
+    RedeliverLater,
+    Rejection,
+    ReleaseRef,
+    Resolve,
+    ScheduleTimer,
+    StartRun,
+    StopRequested,
+    TaskDelivered,
+    WakeRequested,
+)
+from .model import (
+    LIVE_ATTEMPT,
+    Attempt,
+    AttemptStatus,
+    Blocker,
+    BlockerType,
+    CompensationStatus,
+    DiscoveryTask,
+    Occurrence,
+    Outcome,
+    Recovery,
+    RunPhase,
+    RunState,
+    StaleSubmission,
+    StepState,
+    StepStatus,
+    StopIntent,
+    StopKind,
+    TaskRef,
+    TimerKind,
+    TimerRef,
+    UnwindEntry,
+)
+
+
+class IllegalEventError(Exception):
+    """An event that cannot apply to this state at all (a programming error, not a race)."""
+
+
+def operation_id(run_id: str, step_id: str, phase: Phase) -> str:
+    """The stable operation id of one (run, step, phase), shared by every generation."""
+    digest = hashlib.sha256(f"{run_id}\x00{step_id}\x00{phase.value}".encode()).hexdigest()[:20]
+    return f"op_{digest}"
+
+
+def backoff_delay(policy: RetryPolicyWire, failed_attempts: int, *, seed: str) -> float:
+    """Delay before the next attempt after ``failed_attempts`` failures, with equal jitter.
+
+    The jitter is derived from ``seed`` (operation id and generation), so it is
+    spread across operations yet reproducible: the core stays pure.
+    """
+    base = min(policy.max_delay_s, policy.initial_delay_s * policy.backoff ** max(0, failed_attempts - 1))
+    fraction = int(hashlib.sha256(seed.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return base / 2 + fraction * base / 2
+
+
+def decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
+    """Decide one event. ``state`` is never mutated."""
+    if isinstance(event, StartRun):
+        if state is not None:
+            return Decision(state=state, note="run already exists")
+        return _Transition(None, now, settings).start(event)
+    if state is None:
+        raise IllegalEventError(f"{type(event).__name__} needs an existing run")
+    t = _Transition(state.model_copy(deep=True), now, settings)
+    if isinstance(event, TaskDelivered):
+        t.task_delivered(event.task, event.release)
+    elif isinstance(event, DiscoveryReported):
+        t.discovery_reported(event.seq, event.response)
+    elif isinstance(event, AttemptReported):
+        t.attempt_reported(event)
+    elif isinstance(event, InvocationFailed):
+        t.invocation_failed(event)
+    elif isinstance(event, WakeRequested):
+        t.wake(event)
+    elif isinstance(event, StopRequested):
+        t.stop(event)
+    elif isinstance(event, Resolve):
+        t.resolve(event)
+    else:  # pragma: no cover - exhaustive
+        raise IllegalEventError(f"unknown event {event!r}")
+    return t.decision(original=state)
+
+
+class _Transition:
+    """One decision in progress: a working copy of the state and the commands so far."""
+
+    def __init__(self, state: RunState | None, now: datetime, settings: EngineSettings) -> None:
+        self._state = state
+        self.now = now
+        self.settings = settings
+        self.commands: list[Command] = []
+        self.changed = False
+        self.rejection: Rejection | None = None
+        self.note: str | None = None
+
+    @property
+    def s(self) -> RunState:
+        assert self._state is not None
+        return self._state
+
+    def decision(self, *, original: RunState) -> Decision:
+        if not self.changed:
+            return Decision(state=original, commands=tuple(self.commands), rejection=self.rejection, note=self.note)
+        self.s.version = original.version + 1
+        self.s.updated_at = self.now
+        return Decision(state=self.s, commands=tuple(self.commands), changed=True, note=self.note)
+
+    def touch(self) -> None:
+        self.changed = True
+
+    def reject(self, code: str, message: str) -> None:
+        self.rejection = Rejection(code=code, message=message)
+
+    def ignore(self, note: str) -> None:
+        self.note = note
+
+    # ---- start ---------------------------------------------------------------
+
+    def start(self, event: StartRun) -> Decision:
+        state = RunState(
+            id=event.run_id,
+            app_id=event.app_id,
+            function_id=event.function_id,
+            input=event.input,
+            created_at=self.now,
+            updated_at=self.now,
+            idempotency_key=event.idempotency_key,
+            deadline_at=event.deadline_at,
+            deadline_source=event.deadline_source,
+            version=1,
+        )
+        self._state = state
+        self.queue_discovery()
+        if event.deadline_at is not None:
+            self.commands.append(
+                ScheduleTimer(timer=TimerRef(run_id=state.id, kind=TimerKind.DEADLINE, at=event.deadline_at))
+            )
+        return Decision(state=state, commands=tuple(self.commands), changed=True)
+
+    # ---- helpers -------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """Forward work is no longer authorized: an outcome other than completed is decided."""
+        return self.s.outcome is not None
+
+    def queue_discovery(self, delay_s: float = 0.0) -> None:
+        s = self.s
+        s.discovery_seq += 1
+        s.discovery = DiscoveryTask(
+            seq=s.discovery_seq,
+            queued_at=self.now,
+            not_before=self.now + timedelta(seconds=delay_s) if delay_s else None,
+        )
+        self.commands.append(
+            EnqueueTask(task=TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=s.discovery_seq), delay_s=delay_s)
+        )
+        self.touch()
+
+    def queue_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
+        previous = step.current(phase)
+        generation = previous.generation + 1 if previous else 1
+        attempt = Attempt(
+            phase=phase,
+            generation=generation,
+            operation_id=operation_id(self.s.id, step.id, phase),
+            queued_at=self.now,
+            not_before=self.now + timedelta(seconds=delay_s) if delay_s else None,
+        )
+        step.attempts.append(attempt)
+        kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
+        self.commands.append(
+            EnqueueTask(
+                task=TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=generation), delay_s=delay_s
+            )
+        )
+        self.touch()
+        return attempt
+
+    def policy(self, step: StepState, phase: Phase) -> RetryPolicyWire:
+        if phase is Phase.FORWARD:
+            return step.retry or self.settings.forward_retry
+        return step.compensate_retry or self.settings.compensate_retry
+
+    def timeout_s(self, step: StepState | None) -> float:
+        return step.timeout_s if step and step.timeout_s else self.settings.attempt_timeout_s
+
+    def settle(self, attempt: Attempt, status: AttemptStatus, *, error: ErrorInfo | None = None, detail: str | None = None) -> None:
+        attempt.status = status
+        attempt.settled_at = self.now
+        attempt.error = error
+        attempt.detail = detail
+        self.touch()
+
+    def clear_blockers(self, kind: BlockerType, step_id: str | None = None) -> None:
+        kept = [b for b in self.s.blockers if not (b.type is kind and (step_id is None or b.step_id == step_id))]
+        if len(kept) != len(self.s.blockers):
+            self.s.blockers = kept
+            self.touch()
+        if kind is BlockerType.DUPLICATE_STEP_ID and not self.s.blocked_by_definition:
+            self.s.probe_interval_s = None
+            self.s.probe_due_at = None
+
+    def redelivery_delay(self, redeliveries: int) -> float:
+        return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * 2 ** max(0, redeliveries - 1))
+
+    def finish(self, recovery: Recovery | None) -> None:
+        self.s.phase = RunPhase.FINISHED
+        self.s.recovery = recovery
+        self.s.finished_at = self.now
+        self.s.discovery = None
+        self.touch()
+
+    # ---- delivery and authorization -------------------------------------------
+
+    def task_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
+        if task.kind is TaskKind.DISCOVER:
+            self.discovery_delivered(task, release)
+        else:
+            self.attempt_delivered(task, release)
+
+    def discovery_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
+        d = self.s.discovery
+        if d is None or d.seq != task.seq or self.s.phase is RunPhase.FINISHED:
+            return self.ignore(f"discovery #{task.seq} is no longer current")
+        if d.status is AttemptStatus.AUTHORIZED:
+            assert d.lease_expires_at is not None
+            if self.now < d.lease_expires_at:
+                self.commands.append(RedeliverLater(delay_s=(d.lease_expires_at - self.now).total_seconds()))
+                return self.ignore(f"discovery #{d.seq} is in flight")
+            # a lost discovery is repeatable: dispatch a fresh pass
+            return self.queue_discovery()
+        if self.stopping:  # the fence: no discovery after a stop intent
+            self.s.discovery = None
+            self.touch()
+            return self.ignore("discovery fenced by the stop intent")
+        if release is None:
+            d.redeliveries += 1
+            self.touch()
+            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
+            return self.ignore("the function has no synced release")
+        d.status = AttemptStatus.AUTHORIZED
+        d.authorized_at = self.now
+        d.lease_expires_at = self.now + timedelta(seconds=self.settings.attempt_timeout_s + self.settings.lease_grace_s)
+        d.release_id, d.build_id = release.release_id, release.build_id
+        self.touch()
+        self.commands.append(InvokeTask(task=task))
+
+    def attempt_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
+        phase = task.phase
+        assert phase is not None and task.step_id is not None and task.generation is not None
+        step = self.s.step(task.step_id)
+        attempt = step.attempt(phase, task.generation) if step else None
+        if step is None or attempt is None or attempt is not step.current(phase):
+            return self.ignore(f"{task.describe()} is not the current generation")
+        if attempt.status is AttemptStatus.AUTHORIZED:
+            assert attempt.lease_expires_at is not None
+            if self.now < attempt.lease_expires_at:
+                self.commands.append(RedeliverLater(delay_s=(attempt.lease_expires_at - self.now).total_seconds()))
+                return self.ignore(f"{task.describe()} is in flight")
+            return self.outcome_lost(step, attempt, "the attempt's lease expired with no result")
+        if attempt.status is not AttemptStatus.QUEUED:
+            return self.ignore(f"{task.describe()} is already {attempt.status}")
+        if phase is Phase.FORWARD and self.stopping:
+            self.settle(attempt, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization")
+            step.status = StepStatus.FENCED
+            return self.evaluate_recovery()
+        if release is None:
+            attempt.redeliveries += 1
+            self.touch()
+            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
+            return self.ignore("the function has no synced release")
+        timeout = self.timeout_s(step)
+        attempt.status = AttemptStatus.AUTHORIZED
+        attempt.authorized_at = self.now
+        attempt.respond_by = self.now + timedelta(seconds=timeout)
+        attempt.lease_expires_at = self.now + timedelta(seconds=timeout + self.settings.lease_grace_s)
+        attempt.release_id, attempt.build_id = release.release_id, release.build_id
+        if phase is Phase.FORWARD:
+            step.status = StepStatus.RUNNING
+        else:
+            step.compensation_status = CompensationStatus.RUNNING
+        self.touch()
+        self.commands.append(InvokeTask(task=task))
+
+    def invocation_failed(self, event: InvocationFailed) -> None:
+        task = event.task
+        if task.kind is TaskKind.DISCOVER:
+            d = self.s.discovery
+            if d is None or d.seq != task.seq or d.status is not AttemptStatus.AUTHORIZED:
+                return self.ignore(f"discovery #{task.seq} is no longer in flight")
+            if self.stopping:
+                self.s.discovery = None
+                self.touch()
+                return self.evaluate_recovery()
+            # discovery is repeatable: re-dispatch the same pass with backoff
+            d.status = AttemptStatus.QUEUED
+            d.redeliveries += 1
+            d.authorized_at = d.lease_expires_at = None
+            self.touch()
+            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
+            return None
+        phase = task.phase
+        assert phase is not None and task.step_id is not None
+        step = self.s.step(task.step_id)
+        attempt = step.attempt(phase, task.generation or 0) if step else None
+        if step is None or attempt is None or attempt.status is not AttemptStatus.AUTHORIZED:
+            return self.ignore(f"{task.describe()} is no longer in flight")
+        if event.failure is InvocationFailure.UNREACHABLE:
+            # nothing was sent: the callback provably did not run; same generation again
+            attempt.status = AttemptStatus.QUEUED
+            attempt.authorized_at = attempt.lease_expires_at = attempt.respond_by = None
+            attempt.redeliveries += 1
+            if phase is Phase.FORWARD and self.stopping:
+                self.settle(attempt, AttemptStatus.FENCED, detail="never sent; fenced by the stop intent")
+                step.status = StepStatus.FENCED
+                return self.evaluate_recovery()
+            self.touch()
+            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
+            return None
+        return self.outcome_lost(step, attempt, event.detail)
+
+    def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
+        """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
+        policy = self.policy(step, attempt.phase)
+        if policy.on_unknown == "retry" and not (attempt.phase is Phase.FORWARD and self.stopping):
+            return self.attempt_failed(
+                step, attempt, ErrorInfo(type="unknown_outcome", message=detail), detail="unknown outcome, retried"
+            )
+        self.settle(attempt, AttemptStatus.UNKNOWN, detail=detail)
+        attempt.settled_at = None  # Unknown is not a settlement: a late result or an operator settles it
+        if attempt.phase is Phase.FORWARD:
+            step.status = StepStatus.UNKNOWN
+        else:
+            step.compensation_status = CompensationStatus.UNKNOWN
+            self.set_unwind_status(step.id, CompensationStatus.UNKNOWN)
+        label = "compensation" if attempt.phase is Phase.COMPENSATION else "step"
+        self.s.blockers.append(
+            Blocker(
+                type=BlockerType.UNKNOWN_OUTCOME,
+                step_id=step.id,
+                phase=attempt.phase,
+                generation=attempt.generation,
+                message=f"unknown outcome of {step.id} {label} #{attempt.generation}: {detail}",
+                first_seen_at=self.now,
+                last_seen_at=self.now,
+            )
+        )
+        if self.stopping and self.s.phase is RunPhase.RUNNING:
+            self.s.phase = RunPhase.SETTLING
+
+    # ---- discovery results ------------------------------------------------------
+
+    def discovery_reported(self, seq: int, response: DiscoveryResponse) -> None:
+        s = self.s
+        d = s.discovery
+        if d is None or d.seq != seq or d.status is not AttemptStatus.AUTHORIZED:
+            return self.ignore(f"discovery #{seq} is not in flight; its report is discarded")
+        s.discovery = None
+        s.discoveries += 1
+        self.touch()
+        if self.stopping:  # S4: authorized discovery in flight at the stop is discarded
+            self.ignore("discovery discarded: a stop intent exists")
+            return self.evaluate_recovery()
+        if isinstance(response, StepReached):
+            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            plan = response.step
+            step = s.step(plan.id)
+            if step is None:
+                step = StepState(id=plan.id)
+                s.steps.append(step)
+            elif step.status in (StepStatus.COMPLETED, StepStatus.FAILED):
+                return self.queue_discovery()  # the memo raced a settlement; replay again
+            elif (current := step.current(Phase.FORWARD)) is not None and current.status in LIVE_ATTEMPT:
+                return self.ignore(f"step {plan.id} already has a live attempt")
+            step.name, step.location, step.has_compensation = plan.name, plan.location, plan.has_compensation
+            step.retry, step.compensate_retry, step.timeout_s = plan.retry, plan.compensate_retry, plan.timeout_s
+            step.status = StepStatus.PENDING
+            self.queue_attempt(step, Phase.FORWARD)
+        elif isinstance(response, FunctionCompleted):
+            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            s.output = response.output
+            s.outcome = Outcome.COMPLETED
+            self.finish(None)
+        elif isinstance(response, FunctionFailed):
+            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            s.error = response.error
+            s.outcome = Outcome.FAILED  # F7: the adapter's response decides the outcome
+            s.recovery = Recovery.PENDING
+            self.evaluate_recovery()
+        elif isinstance(response, ConflictFound):
+            self.definition_conflict(response.conflict)
+
+    def definition_conflict(self, conflict: DuplicateStepConflict) -> None:
+        s = self.s
+        for blocker in s.blockers:
+            if blocker.type is BlockerType.DUPLICATE_STEP_ID and blocker.step_id == conflict.step_id:
+                blocker.count += 1  # D7: the same conflict again updates its diagnostics only
+                blocker.last_seen_at = self.now
+                blocker.first = Occurrence(**conflict.first.model_dump())
+                blocker.duplicate = Occurrence(**conflict.duplicate.model_dump())
+                break
+        else:
+            s.blockers = [b for b in s.blockers if b.type is not BlockerType.DUPLICATE_STEP_ID]
+            s.blockers.append(
+                Blocker(
+                    type=BlockerType.DUPLICATE_STEP_ID,
+                    step_id=conflict.step_id,
+                    first=Occurrence(**conflict.first.model_dump()),
+                    duplicate=Occurrence(**conflict.duplicate.model_dump()),
+                    message=(
+                        f"step id {conflict.step_id!r} is used twice in one pass"
+                        f" (first at {conflict.first.location}, again at {conflict.duplicate.location})"
+                    ),
+                    first_seen_at=self.now,
+                    last_seen_at=self.now,
+                )
+            )
+        interval = (
+            self.settings.probe_initial_s
+            if s.probe_interval_s is None
+            else min(self.settings.probe_max_s, s.probe_interval_s * 2)
+        )
+        s.probe_interval_s = interval
+        s.probe_due_at = self.now + timedelta(seconds=interval)
+        self.commands.append(ScheduleTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.PROBE, at=s.probe_due_at)))
+        self.touch()
+
+    def wake(self, event: WakeRequested) -> None:
+        s = self.s
+        if s.phase is RunPhase.FINISHED or not s.blocked_by_definition:
+            if event.source == "operator":
+                self.reject("no_definition_blocker", "the run has no definition blocker to rediscover")
+            return self.ignore("nothing to wake")
+        if event.source == "probe" and (s.probe_due_at is None or self.now < s.probe_due_at):
+            return self.ignore("probe is not due")
+        if s.phase is RunPhase.COMPENSATING:
+            entry = self.current_unwind_entry()
+            step = s.step(entry.step_id) if entry else None
+            current = step.current(Phase.COMPENSATION) if step else None
+            if step is None or (current is not None and current.status in LIVE_ATTEMPT):
+                return self.ignore("compensation already in progress")
+            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            self.queue_attempt(step, Phase.COMPENSATION)
+            return None
+        if s.discovery is not None:
+            return self.ignore("a discovery pass is already queued")
+        if self.stopping:
+            return self.ignore("no rediscovery after a stop intent")
+        self.queue_discovery()
+
+    # ---- attempt results ---------------------------------------------------------
+
+    def attempt_reported(self, event: AttemptReported) -> None:
+        step = self.s.step(event.step_id)
+        attempt = step.attempt(event.phase, event.generation) if step else None
+        if step is None or attempt is None:
+            return self.reject("attempt_not_found", f"no attempt {event.step_id} {event.phase} #{event.generation}")
+        if attempt is not step.current(event.phase) or attempt.status not in (
+            AttemptStatus.AUTHORIZED,
+            AttemptStatus.UNKNOWN,
+        ):
+            reason = (
+                "a newer generation exists"
+                if attempt is not step.current(event.phase)
+                else f"the generation is already {attempt.status}"
+            )
+            attempt.stale_submissions.append(
+                StaleSubmission(
+                    received_at=self.now,
+                    source=event.source,
+                    outcome=event.response.model_dump(mode="json"),
+                    reason=reason,
+                )
+            )
+            self.touch()
+            return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
+        self.clear_blockers_for(step, attempt)
+        self.apply_outcome(step, attempt, event.response)
+
+    def clear_blockers_for(self, step: StepState, attempt: Attempt) -> None:
+        if attempt.status is AttemptStatus.UNKNOWN:
+            self.s.blockers = [
+                b
+                for b in self.s.blockers
+                if not (b.type is BlockerType.UNKNOWN_OUTCOME and b.step_id == step.id and b.phase is attempt.phase)
+            ]
+            self.touch()
+
+    def apply_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
+        if attempt.phase is Phase.FORWARD:
+            self.forward_outcome(step, attempt, response)
+        else:
+            self.compensation_outcome(step, attempt, response)
+
+    def forward_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
+        s = self.s
+        if isinstance(response, CallbackSucceeded):
+            self.settle(attempt, AttemptStatus.SUCCEEDED)
+            step.status = StepStatus.COMPLETED
+            step.result = response.result
+            step.error = None
+            s.completion_seq += 1
+            step.completed_seq = s.completion_seq
+            if self.stopping:
+                return self.evaluate_recovery()  # S5: joins the unwind
+            return self.queue_discovery()
+        if isinstance(response, CallbackFailed):
+            return self.attempt_failed(step, attempt, response.error)
+        if isinstance(response, TargetNotFound):
+            self.settle(attempt, AttemptStatus.FENCED, detail=f"target_not_found: {response.detail}")
+            step.status = StepStatus.PENDING
+            if self.stopping:
+                step.status = StepStatus.FENCED
+                return self.evaluate_recovery()
+            return self.queue_discovery()
+        if isinstance(response, ConflictFound):
+            self.settle(attempt, AttemptStatus.FENCED, detail="duplicate_step_id before the target was reached")
+            step.status = StepStatus.PENDING
+            if self.stopping:
+                step.status = StepStatus.FENCED
+                return self.evaluate_recovery()
+            return self.definition_conflict(response.conflict)
+        raise IllegalEventError(f"unexpected response {response!r}")
+
+    def attempt_failed(self, step: StepState, attempt: Attempt, error: ErrorInfo, detail: str | None = None) -> None:
+        self.settle(attempt, AttemptStatus.FAILED, error=error, detail=detail)
+        policy = self.policy(step, attempt.phase)
+        failures = sum(
+            1 for a in step.attempts if a.phase is attempt.phase and a.status in (AttemptStatus.FAILED,)
+        )
+        retry_allowed = error.retryable and failures < policy.max_attempts
+        if attempt.phase is Phase.FORWARD:
+            if self.stopping:  # S6: no forward retry after a stop
+                step.status = StepStatus.FAILED
+                step.error = error
+                return self.evaluate_recovery()
+            if retry_allowed:
+                step.status = StepStatus.PENDING  # F4: invisible to the function
+                delay = backoff_delay(policy, failures, seed=f"{attempt.operation_id}:{attempt.generation}")
+                self.queue_attempt(step, Phase.FORWARD, delay)
+                return None
+            step.status = StepStatus.FAILED  # F5: one terminal failure, then discovery
+            step.error = error
+            return self.queue_discovery()
+        if retry_allowed:
+            step.compensation_status = CompensationStatus.PENDING
+            self.set_unwind_status(step.id, CompensationStatus.PENDING)
+            delay = backoff_delay(policy, failures, seed=f"{attempt.operation_id}:{attempt.generation}")
+            self.queue_attempt(step, Phase.COMPENSATION, delay)
+            return None
+        step.compensation_status = CompensationStatus.FAILED
+        step.compensation_error = error
+        self.set_unwind_status(step.id, CompensationStatus.FAILED)
+        for entry in self.s.unwind:
+            if entry.status is CompensationStatus.PENDING:
+                entry.status = CompensationStatus.NOT_REACHED
+                other = self.s.step(entry.step_id)
+                if other is not None:
+                    other.compensation_status = CompensationStatus.NOT_REACHED
+        self.finish(Recovery.PARTIALLY_COMPENSATED)
+        return None
+
+    def compensation_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
+        if isinstance(response, CallbackSucceeded):
+            self.settle(attempt, AttemptStatus.SUCCEEDED)
+            step.compensation_status = CompensationStatus.COMPENSATED
+            step.compensation_result = response.result
+            self.set_unwind_status(step.id, CompensationStatus.COMPENSATED)
+            return self.advance_unwind()
+        if isinstance(response, TargetNotFound):
+            self.settle(attempt, AttemptStatus.SUCCEEDED, detail=f"target_not_found: {response.detail}")
+            step.compensation_status = CompensationStatus.SKIPPED
+            self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
+            return self.advance_unwind()
+        if isinstance(response, CallbackFailed):
+            return self.attempt_failed(step, attempt, response.error)
+        if isinstance(response, ConflictFound):
+            self.settle(attempt, AttemptStatus.FENCED, detail="duplicate_step_id before the target was reached")
+            step.compensation_status = CompensationStatus.PENDING
+            return self.definition_conflict(response.conflict)
+        raise IllegalEventError(f"unexpected response {response!r}")
+
+    # ---- recovery -------------------------------------------------------------------
+
+    def evaluate_recovery(self) -> None:
+        """Start the unwind once every effect attempt authorized before the outcome has settled (S9)."""
+        s = self.s
+        if s.outcome is None or s.outcome is Outcome.COMPLETED or s.phase in (RunPhase.COMPENSATING, RunPhase.FINISHED):
+            return
+        self.touch()
+        s.recovery = Recovery.PENDING
+        unsettled = [
+            step
+            for step in s.steps
+            if (a := step.current(Phase.FORWARD)) is not None
+            and a.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
+        ]
+        if unsettled or (s.discovery is not None and s.discovery.status is AttemptStatus.AUTHORIZED):
+            s.phase = RunPhase.SETTLING
+            return
+        s.discovery = None
+        completed = sorted(
+            (step for step in s.steps if step.status is StepStatus.COMPLETED),
+            key=lambda st: st.completed_seq or 0,
+            reverse=True,
+        )
+        if not completed:
+            return self.finish(Recovery.NOT_REQUIRED)
+        s.unwind = [UnwindEntry(step_id=step.id) for step in completed]
+        for step in completed:
+            step.compensation_status = CompensationStatus.PENDING
+        s.phase = RunPhase.COMPENSATING
+        s.recovery = Recovery.COMPENSATING
+        self.advance_unwind()
+
+    def current_unwind_entry(self) -> UnwindEntry | None:
+        for entry in self.s.unwind:
+            if entry.status not in (CompensationStatus.COMPENSATED, CompensationStatus.SKIPPED):
+                return entry
+        return None
+
+    def set_unwind_status(self, step_id: str, status: CompensationStatus) -> None:
+        for entry in self.s.unwind:
+            if entry.step_id == step_id:
+                entry.status = status
+
+    def advance_unwind(self) -> None:
+        entry = self.current_unwind_entry()
+        if entry is None:
+            return self.finish(Recovery.COMPENSATED)
+        step = self.s.step(entry.step_id)
+        assert step is not None
+        current = step.current(Phase.COMPENSATION)
+        if current is not None and current.status in LIVE_ATTEMPT:
+            return None
+        self.queue_attempt(step, Phase.COMPENSATION)
+        return None
+
+    # ---- stop intent --------------------------------------------------------------
+
+    def stop(self, event: StopRequested) -> None:
+        s = self.s
+        kind = StopKind.CANCEL if event.kind == "cancel" else StopKind.TIMEOUT
+        if s.stop_intent is not None:
+            return self.ignore("the stop intent is already recorded")
+        if s.phase is RunPhase.FINISHED or s.outcome is not None:
+            if event.kind == "cancel":
+                self.reject(
+                    "run_not_cancellable",
+                    f"the run is {s.phase}" + (f" with outcome {s.outcome}" if s.outcome else ""),
+                )
+            return self.ignore("the run already has an outcome")
+        if kind is StopKind.TIMEOUT and (s.deadline_at is None or self.now < s.deadline_at):
+            return self.ignore("the deadline has not passed")
+        s.stop_intent = StopIntent(kind=kind, at=self.now, reason=event.reason)
+        s.outcome = Outcome.CANCELLED if kind is StopKind.CANCEL else Outcome.TIMED_OUT
+        self.touch()
+        if s.discovery is not None and s.discovery.status is AttemptStatus.QUEUED:
+            s.discovery = None  # S3: fenced before start authorization
+        elif s.discovery is not None:
+            s.discovery = None  # S4: its report will be discarded
+        for step in s.steps:
+            current = step.current(Phase.FORWARD)
+            if current is not None and current.status is AttemptStatus.QUEUED:
+                self.settle(current, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization")
+                if step.status is not StepStatus.COMPLETED:
+                    step.status = StepStatus.FENCED
+        self.evaluate_recovery()
+
+    # ---- operator resolution ----------------------------------------------------------
+
+    def resolve(self, event: Resolve) -> None:
+        s = self.s
+        step = s.step(event.step_id)
+        attempt = step.attempt(event.phase, event.generation) if step else None
+        if step is None:
+            return self.reject("step_not_found", f"the run has no step {event.step_id!r}")
+        if attempt is None:
+            return self.reject(
+                "attempt_not_found", f"step {event.step_id!r} has no {event.phase} generation {event.generation}"
+            )
+        current = step.current(event.phase)
+        # idempotency: the same resolution repeated
+        if attempt.status is not AttemptStatus.UNKNOWN and attempt.status is not AttemptStatus.AUTHORIZED:
+            if self._same_resolution(attempt, event, step):
+                return self.ignore("resolution already applied")
+            return self.reject(
+                "generation_settled", f"generation {event.generation} is already {attempt.status}; nothing to resolve"
+            )
+        if attempt is not current:
+            return self.reject("generation_not_current", f"generation {event.generation} is not the current one")
+        if event.action == "retry":
+            if event.phase is Phase.FORWARD and self.stopping:
+                return self.reject("retry_after_stop", "a stop intent exists: no new forward attempt is allowed")
+            if s.phase is RunPhase.FINISHED:
+                return self.reject("run_finished", "the run is finished")
+            self.clear_blockers_for(step, attempt)
+            self.settle(attempt, AttemptStatus.RETRY_AUTHORIZED, detail="operator retry")
+            if event.phase is Phase.FORWARD:
+                step.status = StepStatus.PENDING
+            else:
+                step.compensation_status = CompensationStatus.PENDING
+                self.set_unwind_status(step.id, CompensationStatus.PENDING)
+            self.queue_attempt(step, event.phase)
+            return None
+        self.clear_blockers_for(step, attempt)
+        if event.action == "succeed":
+            self.apply_outcome(step, attempt, CallbackSucceeded(result=event.result))
+        else:
+            error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
+            self.attempt_failed(step, attempt, error)
+        attempt.detail = f"operator {event.action}"
+
+    def _same_resolution(self, attempt: Attempt, event: Resolve, step: StepState) -> bool:
+        if attempt.detail is None or not attempt.detail.startswith("operator"):
+            return False
+        if event.action == "retry":
+            return attempt.status is AttemptStatus.RETRY_AUTHORIZED
+        if event.action == "succeed":
+            result: Any = step.result if attempt.phase is Phase.FORWARD else step.compensation_result
+            return attempt.status is AttemptStatus.SUCCEEDED and result == event.result
+        return attempt.status is AttemptStatus.FAILED

@@ -1,0 +1,177 @@
+"""Events the core decides on, the commands it returns, and its settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from ryusen._internal.wire import AttemptResponse, DiscoveryResponse, ErrorInfo, Phase, RetryPolicyWire
+
+from .model import DeadlineSource, RunState, TaskRef, TimerRef
+
+# ---- settings ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """Defaults of decisions 6.8; every one is a setting, tests shorten them."""
+
+    forward_retry: RetryPolicyWire = field(
+        default_factory=lambda: RetryPolicyWire(max_attempts=4, initial_delay_s=1.0, backoff=2.0, max_delay_s=300.0)
+    )
+    compensate_retry: RetryPolicyWire = field(
+        default_factory=lambda: RetryPolicyWire(max_attempts=10, initial_delay_s=1.0, backoff=2.0, max_delay_s=600.0)
+    )
+    attempt_timeout_s: float = 300.0
+    lease_grace_s: float = 60.0
+    """How long past an attempt's response window a late result is waited for before the lease expires."""
+    probe_initial_s: float = 60.0
+    probe_max_s: float = 3600.0
+    redelivery_initial_s: float = 1.0
+    redelivery_max_s: float = 60.0
+
+
+# ---- events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartRun:
+    run_id: str
+    app_id: str
+    function_id: str
+    input: Any
+    idempotency_key: str | None = None
+    deadline_at: datetime | None = None
+    deadline_source: DeadlineSource = DeadlineSource.NONE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseRef:
+    release_id: str
+    build_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskDelivered:
+    """A dispatch message arrived; ``release`` is the function's newest release (None if none)."""
+
+    task: TaskRef
+    release: ReleaseRef | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryReported:
+    seq: int
+    response: DiscoveryResponse
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptReported:
+    step_id: str
+    phase: Phase
+    generation: int
+    response: AttemptResponse
+    source: Literal["response", "late_submission"] = "response"
+
+
+class InvocationFailure(StrEnum):
+    UNREACHABLE = "unreachable"
+    """Nothing was sent (connection refused): the callback provably did not run."""
+    LOST = "lost"
+    """The request was sent and no well-formed, correctly signed result came back."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvocationFailed:
+    task: TaskRef
+    failure: InvocationFailure
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WakeRequested:
+    """Rediscover with current code: a release sync, the probe, or an operator."""
+
+    source: Literal["release_sync", "probe", "operator"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """Cancellation (an operator) or the run deadline (its timer)."""
+
+    kind: Literal["cancel", "timeout"]
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resolve:
+    """An operator's resolution of one attempt (contract 2)."""
+
+    step_id: str
+    phase: Phase
+    generation: int
+    action: Literal["succeed", "fail", "retry"]
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+Event = (
+    StartRun
+    | TaskDelivered
+    | DiscoveryReported
+    | AttemptReported
+    | InvocationFailed
+    | WakeRequested
+    | StopRequested
+    | Resolve
+)
+
+# ---- commands ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnqueueTask:
+    task: TaskRef
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvokeTask:
+    """Invoke the user endpoint for an authorized task (after the write commits)."""
+
+    task: TaskRef
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedeliverLater:
+    """Keep the delivered message and let it come back after ``delay_s`` (the lease timer)."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleTimer:
+    timer: TimerRef
+
+
+Command = EnqueueTask | InvokeTask | RedeliverLater | ScheduleTimer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejection:
+    """A request the core refuses; ``code`` is returned by the API with a 409."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    state: RunState
+    commands: tuple[Command, ...] = ()
+    changed: bool = False
+    rejection: Rejection | None = None
+    note: str | None = None
+    """Why nothing changed (a stale delivery, a duplicate message): for logs and the UI."""

@@ -1,0 +1,275 @@
+"""The durable state of a run, and the names of every status.
+
+A run is described by three independent axes (decisions 1): ``phase`` (where
+the engine is), ``outcome`` (why execution ended; set once) and ``recovery``
+(what became of the unwind). Steps hold their attempts; each attempt is one
+generation of one (step, phase) and settles at most once.
+
+The state is a plain pydantic model so that the store can serialize it; the
+core never mutates a state it was given (``decide`` works on a deep copy).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind
+
+
+class RunPhase(StrEnum):
+    RUNNING = "running"
+    SETTLING = "settling"
+    COMPENSATING = "compensating"
+    FINISHED = "finished"
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+class Recovery(StrEnum):
+    PENDING = "pending"
+    COMPENSATING = "compensating"
+    NOT_REQUIRED = "not_required"
+    COMPENSATED = "compensated"
+    PARTIALLY_COMPENSATED = "partially_compensated"
+
+
+class StepStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    FENCED = "fenced"
+
+
+class CompensationStatus(StrEnum):
+    NONE = "none"
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPENSATED = "compensated"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    UNKNOWN = "unknown"
+    NOT_REACHED = "not_reached"
+
+
+class AttemptStatus(StrEnum):
+    QUEUED = "queued"
+    AUTHORIZED = "authorized"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    RETRY_AUTHORIZED = "retry_authorized"
+    FENCED = "fenced"
+
+
+LIVE_ATTEMPT = frozenset({AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN})
+"""An attempt that has not settled."""
+
+
+class BlockerType(StrEnum):
+    DUPLICATE_STEP_ID = "duplicate_step_id"
+    UNKNOWN_OUTCOME = "unknown_outcome"
+
+
+class StopKind(StrEnum):
+    CANCEL = "cancel"
+    TIMEOUT = "timeout"
+
+
+class DeadlineSource(StrEnum):
+    RUN_REQUEST = "run_request"
+    FUNCTION = "function"
+    DEPLOYMENT_DEFAULT = "deployment_default"
+    NONE = "none"
+
+
+class _State(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class StaleSubmission(_State):
+    received_at: datetime
+    source: str
+    outcome: dict[str, Any]
+    reason: str
+
+
+class Attempt(_State):
+    phase: Phase
+    generation: int
+    operation_id: str
+    status: AttemptStatus = AttemptStatus.QUEUED
+    queued_at: datetime
+    not_before: datetime | None = None
+    authorized_at: datetime | None = None
+    settled_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    respond_by: datetime | None = None
+    release_id: str | None = None
+    build_id: str | None = None
+    error: ErrorInfo | None = None
+    detail: str | None = None
+    redeliveries: int = 0
+    stale_submissions: list[StaleSubmission] = Field(default_factory=list)
+
+
+class StepState(_State):
+    id: str
+    name: str | None = None
+    location: str | None = None
+    has_compensation: bool = False
+    retry: RetryPolicyWire | None = None
+    compensate_retry: RetryPolicyWire | None = None
+    timeout_s: float | None = None
+    status: StepStatus = StepStatus.PENDING
+    result: Any = None
+    error: ErrorInfo | None = None
+    completed_seq: int | None = None
+    compensation_status: CompensationStatus = CompensationStatus.NONE
+    compensation_result: Any = None
+    compensation_error: ErrorInfo | None = None
+    attempts: list[Attempt] = Field(default_factory=list)
+
+    def current(self, phase: Phase) -> Attempt | None:
+        for attempt in reversed(self.attempts):
+            if attempt.phase is phase:
+                return attempt
+        return None
+
+    def attempt(self, phase: Phase, generation: int) -> Attempt | None:
+        for attempt in self.attempts:
+            if attempt.phase is phase and attempt.generation == generation:
+                return attempt
+        return None
+
+
+class DiscoveryTask(_State):
+    seq: int
+    status: AttemptStatus = AttemptStatus.QUEUED
+    queued_at: datetime
+    not_before: datetime | None = None
+    authorized_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    release_id: str | None = None
+    build_id: str | None = None
+    redeliveries: int = 0
+
+
+class Occurrence(_State):
+    location: str | None = None
+    name: str | None = None
+
+
+class Blocker(_State):
+    type: BlockerType
+    step_id: str
+    phase: Phase | None = None
+    generation: int | None = None
+    first: Occurrence | None = None
+    duplicate: Occurrence | None = None
+    message: str
+    count: int = 1
+    first_seen_at: datetime
+    last_seen_at: datetime
+
+
+class StopIntent(_State):
+    kind: StopKind
+    at: datetime
+    reason: str | None = None
+
+
+class UnwindEntry(_State):
+    step_id: str
+    status: CompensationStatus = CompensationStatus.PENDING
+
+
+class RunState(_State):
+    id: str
+    app_id: str
+    function_id: str
+    input: Any = None
+    output: Any = None
+    error: ErrorInfo | None = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+    version: int = 0
+    phase: RunPhase = RunPhase.RUNNING
+    outcome: Outcome | None = None
+    recovery: Recovery | None = None
+    deadline_at: datetime | None = None
+    deadline_source: DeadlineSource = DeadlineSource.NONE
+    stop_intent: StopIntent | None = None
+    idempotency_key: str | None = None
+    steps: list[StepState] = Field(default_factory=list)
+    discovery: DiscoveryTask | None = None
+    discovery_seq: int = 0
+    completion_seq: int = 0
+    unwind: list[UnwindEntry] = Field(default_factory=list)
+    blockers: list[Blocker] = Field(default_factory=list)
+    probe_interval_s: float | None = None
+    probe_due_at: datetime | None = None
+    discoveries: int = 0
+    """How many discovery passes reported (diagnostics)."""
+
+    def step(self, step_id: str) -> StepState | None:
+        for step in self.steps:
+            if step.id == step_id:
+                return step
+        return None
+
+    @property
+    def blocked_by_definition(self) -> bool:
+        return any(b.type is BlockerType.DUPLICATE_STEP_ID for b in self.blockers)
+
+
+class TaskRef(BaseModel):
+    """What one dispatch message names: a discovery pass or one attempt."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    kind: TaskKind
+    seq: int | None = None
+    step_id: str | None = None
+    generation: int | None = None
+
+    @property
+    def phase(self) -> Phase | None:
+        if self.kind is TaskKind.FORWARD:
+            return Phase.FORWARD
+        if self.kind is TaskKind.COMPENSATE:
+            return Phase.COMPENSATION
+        return None
+
+    def describe(self) -> str:
+        if self.kind is TaskKind.DISCOVER:
+            return f"discovery #{self.seq}"
+        return f"{self.step_id} {self.phase} #{self.generation}"
+
+
+class TimerKind(StrEnum):
+    DEADLINE = "deadline"
+    PROBE = "probe"
+
+
+class TimerRef(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str
+    kind: TimerKind
+    at: datetime
+
+    @property
+    def name(self) -> str:
+        return f"ryusen-{self.kind}-{self.run_id}-{int(self.at.timestamp())}"

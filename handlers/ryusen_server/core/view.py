@@ -1,0 +1,146 @@
+"""The run view (contract 2) and the human summary that joins outcome and recovery (decisions 1)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ryusen._internal.wire import Phase
+
+from .model import Attempt, BlockerType, Outcome, Recovery, RunPhase, RunState, StepState
+
+_OUTCOME_WORDS = {
+    Outcome.COMPLETED: "completed",
+    Outcome.FAILED: "failed",
+    Outcome.CANCELLED: "cancelled",
+    Outcome.TIMED_OUT: "timed out",
+}
+_RECOVERY_WORDS = {
+    Recovery.PENDING: "compensation pending",
+    Recovery.COMPENSATING: "compensating",
+    Recovery.NOT_REQUIRED: "compensation not required",
+    Recovery.COMPENSATED: "fully compensated",
+    Recovery.PARTIALLY_COMPENSATED: "partially compensated",
+}
+
+
+def summary(state: RunState) -> str:
+    """E.g. "cancelled, fully compensated" or "failed, compensating (blocked: ...)"."""
+    if state.outcome is None:
+        text = "running"
+    elif state.outcome is Outcome.COMPLETED:
+        text = "completed"
+    else:
+        text = _OUTCOME_WORDS[state.outcome]
+        if state.phase is RunPhase.SETTLING:
+            text += ", settling"
+        elif state.recovery is not None:
+            text += ", " + _RECOVERY_WORDS[state.recovery]
+    if state.blockers:
+        text += " (blocked: " + "; ".join(_blocker_words(b.type, b.message) for b in state.blockers) + ")"
+    return text
+
+
+def _blocker_words(kind: BlockerType, message: str) -> str:
+    return message if kind is BlockerType.UNKNOWN_OUTCOME else message
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def attempt_view(attempt: Attempt) -> dict[str, Any]:
+    return {
+        "phase": attempt.phase.value,
+        "generation": attempt.generation,
+        "operation_id": attempt.operation_id,
+        "status": attempt.status.value,
+        "queued_at": _iso(attempt.queued_at),
+        "not_before": _iso(attempt.not_before),
+        "authorized_at": _iso(attempt.authorized_at),
+        "settled_at": _iso(attempt.settled_at),
+        "lease_expires_at": _iso(attempt.lease_expires_at),
+        "release_id": attempt.release_id,
+        "build_id": attempt.build_id,
+        "error": attempt.error.model_dump() if attempt.error else None,
+        "detail": attempt.detail,
+        "redeliveries": attempt.redeliveries,
+        "stale_submissions": [s.model_dump(mode="json") for s in attempt.stale_submissions],
+    }
+
+
+def step_view(step: StepState) -> dict[str, Any]:
+    return {
+        "id": step.id,
+        "name": step.name,
+        "location": step.location,
+        "status": step.status.value,
+        "has_compensation": step.has_compensation,
+        "result": step.result,
+        "error": step.error.model_dump() if step.error else None,
+        "completed_seq": step.completed_seq,
+        "compensation": {
+            "status": step.compensation_status.value,
+            "result": step.compensation_result,
+            "error": step.compensation_error.model_dump() if step.compensation_error else None,
+        },
+        "attempts": [attempt_view(a) for a in step.attempts],
+    }
+
+
+def run_view(state: RunState) -> dict[str, Any]:
+    return {
+        "id": state.id,
+        "app_id": state.app_id,
+        "function_id": state.function_id,
+        "phase": state.phase.value,
+        "outcome": state.outcome.value if state.outcome else None,
+        "recovery": state.recovery.value if state.recovery else None,
+        "summary": summary(state),
+        "input": state.input,
+        "output": state.output,
+        "error": state.error.model_dump() if state.error else None,
+        "created_at": _iso(state.created_at),
+        "updated_at": _iso(state.updated_at),
+        "finished_at": _iso(state.finished_at),
+        "version": state.version,
+        "idempotency_key": state.idempotency_key,
+        "deadline": {"at": _iso(state.deadline_at), "source": state.deadline_source.value},
+        "stop_intent": state.stop_intent.model_dump(mode="json") if state.stop_intent else None,
+        "blockers": [b.model_dump(mode="json", exclude_none=True) for b in state.blockers],
+        "discovery": state.discovery.model_dump(mode="json") if state.discovery else None,
+        "discoveries": state.discoveries,
+        "steps": [step_view(s) for s in state.steps],
+        "unwind": [u.model_dump(mode="json") for u in state.unwind],
+    }
+
+
+def run_summary_view(state: RunState) -> dict[str, Any]:
+    """The short form used by run lists."""
+    return {
+        "id": state.id,
+        "app_id": state.app_id,
+        "function_id": state.function_id,
+        "phase": state.phase.value,
+        "outcome": state.outcome.value if state.outcome else None,
+        "recovery": state.recovery.value if state.recovery else None,
+        "summary": summary(state),
+        "created_at": _iso(state.created_at),
+        "finished_at": _iso(state.finished_at),
+        "steps": len(state.steps),
+        "blocked": bool(state.blockers),
+    }
+
+
+def memo(state: RunState) -> dict[str, dict[str, Any]]:
+    """The recorded step outcomes a task request replays to the function."""
+    entries: dict[str, dict[str, Any]] = {}
+    for step in state.steps:
+        if step.status.value == "completed":
+            entries[step.id] = {"status": "completed", "result": step.result}
+        elif step.status.value == "failed":
+            entries[step.id] = {"status": "failed", "error": step.error.model_dump() if step.error else None}
+    return entries
+
+
+__all__ = ["Phase", "memo", "run_summary_view", "run_view", "summary"]

@@ -1,0 +1,437 @@
+"""The engine service: load a run, let the core decide, write once, carry out commands.
+
+Every public method is one flow of engineering.md's picture: read the run,
+``decide``, write the new state with one conditional write on the version it
+was decided from (a lost race re-reads and decides again), then send the
+commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from ryusen._internal.wire import (
+    MAX_VALUE_BYTES,
+    LateResult,
+    Manifest,
+    MemoEntry,
+    OperationInfo,
+    Phase,
+    TaskKind,
+    TaskRequest,
+    TaskResponse,
+)
+
+from .core.decide import decide
+from .core.events import (
+    AttemptReported,
+    Decision,
+    DiscoveryReported,
+    EngineSettings,
+    EnqueueTask,
+    Event,
+    InvocationFailed,
+    InvocationFailure,
+    InvokeTask,
+    RedeliverLater,
+    ReleaseRef,
+    Resolve,
+    ScheduleTimer,
+    StartRun,
+    StopRequested,
+    TaskDelivered,
+    WakeRequested,
+)
+from .core.model import DeadlineSource, RunState, TaskRef, TimerKind, TimerRef
+from .core.view import memo
+from .ports import (
+    ConflictError,
+    InvalidRequestError,
+    Invoker,
+    NotFoundError,
+    PayloadTooLargeError,
+    Release,
+    RunExistsError,
+    RunStore,
+    ServerError,
+    TaskQueue,
+    TimerService,
+    VersionConflictError,
+)
+
+log = logging.getLogger("ryusen.engine")
+
+MAX_RACES = 50
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    signing_key: str | None = None
+    result_url: str | None = None
+    """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
+    default_run_timeout_s: float | None = None
+    max_run_timeout_s: float | None = None
+    max_value_bytes: int = MAX_VALUE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """How a dispatcher should treat the message it delivered."""
+
+    done: bool
+    redeliver_after_s: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        store: RunStore,
+        queue: TaskQueue,
+        timers: TimerService,
+        invoker: Invoker,
+        settings: ServerSettings | None = None,
+        clock: Callable[[], datetime] | None = None,
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
+        import uuid
+
+        self.store = store
+        self.queue = queue
+        self.timers = timers
+        self.invoker = invoker
+        self.settings = settings or ServerSettings()
+        self.clock = clock or (lambda: datetime.now(UTC))
+        self.new_id = new_id or (lambda: "run_" + uuid.uuid4().hex)
+        self.hooks: list[Callable[[str, Any], None]] = []
+        """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
+
+    # ---- the decide/write/act loop ---------------------------------------------
+
+    def apply(self, run_id: str, event: Event, *, known: RunState | None = None) -> Decision:
+        """Decide ``event`` on the current run, write it, carry out commands other than invocation.
+
+        ``known`` is a state the caller just read or wrote; it saves one read,
+        and the conditional write still catches it if it is out of date.
+        """
+        for _ in range(MAX_RACES):
+            state, known = (known, None) if known is not None else (self.store.get(run_id), None)
+            if state is None:
+                raise NotFoundError(f"no run {run_id!r}", run_id=run_id)
+            decision = decide(state, event, now=self.clock(), settings=self.settings.engine)
+            if decision.changed:
+                try:
+                    self.store.save(decision.state, expected_version=state.version)
+                except VersionConflictError:
+                    continue  # someone moved first: decide again on what they wrote
+            self._emit("decided", (event, decision))
+            self._send(decision)
+            return decision
+        raise ServerError(f"run {run_id!r} is too contended; try again")
+
+    def _send(self, decision: Decision) -> None:
+        for command in decision.commands:
+            if isinstance(command, EnqueueTask):
+                self.queue.send(command.task, command.delay_s)
+            elif isinstance(command, ScheduleTimer):
+                self.timers.schedule(command.timer)
+
+    def _emit(self, kind: str, payload: Any) -> None:
+        for hook in self.hooks:
+            hook(kind, payload)
+
+    # ---- runs ------------------------------------------------------------------------
+
+    def start_run(
+        self,
+        function_id: str,
+        input: Any,
+        *,
+        idempotency_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[RunState, bool]:
+        """Start a run; returns (run, created). The same idempotency key returns the same run."""
+        release = self.store.get_release(function_id)
+        manifest = release.function(function_id) if release else None
+        if release is None or manifest is None:
+            raise NotFoundError(f"no synced release declares function {function_id!r}", function_id=function_id)
+        size = len(json.dumps(input, separators=(",", ":")).encode())
+        if size > self.settings.max_value_bytes:
+            raise PayloadTooLargeError(
+                f"run input is {size} bytes serialized; the limit is {self.settings.max_value_bytes}",
+                limit=self.settings.max_value_bytes,
+            )
+        if idempotency_key is not None:
+            existing = self._run_for_key(function_id, idempotency_key)
+            if existing is not None:
+                return existing, False
+        deadline_at, source = self._deadline(function_id, timeout_s, manifest.timeout_s)
+        now = self.clock()
+        run_id = self.new_id()
+        decision = decide(
+            None,
+            StartRun(
+                run_id=run_id,
+                app_id=release.app_id,
+                function_id=function_id,
+                input=input,
+                idempotency_key=idempotency_key,
+                deadline_at=deadline_at,
+                deadline_source=source,
+            ),
+            now=now,
+            settings=self.settings.engine,
+        )
+        try:
+            self.store.create(decision.state)
+        except RunExistsError as exists:
+            current = self.store.get(exists.run_id)
+            if current is None:  # pragma: no cover - the key's run vanished
+                raise ConflictError("idempotency key is taken by a run that no longer exists") from None
+            return current, False
+        self._emit("decided", (None, decision))
+        self._send(decision)
+        return decision.state, True
+
+    def _run_for_key(self, function_id: str, key: str) -> RunState | None:
+        finder = getattr(self.store, "run_for_idempotency_key", None)
+        if finder is None:
+            return None
+        run_id = finder(function_id, key)
+        return self.store.get(run_id) if run_id else None
+
+    def _deadline(
+        self, function_id: str, timeout_s: float | None, function_timeout_s: float | None
+    ) -> tuple[datetime | None, DeadlineSource]:
+        maximum = self.settings.max_run_timeout_s
+        if timeout_s is not None:
+            declared, source = timeout_s, DeadlineSource.RUN_REQUEST
+        elif function_timeout_s is not None:
+            declared, source = function_timeout_s, DeadlineSource.FUNCTION
+        elif self.settings.default_run_timeout_s is not None:
+            declared, source = self.settings.default_run_timeout_s, DeadlineSource.DEPLOYMENT_DEFAULT
+        else:
+            return None, DeadlineSource.NONE
+        if maximum is not None and declared > maximum:
+            raise InvalidRequestError(
+                f"function {function_id!r}: run timeout {declared:g}s ({source}) exceeds the maximum {maximum:g}s",
+                code="timeout_exceeds_maximum",
+                function_id=function_id,
+                declared_s=declared,
+                maximum_s=maximum,
+            )
+        return self.clock() + timedelta(seconds=declared), source
+
+    def get_run(self, run_id: str) -> RunState:
+        state = self.store.get(run_id)
+        if state is None:
+            raise NotFoundError(f"no run {run_id!r}", run_id=run_id)
+        return state
+
+    def cancel(self, run_id: str, reason: str | None = None) -> Decision:
+        decision = self.apply(run_id, StopRequested(kind="cancel", reason=reason))
+        if decision.rejection is not None:
+            raise ConflictError(decision.rejection.message, code=decision.rejection.code)
+        return decision
+
+    def rediscover(self, run_id: str) -> Decision:
+        decision = self.apply(run_id, WakeRequested(source="operator"))
+        if decision.rejection is not None:
+            raise ConflictError(decision.rejection.message, code=decision.rejection.code)
+        return decision
+
+    def resolve(self, run_id: str, event: Resolve) -> Decision:
+        decision = self.apply(run_id, event)
+        if decision.rejection is not None:
+            raise ConflictError(decision.rejection.message, code=decision.rejection.code)
+        return decision
+
+    # ---- releases ---------------------------------------------------------------------
+
+    def sync_release(self, app_id: str, url: str, manifest: Manifest) -> Release:
+        """Record a release and wake the blocked runs of its functions (R3, D5)."""
+        if manifest.app_id != app_id:
+            raise InvalidRequestError(
+                f"the endpoint serves app {manifest.app_id!r}, not {app_id!r}", code="app_id_mismatch"
+            )
+        maximum = self.settings.max_run_timeout_s
+        for fn in manifest.functions:
+            if maximum is not None and fn.timeout_s is not None and fn.timeout_s > maximum:
+                raise InvalidRequestError(
+                    f"function {fn.id!r}: declared run timeout {fn.timeout_s:g}s exceeds the maximum {maximum:g}s",
+                    code="timeout_exceeds_maximum",
+                    function_id=fn.id,
+                    declared_s=fn.timeout_s,
+                    maximum_s=maximum,
+                )
+            owner = self.store.get_release(fn.id)
+            if owner is not None and owner.app_id != app_id:
+                raise ConflictError(
+                    f"function {fn.id!r} belongs to app {owner.app_id!r}", code="function_owned_by_other_app"
+                )
+        release = Release(
+            app_id=app_id,
+            url=url,
+            release_id=manifest.release_id,
+            build_id=manifest.build_id,
+            functions=tuple(manifest.functions),
+            synced_at=self.clock(),
+            signed=manifest.signed,
+        )
+        self.store.put_release(release)
+        for fn in manifest.functions:
+            for run_id in self.store.runs_blocked_by_definition(fn.id):
+                self.apply(run_id, WakeRequested(source="release_sync"))
+        return release
+
+    # ---- dispatch ---------------------------------------------------------------------
+
+    def deliver(self, task: TaskRef) -> Delivered:
+        """Handle one dispatch message: authorize, invoke, and record what came back."""
+        state = self.store.get(task.run_id)
+        if state is None:
+            return Delivered(done=True)
+        release = self.store.get_release(state.function_id)
+        ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
+        decision = self.apply(task.run_id, TaskDelivered(task=task, release=ref), known=state)
+        for command in decision.commands:
+            if isinstance(command, RedeliverLater):
+                return Delivered(done=False, redeliver_after_s=command.delay_s)
+            if isinstance(command, InvokeTask) and release is not None:
+                self._invoke(decision.state, command.task, release)
+        return Delivered(done=True)
+
+    def _invoke(self, state: RunState, task: TaskRef, release: Release) -> None:
+        request, timeout_s = self._task_request(state, task)
+        body = request.model_dump_json().encode()
+        headers = {"content-type": "application/json"}
+        key = self.settings.signing_key
+        if key is not None:
+            headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
+        self._emit("invoke", (task, release.url))
+        result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
+        self._emit("invoked", (task, result))
+        event = self._event_for(task, result)
+        self.apply(task.run_id, event, known=state)
+
+    def _task_request(self, state: RunState, task: TaskRef) -> tuple[TaskRequest, float]:
+        entries = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}
+        if task.kind is TaskKind.DISCOVER:
+            timeout = self.settings.engine.attempt_timeout_s
+            req = TaskRequest(
+                kind=task.kind, run_id=state.id, function_id=state.function_id, input=state.input, memo=entries
+            )
+            return req, timeout
+        assert task.step_id is not None and task.generation is not None and task.phase is not None
+        step = state.step(task.step_id)
+        assert step is not None
+        attempt = step.attempt(task.phase, task.generation)
+        assert attempt is not None and attempt.respond_by is not None
+        timeout = step.timeout_s or self.settings.engine.attempt_timeout_s
+        req = TaskRequest(
+            kind=task.kind,
+            run_id=state.id,
+            function_id=state.function_id,
+            input=state.input,
+            memo=entries,
+            step_id=step.id,
+            operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
+            forward_result=step.result if task.phase is Phase.COMPENSATION else None,
+            result_url=self.settings.result_url,
+            respond_by=attempt.respond_by.timestamp(),
+        )
+        return req, timeout
+
+    def _event_for(self, task: TaskRef, result: Any) -> Event:
+        if result.kind == "unreachable":
+            return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
+        if result.kind != "response":
+            return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
+        key = self.settings.signing_key
+        lowered = {k.lower(): v for k, v in result.headers.items()}
+        if key is not None:
+            try:
+                verify(key, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+            except SignatureError as exc:
+                return InvocationFailed(
+                    task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {exc.reason}"
+                )
+        if result.status in (400, 401, 404, 405, 413) and key is not None:
+            # a signed refusal: the SDK ran no user code
+            return InvocationFailed(
+                task=task, failure=InvocationFailure.UNREACHABLE, detail=f"endpoint refused the task: HTTP {result.status}"
+            )
+        if result.status != 200:
+            return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}")
+        try:
+            response = TaskResponse.model_validate_json(result.body)
+        except ValidationError as exc:
+            return InvocationFailed(
+                task=task, failure=InvocationFailure.LOST, detail=f"malformed response: {exc.error_count()} errors"
+            )
+        if task.kind is TaskKind.DISCOVER:
+            if response.discovery is None:
+                return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail="response has no discovery")
+            assert task.seq is not None
+            return DiscoveryReported(seq=task.seq, response=response.discovery)
+        if response.attempt is None:
+            return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail="response has no attempt outcome")
+        assert task.step_id is not None and task.generation is not None and task.phase is not None
+        return AttemptReported(
+            step_id=task.step_id, phase=task.phase, generation=task.generation, response=response.attempt
+        )
+
+    # ---- late results and timers -----------------------------------------------------
+
+    def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
+        """The SDK's late submission (decisions 6.15): signed, and fenced like any result."""
+        key = self.settings.signing_key
+        if key is not None:
+            lowered = {k.lower(): v for k, v in headers.items()}
+            try:
+                verify(key, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+            except SignatureError as exc:
+                raise SignatureRejectedError(exc.reason) from None
+        try:
+            late = LateResult.model_validate_json(body)
+        except ValidationError as exc:
+            raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
+        decision = self.apply(
+            late.run_id,
+            AttemptReported(
+                step_id=late.step_id,
+                phase=late.phase,
+                generation=late.generation,
+                response=late.attempt,
+                source="late_submission",
+            ),
+        )
+        if decision.rejection is not None:
+            raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
+        return decision
+
+    def fire_timer(self, timer: TimerRef) -> Decision | None:
+        """What the Scheduler target (or the local runtime for moto) does when a timer is due."""
+        if self.store.get(timer.run_id) is None:
+            return None
+        if timer.kind is TimerKind.DEADLINE:
+            return self.apply(timer.run_id, StopRequested(kind="timeout"))
+        return self.apply(timer.run_id, WakeRequested(source="probe"))
+
+
+class SignatureRejectedError(ServerError):
+    code = "invalid_signature"
+    status = 401
+
+
+TASK_ADAPTER: TypeAdapter[TaskRef] = TypeAdapter(TaskRef)
+TIMER_ADAPTER: TypeAdapter[TimerRef] = TypeAdapter(TimerRef)

@@ -1,0 +1,67 @@
+"""Invokers: how the engine calls an app's endpoint.
+
+``HttpInvoker`` tells apart a request that provably never reached the app
+(connection refused: ``unreachable``) from one whose outcome is unknown (sent,
+then timed out or dropped: ``lost``), as decisions 6.4 requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from .ports import InvokeResult, RequestCounter
+
+
+class HttpInvoker:
+    def __init__(self, counter: RequestCounter | None = None) -> None:
+        self._client = httpx.Client(http2=False, follow_redirects=False)
+        self.counter = counter or RequestCounter()
+
+    def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        self.counter.add("endpoint.invoke", len(body))
+        timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
+        try:
+            response = self._client.post(url, content=body, headers=headers, timeout=timeout)
+        except httpx.ConnectError as exc:
+            return InvokeResult(kind="unreachable", detail=f"connection failed before sending: {exc}")
+        except httpx.ConnectTimeout as exc:
+            return InvokeResult(kind="unreachable", detail=f"connect timed out: {exc}")
+        except httpx.TimeoutException as exc:
+            return InvokeResult(kind="lost", detail=f"no response within {timeout_s:g}s after sending: {exc}")
+        except httpx.HTTPError as exc:
+            return InvokeResult(kind="lost", detail=f"connection lost after sending: {type(exc).__name__}: {exc}")
+        return InvokeResult(
+            kind="response", status=response.status_code, headers=dict(response.headers), body=response.content
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+
+Handler = Callable[[str, dict[str, str], bytes], object]
+
+
+class InProcessInvoker:
+    """Calls an app's framework-agnostic handler directly (``ryusen.testing``), keyed by URL."""
+
+    def __init__(self, counter: RequestCounter | None = None) -> None:
+        self.apps: dict[str, Handler] = {}
+        self.counter = counter or RequestCounter()
+        self.intercept: Callable[[str, bytes], InvokeResult | None] | None = None
+
+    def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        self.counter.add("endpoint.invoke", len(body))
+        if self.intercept is not None:
+            forced = self.intercept(url, body)
+            if forced is not None:
+                return forced
+        handler = self.apps.get(url)
+        if handler is None:
+            return InvokeResult(kind="unreachable", detail=f"nothing serves {url}")
+        response = handler("POST", headers, body)
+        status = getattr(response, "status")
+        return InvokeResult(
+            kind="response", status=status, headers=dict(getattr(response, "headers")), body=getattr(response, "body")
+        )

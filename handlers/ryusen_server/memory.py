@@ -1,0 +1,216 @@
+"""In-memory twins of the store, queue and timers, on a clock the caller controls.
+
+They keep the semantics the engine relies on from DynamoDB and SQS: a save
+fails unless the stored version matches; a received message stays invisible
+until deleted or its visibility lapses, then comes back. State is stored
+serialized, so nothing outside can alias it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from .core.model import RunState, TaskRef, TimerRef
+from .ports import Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
+
+
+class MemoryStore:
+    def __init__(self, counter: RequestCounter | None = None) -> None:
+        self._runs: dict[str, str] = {}
+        self._keys: dict[tuple[str, str], str] = {}
+        self._releases: dict[str, Release] = {}
+        self._lock = threading.Lock()
+        self.counter = counter or RequestCounter()
+
+    def get(self, run_id: str) -> RunState | None:
+        self.counter.add("store.read")
+        with self._lock:
+            raw = self._runs.get(run_id)
+        return RunState.model_validate_json(raw) if raw is not None else None
+
+    def create(self, state: RunState) -> None:
+        raw = state.model_dump_json()
+        self.counter.add("store.write", len(raw))
+        with self._lock:
+            if state.idempotency_key is not None:
+                key = (state.function_id, state.idempotency_key)
+                if key in self._keys:
+                    raise RunExistsError(self._keys[key])
+                self._keys[key] = state.id
+            if state.id in self._runs:
+                raise RunExistsError(state.id)
+            self._runs[state.id] = raw
+
+    def save(self, state: RunState, *, expected_version: int) -> None:
+        raw = state.model_dump_json()
+        self.counter.add("store.write", len(raw))
+        with self._lock:
+            current = self._runs.get(state.id)
+            if current is None:
+                raise VersionConflictError(None)
+            stored = RunState.model_validate_json(current)
+            if stored.version != expected_version:
+                raise VersionConflictError(stored)
+            self._runs[state.id] = raw
+
+    def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
+        self.counter.add("store.read")
+        with self._lock:
+            return self._keys.get((function_id, key))
+
+    def list_runs(
+        self,
+        *,
+        function_id: str | None = None,
+        phase: str | None = None,
+        outcome: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> RunPage:
+        self.counter.add("store.read")
+        with self._lock:
+            states = [RunState.model_validate_json(raw) for raw in self._runs.values()]
+        states.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        selected = [
+            s
+            for s in states
+            if (function_id is None or s.function_id == function_id)
+            and (phase is None or s.phase.value == phase)
+            and (outcome is None or (s.outcome.value if s.outcome else None) == outcome)
+        ]
+        start = int(cursor) if cursor else 0
+        page = selected[start : start + limit]
+        more = start + limit < len(selected)
+        return RunPage(runs=page, cursor=str(start + limit) if more else None)
+
+    def runs_blocked_by_definition(self, function_id: str) -> list[str]:
+        self.counter.add("store.read")
+        with self._lock:
+            states = [RunState.model_validate_json(raw) for raw in self._runs.values()]
+        return [s.id for s in states if s.function_id == function_id and s.blocked_by_definition]
+
+    def put_release(self, release: Release) -> None:
+        self.counter.add("store.write")
+        with self._lock:
+            for fn in release.functions:
+                self._releases[fn.id] = release
+
+    def get_release(self, function_id: str) -> Release | None:
+        self.counter.add("store.read")
+        with self._lock:
+            return self._releases.get(function_id)
+
+    def list_releases(self) -> list[Release]:
+        with self._lock:
+            newest: dict[str, Release] = {}
+            for release in self._releases.values():
+                if release.app_id not in newest or newest[release.app_id].synced_at <= release.synced_at:
+                    newest[release.app_id] = release
+        return list(newest.values())
+
+
+@dataclass(slots=True)
+class QueuedMessage:
+    message_id: str
+    task: TaskRef
+    visible_at: datetime
+    receive_count: int = 0
+
+
+class MemoryQueue:
+    """An SQS-like queue on an injected clock: delays, visibility, redelivery, a dead-letter list."""
+
+    def __init__(
+        self,
+        clock: Callable[[], datetime],
+        *,
+        visibility_timeout_s: float = 30.0,
+        max_receive_count: int = 100,
+        counter: RequestCounter | None = None,
+    ) -> None:
+        self._clock = clock
+        self._messages: dict[str, QueuedMessage] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.visibility_timeout_s = visibility_timeout_s
+        self.max_receive_count = max_receive_count
+        self.dead_letters: list[TaskRef] = []
+        self.counter = counter or RequestCounter()
+
+    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+        self.counter.add("queue.send")
+        with self._lock:
+            mid = f"m{next(self._ids)}"
+            self._messages[mid] = QueuedMessage(mid, task, self._clock() + timedelta(seconds=delay_s))
+
+    def receive(self, max_messages: int = 10) -> list[QueuedMessage]:
+        self.counter.add("queue.receive")
+        now = self._clock()
+        out: list[QueuedMessage] = []
+        with self._lock:
+            for message in sorted(self._messages.values(), key=lambda m: m.visible_at):
+                if len(out) >= max_messages or message.visible_at > now:
+                    break
+                message.receive_count += 1
+                if message.receive_count > self.max_receive_count:
+                    del self._messages[message.message_id]
+                    self.dead_letters.append(message.task)
+                    continue
+                message.visible_at = now + timedelta(seconds=self.visibility_timeout_s)
+                out.append(message)
+        return out
+
+    def delete(self, message_id: str) -> None:
+        self.counter.add("queue.delete")
+        with self._lock:
+            self._messages.pop(message_id, None)
+
+    def change_visibility(self, message_id: str, delay_s: float) -> None:
+        self.counter.add("queue.change_visibility")
+        with self._lock:
+            message = self._messages.get(message_id)
+            if message is not None:
+                message.visible_at = self._clock() + timedelta(seconds=delay_s)
+
+    def next_visible_at(self) -> datetime | None:
+        with self._lock:
+            return min((m.visible_at for m in self._messages.values()), default=None)
+
+    def pending(self) -> list[QueuedMessage]:
+        with self._lock:
+            return list(self._messages.values())
+
+
+class MemoryTimers:
+    """One-time schedules on the injected clock; the runtime fires what is due."""
+
+    def __init__(self, clock: Callable[[], datetime], counter: RequestCounter | None = None) -> None:
+        self._clock = clock
+        self._timers: dict[str, TimerRef] = {}
+        self._lock = threading.Lock()
+        self.counter = counter or RequestCounter()
+
+    def schedule(self, timer: TimerRef) -> None:
+        self.counter.add("timers.schedule")
+        with self._lock:
+            self._timers[timer.name] = timer
+
+    def due(self) -> list[TimerRef]:
+        now = self._clock()
+        with self._lock:
+            ready = [t for t in self._timers.values() if t.at <= now]
+            for t in ready:
+                del self._timers[t.name]
+        return sorted(ready, key=lambda t: t.at)
+
+    def next_due_at(self) -> datetime | None:
+        with self._lock:
+            return min((t.at for t in self._timers.values()), default=None)
+
+    def pending(self) -> list[TimerRef]:
+        with self._lock:
+            return list(self._timers.values())

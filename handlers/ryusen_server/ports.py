@@ -1,0 +1,160 @@
+"""What the engine needs from the world: a store, a task queue, timers, an invoker.
+
+Each port has a DynamoDB/SQS/Scheduler/HTTP implementation (``aws/``,
+``invoker.py``) and an in-memory twin (``memory.py``) used by
+``ryusen.testing``; one contract suite (tests/functional/test_store_contract.py)
+runs against both stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
+
+from ryusen._internal.wire import FunctionManifest
+
+from .core.model import RunState, TaskRef, TimerRef
+
+
+class ServerError(Exception):
+    """Base of the server's errors; ``code`` and ``status`` are what the API returns."""
+
+    code = "server_error"
+    status = 500
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class NotFoundError(ServerError):
+    code = "not_found"
+    status = 404
+
+
+class ConflictError(ServerError):
+    code = "conflict"
+    status = 409
+
+
+class InvalidRequestError(ServerError):
+    code = "invalid_request"
+    status = 422
+
+
+class PayloadTooLargeError(ServerError):
+    code = "payload_too_large"
+    status = 413
+
+
+class VersionConflictError(Exception):
+    """The run moved on since it was read: re-read and decide again."""
+
+    def __init__(self, current: RunState | None = None) -> None:
+        super().__init__("run version changed")
+        self.current = current
+
+
+class RunExistsError(Exception):
+    """A run with this id, or this function's idempotency key, already exists."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release:
+    """One synced release of an app: where it is served and what it declares (decisions 6.13)."""
+
+    app_id: str
+    url: str
+    release_id: str
+    build_id: str
+    functions: tuple[FunctionManifest, ...]
+    synced_at: datetime
+    signed: bool = True
+
+    def function(self, function_id: str) -> FunctionManifest | None:
+        for f in self.functions:
+            if f.id == function_id:
+                return f
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPage:
+    runs: list[RunState]
+    cursor: str | None = None
+
+
+@dataclass(slots=True)
+class RequestCounter:
+    """Counts AWS and endpoint requests for benchmarks (per adapter, by kind)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int = 0) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if nbytes:
+            self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes_sent.clear()
+
+
+class RunStore(Protocol):
+    def get(self, run_id: str) -> RunState | None: ...
+
+    def create(self, state: RunState) -> None:
+        """Write a new run; raise :class:`RunExistsError` if its id or idempotency key is taken."""
+
+    def save(self, state: RunState, *, expected_version: int) -> None:
+        """Replace the run iff its stored version is ``expected_version``, else :class:`VersionConflictError`."""
+
+    def list_runs(
+        self,
+        *,
+        function_id: str | None = None,
+        phase: str | None = None,
+        outcome: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> RunPage: ...
+
+    def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
+
+    def put_release(self, release: Release) -> None: ...
+
+    def get_release(self, function_id: str) -> Release | None:
+        """The newest synced release that declares ``function_id``."""
+
+    def list_releases(self) -> list[Release]:
+        """The newest release of every app."""
+
+
+class TaskQueue(Protocol):
+    def send(self, task: TaskRef, delay_s: float = 0.0) -> None: ...
+
+
+class TimerService(Protocol):
+    def schedule(self, timer: TimerRef) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InvokeResult:
+    """What came back from one HTTP invocation of a user endpoint."""
+
+    kind: str  # "response" | "unreachable" | "lost"
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    detail: str = ""
+
+
+class Invoker(Protocol):
+    def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult: ...

@@ -1,0 +1,26 @@
+"""Ryusen: durable workflows for plain Python functions.
+
+>>> from ryusen import Ryusen, Step
+>>> app = Ryusen("shop")
+>>> @app.function("checkout")
+... def checkout(order: dict, step: Step) -> dict:
+...     return step.run("reserve-stock", lambda: {"reserved": order["sku"]})
+"""
+
+from ._internal.app import Ryusen
+from ._internal.errors import DefinitionError, NonRetryableError, RyusenError, StepFailed
+from ._internal.step import AsyncStep, Operation, RetryPolicy, Step, operation
+
+__all__ = [
+    "AsyncStep",
+    "DefinitionError",
+    "NonRetryableError",
+    "Operation",
+    "RetryPolicy",
+    "Ryusen",
+    "RyusenError",
+    "Step",
+    "StepFailed",
+    "operation",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,319 @@
+"""The app: registered functions, task execution, the manifest, and the request handler.
+
+One framework-agnostic handler (:meth:`Ryusen.handle`) takes a method, headers
+and body and returns a status, headers and body; the serve adapters in
+``serve.py`` only translate to ASGI, WSGI and Lambda events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import DefinitionError
+from .signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from .step import AsyncStep, Step, Suspend, _Replay, check_value, error_info
+from .wire import (
+    CallbackFailed,
+    CallbackSucceeded,
+    ErrorInfo,
+    FunctionCompleted,
+    FunctionFailed,
+    FunctionManifest,
+    LateResult,
+    Manifest,
+    TargetNotFound,
+    TaskKind,
+    TaskRequest,
+    TaskResponse,
+)
+
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredFunction:
+    id: str
+    fn: Callable[..., Any]
+    timeout: timedelta | None
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class Ryusen:
+    """A Ryusen app: a set of workflow functions served at one endpoint.
+
+    >>> app = Ryusen("shop")
+    >>> @app.function("checkout")
+    ... def checkout(order: dict, step: Step) -> dict:
+    ...     return {"ok": True}
+
+    The signing key comes from ``signing_key`` or ``RYUSEN_SIGNING_KEY``; with
+    neither, requests are not verified (local development only).
+    """
+
+    def __init__(
+        self,
+        app_id: str,
+        *,
+        signing_key: str | None = None,
+        release_id: str | None = None,
+        build_id: str | None = None,
+    ) -> None:
+        if not app_id or not isinstance(app_id, str):
+            raise DefinitionError("app id must be a non-empty string")
+        self.app_id = app_id
+        self._signing_key = signing_key
+        self._release_id = release_id
+        self._build_id = build_id
+        self._functions: dict[str, RegisteredFunction] = {}
+        self.clock: Callable[[], float] = time.time
+
+    @property
+    def signing_key(self) -> str | None:
+        return self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY") or None
+
+    @property
+    def functions(self) -> dict[str, RegisteredFunction]:
+        return dict(self._functions)
+
+    def function(self, function_id: str, *, timeout: timedelta | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Register a workflow function ``fn(input, step)`` under ``function_id``.
+
+        ``timeout`` is the run timeout every run of this function inherits.
+        """
+        if not function_id or not isinstance(function_id, str):
+            raise DefinitionError("function id must be a non-empty string")
+        if timeout is not None and timeout <= timedelta(0):
+            raise DefinitionError(f"function {function_id!r}: timeout must be positive")
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if function_id in self._functions:
+                raise DefinitionError(f"function id {function_id!r} is registered twice in app {self.app_id!r}")
+            self._functions[function_id] = RegisteredFunction(
+                function_id, fn, timeout, inspect.iscoroutinefunction(fn)
+            )
+            return fn
+
+        return register
+
+    # ---- identity ----------------------------------------------------------
+
+    @property
+    def build_id(self) -> str:
+        """A digest of the source of the modules that define this app's functions."""
+        if self._build_id:
+            return self._build_id
+        env = os.environ.get("RYUSEN_BUILD_ID")
+        if env:
+            return env
+        digest = hashlib.sha256()
+        for name in sorted({f.fn.__module__ for f in self._functions.values()}):
+            module = sys.modules.get(name)
+            try:
+                digest.update(inspect.getsource(module).encode() if module else name.encode())
+            except (OSError, TypeError):
+                digest.update(name.encode())
+        return digest.hexdigest()[:16]
+
+    @property
+    def release_id(self) -> str:
+        return self._release_id or os.environ.get("RYUSEN_RELEASE_ID") or f"{self.app_id}-{self.build_id[:12]}"
+
+    def manifest(self) -> Manifest:
+        return Manifest(
+            app_id=self.app_id,
+            release_id=self.release_id,
+            build_id=self.build_id,
+            functions=[
+                FunctionManifest(id=f.id, timeout_s=f.timeout.total_seconds() if f.timeout else None)
+                for f in self._functions.values()
+            ],
+            signed=self.signing_key is not None,
+        )
+
+    # ---- executing a task --------------------------------------------------
+
+    def execute(self, request: TaskRequest) -> TaskResponse:
+        """Run one task to its outcome (synchronously; async functions get an event loop)."""
+        registered = self._functions.get(request.function_id)
+        if registered is None:
+            return self._not_found(request)
+        if registered.is_async:
+            return asyncio.run(self.execute_async(request))
+        replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        try:
+            output = registered.fn(request.input, Step(replay))
+        except Suspend as suspended:
+            return _respond(request, suspended.outcome)
+        except Exception as exc:  # noqa: BLE001 - the function-level failure (entry adapter)
+            return _respond(request, FunctionFailed(error=error_info(exc)))
+        return _respond(request, _completed(request, output))
+
+    async def execute_async(self, request: TaskRequest) -> TaskResponse:
+        registered = self._functions.get(request.function_id)
+        if registered is None:
+            return self._not_found(request)
+        replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        try:
+            if registered.is_async:
+                output = await registered.fn(request.input, AsyncStep(replay))
+            else:
+                output = registered.fn(request.input, Step(replay))
+        except Suspend as suspended:
+            return _respond(request, suspended.outcome)
+        except Exception as exc:  # noqa: BLE001
+            return _respond(request, FunctionFailed(error=error_info(exc)))
+        return _respond(request, _completed(request, output))
+
+    def _not_found(self, request: TaskRequest) -> TaskResponse:
+        detail = f"app {self.app_id!r} has no function {request.function_id!r}"
+        if request.kind is TaskKind.DISCOVER:
+            return _respond(request, FunctionFailed(error=ErrorInfo(type="function_not_found", message=detail)))
+        return _respond(request, TargetNotFound(detail=detail))
+
+    # ---- the HTTP handler --------------------------------------------------
+
+    def handle(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
+        """Answer one HTTP request: GET returns the manifest, a signed POST runs a task."""
+        if method == "GET":
+            return self._reply(200, self.manifest().model_dump_json().encode())
+        if method != "POST":
+            return self._error(405, "method_not_allowed", f"{method} is not supported")
+        if len(body) > MAX_REQUEST_BYTES:
+            return self._error(413, "request_too_large", "task request is too large")
+        problem = self._verify(headers, body)
+        if problem is not None:
+            return problem
+        try:
+            request = TaskRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+        response = self.execute(request)
+        self._submit_late(request, response)
+        return self._reply(200, response.model_dump_json().encode())
+
+    async def handle_async(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
+        if method != "POST" or len(body) > MAX_REQUEST_BYTES:
+            return self.handle(method, headers, body)
+        problem = self._verify(headers, body)
+        if problem is not None:
+            return problem
+        try:
+            request = TaskRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+        response = await self.execute_async(request)
+        await asyncio.to_thread(self._submit_late, request, response)
+        return self._reply(200, response.model_dump_json().encode())
+
+    def _verify(self, headers: dict[str, str], body: bytes) -> HandlerResponse | None:
+        key = self.signing_key
+        if key is None:
+            return None
+        lowered = {k.lower(): v for k, v in headers.items()}
+        try:
+            verify(key, body, lowered.get(SIGNATURE_HEADER.lower()), now=self.clock())
+        except SignatureError as exc:
+            return self._error(401, "invalid_signature", exc.reason)
+        return None
+
+    def _reply(self, status: int, body: bytes) -> HandlerResponse:
+        headers = {"content-type": "application/json"}
+        key = self.signing_key
+        if key is not None:
+            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
+        return HandlerResponse(status, headers, body)
+
+    def _error(self, status: int, code: str, message: str) -> HandlerResponse:
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        return self._reply(status, body)
+
+    def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
+        """Submit an effect outcome to the server when its response window has closed (decisions 6.15)."""
+        attempt = response.attempt
+        if (
+            request.result_url is None
+            or request.respond_by is None
+            or request.operation is None
+            or request.step_id is None
+            or not isinstance(attempt, CallbackSucceeded | CallbackFailed)
+            or self.clock() <= request.respond_by
+        ):
+            return
+        late = LateResult(
+            run_id=request.run_id,
+            step_id=request.step_id,
+            phase=request.operation.phase,
+            generation=request.operation.generation,
+            attempt=attempt,
+        )
+        body = late.model_dump_json().encode()
+        headers = {"content-type": "application/json"}
+        key = self.signing_key
+        if key is not None:
+            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
+        req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - server-provided URL
+                resp.read()
+        except OSError:
+            pass  # the server's lease turns the attempt Unknown; an operator can still settle it
+
+    # ---- serving -----------------------------------------------------------
+
+    def asgi(self) -> Any:
+        """An ASGI application (mount it in Starlette or FastAPI, or serve it with uvicorn)."""
+        from .serve import asgi_app
+
+        return asgi_app(self)
+
+    def wsgi(self) -> Any:
+        """A WSGI application (mount it in Flask, or serve it with any WSGI server)."""
+        from .serve import wsgi_app
+
+        return wsgi_app(self)
+
+    def lambda_handler(self, event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+        """A Lambda handler for a Function URL or API Gateway (REST or HTTP API) event."""
+        from .serve import handle_lambda_event
+
+        return handle_lambda_event(self, event)
+
+
+def _completed(request: TaskRequest, output: Any) -> FunctionCompleted | FunctionFailed | TargetNotFound:
+    if request.kind is not TaskKind.DISCOVER:
+        return TargetNotFound(detail=f"current code completes without reaching step {request.step_id!r}")
+    checked, problem = check_value(output, "output")
+    if problem is not None:
+        return FunctionFailed(error=problem)
+    return FunctionCompleted(output=checked)
+
+
+def _respond(request: TaskRequest, outcome: Any) -> TaskResponse:
+    if request.kind is TaskKind.DISCOVER:
+        if isinstance(outcome, TargetNotFound):  # pragma: no cover - discovery never targets a step
+            outcome = FunctionFailed(error=ErrorInfo(type="target_not_found", message=outcome.detail))
+        return TaskResponse(kind=request.kind, run_id=request.run_id, discovery=outcome)
+    if isinstance(outcome, FunctionFailed):
+        # the function raised before reaching the target step: current code does not reach it
+        outcome = TargetNotFound(detail=f"current code fails before reaching step {request.step_id!r}: {outcome.error.message}")
+    return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome)

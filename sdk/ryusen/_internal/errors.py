@@ -1,0 +1,58 @@
+"""The SDK's errors: what user code raises and catches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RyusenError(Exception):
+    """Base of the SDK's own errors; ``code`` is stable and machine-readable."""
+
+    code = "ryusen_error"
+
+
+class DefinitionError(RyusenError):
+    """An app definition that cannot work (a function id registered twice, a bad argument)."""
+
+    code = "invalid_definition"
+
+
+class NoOperationError(RyusenError):
+    """``ryusen.operation()`` was called outside a forward or compensation callback."""
+
+    code = "no_operation"
+
+
+class StepFailed(Exception):  # noqa: N818 - public name fixed by the contract
+    """Raised by ``step.run`` on replay of a step whose retries are exhausted.
+
+    The recorded terminal failure of step ``step_id``: catch it to handle the
+    failure (the run goes on and nothing is compensated), or let it escape to
+    fail the run and start compensation.
+
+    >>> try:
+    ...     raise StepFailed("charge", "CardDeclined", "insufficient funds", {"code": 51})
+    ... except StepFailed as failure:
+    ...     (failure.step_id, failure.error_type)
+    ('charge', 'CardDeclined')
+    """
+
+    def __init__(self, step_id: str, error_type: str, message: str, data: Any = None) -> None:
+        super().__init__(f"step {step_id!r} failed: {error_type}: {message}")
+        self.step_id = step_id
+        self.error_type = error_type
+        self.message = message
+        self.data = data
+
+
+class NonRetryableError(Exception):
+    """Raise from a step callback to fail the step at once, skipping remaining retries.
+
+    >>> def charge(card: str) -> dict:
+    ...     raise NonRetryableError("card expired", data={"card": card})
+    """
+
+    def __init__(self, message: str, *, data: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data

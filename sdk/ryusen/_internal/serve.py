@@ -1,0 +1,81 @@
+"""Serve adapters: they only translate a framework's request to :meth:`Ryusen.handle`."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import Ryusen
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        response = await app.handle_async(scope["method"], headers, b"".join(chunks))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()],
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+    return asgi
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 413: "Payload Too Large"}
+
+
+def wsgi_app(app: Ryusen) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
+    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        body = environ["wsgi.input"].read(length) if length else b""
+        headers = {
+            key[5:].replace("_", "-").lower(): value for key, value in environ.items() if key.startswith("HTTP_")
+        }
+        if environ.get("CONTENT_TYPE"):
+            headers["content-type"] = environ["CONTENT_TYPE"]
+        response = app.handle(environ["REQUEST_METHOD"], headers, body)
+        start_response(
+            f"{response.status} {_REASONS.get(response.status, 'Error')}",
+            list(response.headers.items()) + [("Content-Length", str(len(response.body)))],
+        )
+        return [response.body]
+
+    return wsgi
+
+
+def handle_lambda_event(app: Ryusen, event: dict[str, Any]) -> dict[str, Any]:
+    """Function URL and API Gateway HTTP API (payload 2.0) or REST API (1.0) events."""
+    method = event.get("httpMethod") or event.get("requestContext", {}).get("http", {}).get("method", "POST")
+    raw = event.get("body") or ""
+    body = base64.b64decode(raw) if event.get("isBase64Encoded") else raw.encode()
+    headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
+    response = app.handle(method, headers, body)
+    return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}

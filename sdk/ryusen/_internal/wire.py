@@ -1,0 +1,200 @@
+"""The wire protocol between the Ryusen server and an app's endpoint.
+
+Shared by the SDK and the server: one set of pydantic models, so both sides
+agree on every field. Success and failure are explicit variants (a ``type``
+discriminator), never an exception to emulate (RFD 1, checklist F10).
+
+A task request asks the endpoint to do one of three things:
+
+* ``discover``: run the function with the memo of recorded step outcomes and
+  report what happened next (a step to execute, completion, an uncaught
+  failure, or a definition conflict).
+* ``forward``: replay up to one step and execute its callback.
+* ``compensate``: replay up to one completed step and execute its compensator
+  with the recorded forward result.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = "1"
+MAX_VALUE_BYTES = 256 * 1024
+"""Default limit for run input, step results, errors and run output (serialized JSON)."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"
+    COMPENSATION = "compensation"
+
+
+class TaskKind(StrEnum):
+    DISCOVER = "discover"
+    FORWARD = "forward"
+    COMPENSATE = "compensate"
+
+
+class ErrorInfo(_Wire):
+    """A structured error: the error's type name, message and optional JSON data."""
+
+    type: str
+    message: str
+    data: Any = None
+    retryable: bool = True
+
+
+class OperationInfo(_Wire):
+    id: str
+    phase: Phase
+    generation: int
+
+
+class MemoEntry(_Wire):
+    """A recorded outcome of one step, replayed to the function by ``step.run``."""
+
+    status: Literal["completed", "failed"]
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class RetryPolicyWire(_Wire):
+    max_attempts: int = Field(ge=1, le=1000)
+    initial_delay_s: float = Field(ge=0)
+    backoff: float = Field(ge=1.0)
+    max_delay_s: float = Field(ge=0)
+    on_unknown: Literal["block", "retry"] = "block"
+
+
+class StepPlan(_Wire):
+    """What discovery learned about a step the function reached."""
+
+    id: str = Field(min_length=1, max_length=256)
+    name: str | None = None
+    location: str | None = None
+    has_compensation: bool = False
+    retry: RetryPolicyWire | None = None
+    compensate_retry: RetryPolicyWire | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class Occurrence(_Wire):
+    location: str | None = None
+    name: str | None = None
+
+
+class DuplicateStepConflict(_Wire):
+    code: Literal["duplicate_step_id"] = "duplicate_step_id"
+    step_id: str
+    first: Occurrence
+    duplicate: Occurrence
+
+
+class TaskRequest(_Wire):
+    protocol: str = PROTOCOL_VERSION
+    kind: TaskKind
+    run_id: str
+    function_id: str
+    input: Any = None
+    memo: dict[str, MemoEntry] = Field(default_factory=dict)
+    step_id: str | None = None
+    operation: OperationInfo | None = None
+    forward_result: Any = None
+    result_url: str | None = None
+    """Where to submit a result that could not be returned in the response (decisions 6.15)."""
+    respond_by: float | None = None
+    """Unix time after which the server no longer waits for the HTTP response."""
+
+
+# ---- responses -------------------------------------------------------------
+
+
+class StepReached(_Wire):
+    type: Literal["step"] = "step"
+    step: StepPlan
+
+
+class FunctionCompleted(_Wire):
+    type: Literal["completed"] = "completed"
+    output: Any = None
+
+
+class FunctionFailed(_Wire):
+    type: Literal["failed"] = "failed"
+    error: ErrorInfo
+
+
+class ConflictFound(_Wire):
+    type: Literal["conflict"] = "conflict"
+    conflict: DuplicateStepConflict
+
+
+DiscoveryResponse = Annotated[
+    StepReached | FunctionCompleted | FunctionFailed | ConflictFound, Field(discriminator="type")
+]
+
+
+class CallbackSucceeded(_Wire):
+    type: Literal["succeeded"] = "succeeded"
+    result: Any = None
+
+
+class CallbackFailed(_Wire):
+    type: Literal["failed"] = "failed"
+    error: ErrorInfo
+
+
+class TargetNotFound(_Wire):
+    """Current code does not reach the step, or (compensation) declares no compensator."""
+
+    type: Literal["target_not_found"] = "target_not_found"
+    detail: str = ""
+
+
+AttemptResponse = Annotated[
+    CallbackSucceeded | CallbackFailed | TargetNotFound | ConflictFound, Field(discriminator="type")
+]
+
+
+class TaskResponse(_Wire):
+    """The body an endpoint returns for a task request."""
+
+    protocol: str = PROTOCOL_VERSION
+    kind: TaskKind
+    run_id: str
+    discovery: DiscoveryResponse | None = None
+    attempt: AttemptResponse | None = None
+
+
+class LateResult(_Wire):
+    """A result submitted to the server's result endpoint after the response window closed."""
+
+    run_id: str
+    step_id: str
+    phase: Phase
+    generation: int
+    attempt: CallbackSucceeded | CallbackFailed = Field(discriminator="type")
+
+
+# ---- manifest --------------------------------------------------------------
+
+
+class FunctionManifest(_Wire):
+    id: str
+    timeout_s: float | None = None
+
+
+class Manifest(_Wire):
+    protocol: str = PROTOCOL_VERSION
+    sdk: str = "ryusen-python"
+    app_id: str
+    release_id: str
+    build_id: str
+    functions: list[FunctionManifest]
+    signed: bool

@@ -1,0 +1,374 @@
+"""Test your workflows through the real engine, in-process, on a virtual clock.
+
+``WorkflowEnvironment`` runs an app's functions through Ryusen's engine core
+and its in-memory store and queue (the same semantics as DynamoDB and SQS),
+calling the app's handler directly. Time is virtual: retries, backoff and
+deadlines take no wall time. Faults can be injected between any two
+transitions. Requires the server extra (``pip install 'ryusen[server]'``).
+
+>>> from ryusen.testing import WorkflowEnvironment
+>>> env = WorkflowEnvironment(app)                        # doctest: +SKIP
+>>> run = env.run("checkout", {"sku": "A1", "amount": 30})  # doctest: +SKIP
+>>> run.outcome, run.recovery                              # doctest: +SKIP
+('completed', None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ryusen._internal.app import Ryusen
+from ryusen._internal.wire import Manifest, Phase, TaskKind, TaskRequest
+
+try:
+    from ryusen_server.core.events import EngineSettings, Resolve
+    from ryusen_server.core.model import TaskRef
+    from ryusen_server.core.view import run_view
+    from ryusen_server.engine import Engine, ServerSettings
+    from ryusen_server.invoker import InProcessInvoker
+    from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
+    from ryusen_server.ports import InvokeResult, RequestCounter
+    from ryusen_server.runtime import fire_due, handle_message
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("ryusen.testing needs the server extra: pip install 'ryusen[server]'") from exc
+
+__all__ = ["RunView", "VirtualClock", "WorkflowEnvironment", "Faults"]
+
+EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+class VirtualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: datetime = EPOCH) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, delta: timedelta) -> None:
+        self.now += delta
+
+    def advance_to(self, moment: datetime) -> None:
+        if moment > self.now:
+            self.now = moment
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run as the API shows it (``raw``), with shortcuts for the fields tests read most."""
+
+    raw: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    @property
+    def id(self) -> str:
+        return str(self.raw["id"])
+
+    @property
+    def phase(self) -> str:
+        return str(self.raw["phase"])
+
+    @property
+    def outcome(self) -> str | None:
+        return self.raw["outcome"]
+
+    @property
+    def recovery(self) -> str | None:
+        return self.raw["recovery"]
+
+    @property
+    def summary(self) -> str:
+        return str(self.raw["summary"])
+
+    @property
+    def output(self) -> Any:
+        return self.raw["output"]
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return self.raw["error"]
+
+    @property
+    def blockers(self) -> list[dict[str, Any]]:
+        return list(self.raw["blockers"])
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return list(self.raw["steps"])
+
+    def step(self, step_id: str) -> dict[str, Any]:
+        for step in self.raw["steps"]:
+            if step["id"] == step_id:
+                return dict(step)
+        raise KeyError(f"run has no step {step_id!r}; steps: {[s['id'] for s in self.raw['steps']]}")
+
+    def attempts(self, step_id: str, phase: str = "forward") -> list[dict[str, Any]]:
+        return [a for a in self.step(step_id)["attempts"] if a["phase"] == phase]
+
+
+@dataclass
+class _Rule:
+    step_id: str | None
+    phase: str | None
+    kind: str
+    times: int
+    action: Callable[[], None] | None = None
+
+
+@dataclass
+class HeldResult:
+    run_id: str
+    step_id: str
+    phase: str
+    generation: int
+    body: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class Faults:
+    """Faults to inject; each rule applies to the next ``times`` matching invocations."""
+
+    _rules: list[_Rule] = field(default_factory=list)
+    duplicate_messages: bool = False
+    held: list[HeldResult] = field(default_factory=list)
+
+    def lose_result(self, step_id: str, *, phase: str = "forward", times: int = 1) -> None:
+        """The callback runs, but its response never reaches the server (the attempt becomes Unknown).
+
+        The response is kept: ``env.deliver_late_result(...)`` submits it later.
+        """
+        self._rules.append(_Rule(step_id, phase, "lose", times))
+
+    def unreachable(self, step_id: str | None = None, *, phase: str | None = None, times: int = 1) -> None:
+        """The endpoint refuses the connection before anything is sent (the callback does not run)."""
+        self._rules.append(_Rule(step_id, phase, "unreachable", times))
+
+    def crash_before_invoke(self, step_id: str, *, phase: str = "forward", times: int = 1) -> None:
+        """The dispatcher dies after authorizing the attempt and before invoking: the lease must expire."""
+        self._rules.append(_Rule(step_id, phase, "crash", times))
+
+    def before_invoke(self, step_id: str, action: Callable[[], None], *, phase: str = "forward", times: int = 1) -> None:
+        """Run ``action`` (e.g. a cancel) while the authorized attempt is about to be invoked."""
+        self._rules.append(_Rule(step_id, phase, "before", times, action))
+
+    def take(self, step_id: str | None, phase: str | None, kinds: tuple[str, ...]) -> _Rule | None:
+        for rule in self._rules:
+            if rule.kind in kinds and rule.times > 0 and rule.step_id in (None, step_id) and rule.phase in (None, phase):
+                rule.times -= 1
+                return rule
+        return None
+
+
+class _Crash(BaseException):
+    """Simulates the dispatcher process dying mid-task."""
+
+
+class WorkflowEnvironment:
+    """The engine, in-process, on a virtual clock, serving ``app`` (or several apps)."""
+
+    def __init__(
+        self,
+        *apps: Ryusen,
+        settings: EngineSettings | None = None,
+        default_run_timeout: timedelta | None = None,
+        max_run_timeout: timedelta | None = None,
+        start: datetime = EPOCH,
+    ) -> None:
+        self.clock = VirtualClock(start)
+        self.counter = RequestCounter()
+        self.store = MemoryStore(self.counter)
+        self.queue = MemoryQueue(self.clock, counter=self.counter)
+        self.timers = MemoryTimers(self.clock, counter=self.counter)
+        self.invoker = InProcessInvoker(self.counter)
+        self.faults = Faults()
+        ids = iter(range(1, 1 << 62))
+        self.engine = Engine(
+            store=self.store,
+            queue=self,  # type: ignore[arg-type] # sends go through the fault layer below
+            timers=self.timers,
+            invoker=self.invoker,
+            settings=ServerSettings(
+                engine=settings or EngineSettings(),
+                default_run_timeout_s=default_run_timeout.total_seconds() if default_run_timeout else None,
+                max_run_timeout_s=max_run_timeout.total_seconds() if max_run_timeout else None,
+            ),
+            clock=self.clock,
+            new_id=lambda: f"run_{next(ids):06d}",
+        )
+        self.invoker.intercept = self._intercept
+        self._apps: dict[str, Ryusen] = {}
+        for app in apps:
+            self.sync(app)
+
+    # ---- apps --------------------------------------------------------------------
+
+    def sync(self, app: Ryusen, *, release_id: str | None = None) -> None:
+        """Serve ``app`` and sync it as the newest release (as ``ryusen dev`` does on reload)."""
+        url = f"inproc://{app.app_id}"
+        self._apps[url] = app
+        self.invoker.apps[url] = app.handle
+        manifest = app.manifest()
+        if release_id is not None:
+            manifest = Manifest.model_validate({**manifest.model_dump(), "release_id": release_id})
+        self.engine.sync_release(app.app_id, url, manifest)
+
+    # ---- queue with faults ---------------------------------------------------------
+
+    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+        self.queue.send(task, delay_s)
+        if self.faults.duplicate_messages:
+            self.queue.send(task, delay_s)
+
+    def _intercept(self, url: str, body: bytes) -> InvokeResult | None:
+        request = TaskRequest.model_validate_json(body)
+        step_id = request.step_id
+        phase = request.operation.phase.value if request.operation else None
+        if request.kind is TaskKind.DISCOVER:
+            step_id, phase = None, None
+        rule = self.faults.take(step_id, phase, ("unreachable",))
+        if rule is not None:
+            return InvokeResult(kind="unreachable", detail="injected: connection refused")
+        if request.kind is TaskKind.DISCOVER:
+            return None
+        rule = self.faults.take(step_id, phase, ("crash",))
+        if rule is not None:
+            raise _Crash()
+        rule = self.faults.take(step_id, phase, ("before",))
+        if rule is not None and rule.action is not None:
+            rule.action()
+        rule = self.faults.take(step_id, phase, ("lose",))
+        if rule is not None:
+            response = self._apps[url].handle("POST", {}, body)
+            assert request.operation is not None and step_id is not None
+            from ryusen._internal.wire import TaskResponse
+
+            outcome = TaskResponse.model_validate_json(response.body).attempt
+            from ryusen._internal.wire import LateResult
+
+            late = LateResult.model_validate(
+                {
+                    "run_id": request.run_id,
+                    "step_id": step_id,
+                    "phase": request.operation.phase,
+                    "generation": request.operation.generation,
+                    "attempt": outcome.model_dump() if outcome is not None else None,
+                }
+            )
+            self.faults.held.append(
+                HeldResult(request.run_id, step_id, request.operation.phase.value, request.operation.generation,
+                           late.model_dump_json().encode(), {})
+            )
+            return InvokeResult(kind="lost", detail="injected: response lost after the callback ran")
+        return None
+
+    # ---- driving ---------------------------------------------------------------------
+
+    def start(
+        self, function_id: str, input: Any = None, *, idempotency_key: str | None = None, timeout: timedelta | None = None
+    ) -> str:
+        state, _ = self.engine.start_run(
+            function_id, input, idempotency_key=idempotency_key, timeout_s=timeout.total_seconds() if timeout else None
+        )
+        return state.id
+
+    def step_once(self) -> bool:
+        """Deliver the next visible message or fire the next due timer; False if nothing was due now."""
+        if fire_due(self.engine, self.timers.due):
+            return True
+        messages = self.queue.receive(max_messages=1)
+        if not messages:
+            return False
+        message = messages[0]
+        try:
+            handle_message(self.engine, self.queue, message, message.message_id)
+        except _Crash:
+            pass  # the message stays in flight; it returns when its visibility lapses
+        return True
+
+    def next_due(self) -> datetime | None:
+        candidates = [t for t in (self.queue.next_visible_at(), self.timers.next_due_at()) if t is not None]
+        return min(candidates, default=None)
+
+    def drive(self, *, until: Callable[[], bool] | None = None, max_transitions: int = 100_000, horizon: timedelta = timedelta(days=30)) -> None:
+        """Run until ``until()`` holds or nothing is left to do within ``horizon`` of virtual time."""
+        limit = self.clock.now + horizon
+        for _ in range(max_transitions):
+            if until is not None and until():
+                return
+            if self.step_once():
+                continue
+            due = self.next_due()
+            if due is None or due > limit:
+                return
+            self.clock.advance_to(due)
+        raise RuntimeError("workflow did not settle within max_transitions")
+
+    def run(self, function_id: str, input: Any = None, **kwargs: Any) -> RunView:
+        """Start a run and drive it until it finishes or is blocked with nothing left to do."""
+        run_id = self.start(function_id, input, **kwargs)
+        return self.wait(run_id)
+
+    def wait(self, run_id: str, **kwargs: Any) -> RunView:
+        self.drive(until=lambda: self.engine.get_run(run_id).phase.value == "finished", **kwargs)
+        return self.get(run_id)
+
+    def get(self, run_id: str) -> RunView:
+        return RunView(run_view(self.engine.get_run(run_id)))
+
+    def advance(self, delta: timedelta) -> None:
+        self.clock.advance(delta)
+
+    # ---- operator actions ---------------------------------------------------------------
+
+    def cancel(self, run_id: str) -> None:
+        self.engine.cancel(run_id)
+
+    def rediscover(self, run_id: str) -> None:
+        self.engine.rediscover(run_id)
+
+    def resolve(
+        self,
+        run_id: str,
+        step_id: str,
+        *,
+        phase: str = "forward",
+        generation: int,
+        action: str,
+        result: Any = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        from ryusen._internal.wire import ErrorInfo
+
+        self.engine.resolve(
+            run_id,
+            Resolve(
+                step_id=step_id,
+                phase=Phase(phase),
+                generation=generation,
+                action=action,  # type: ignore[arg-type]
+                result=result,
+                error=ErrorInfo.model_validate(error) if error else None,
+            ),
+        )
+
+    def deliver_late_result(self, run_id: str, step_id: str, *, phase: str = "forward", generation: int | None = None) -> None:
+        """Submit a result held back by ``faults.lose_result`` through the late-result endpoint path."""
+        for held in list(self.faults.held):
+            if held.run_id == run_id and held.step_id == step_id and held.phase == phase and (
+                generation is None or held.generation == generation
+            ):
+                self.faults.held.remove(held)
+                self.engine.submit_late_result(held.body, held.headers)
+                return
+        raise KeyError(f"no held result for {run_id} {step_id} {phase}")
+
+    def pending_tasks(self) -> Iterator[TaskRef]:
+        for message in self.queue.pending():
+            yield message.task
