@@ -7,6 +7,7 @@ the Lambda handlers; locally the same ``Engine.deliver`` and
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -52,3 +53,19 @@ def fire_due(engine: Engine, due: Callable[[], list[TimerRef]]) -> int:
             log.exception("firing %s failed", timer.name)
         fired += 1
     return fired
+
+
+def process_body(engine: Engine, body: str) -> tuple[bool, float]:
+    """One dispatch-queue message, as the dispatch Lambda and ``ryusen dev`` both handle it.
+
+    The queue carries task messages (a TaskRef) and, from EventBridge
+    Scheduler, timer messages (``{"timer": TimerRef}``). Returns (done,
+    redeliver_after_s): a message that is not done stays on the queue as the
+    lease timer of an attempt in flight.
+    """
+    data = json.loads(body)
+    if isinstance(data, dict) and "timer" in data:
+        engine.fire_timer(TimerRef.model_validate(data["timer"]))
+        return True, 0.0
+    delivered = engine.deliver(TaskRef.model_validate(data))
+    return delivered.done, delivered.redeliver_after_s

@@ -1,0 +1,220 @@
+"""The server API (contract 2) as a Powertools REST resolver over the engine.
+
+Routes parse and validate at the edge (pydantic models, extra fields refused)
+and translate the engine's errors into ``{"error": {"code", "message"}}`` with
+a 4xx status. Nothing is written unless the request is valid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ryusen._internal.wire import ErrorInfo, Manifest, Phase
+
+from .core.events import Resolve
+from .core.model import Outcome, RunPhase
+from .core.view import run_summary_view, run_view
+from .engine import Engine
+from .ports import InvalidRequestError, PayloadTooLargeError, ServerError
+
+MAX_BODY_BYTES = 1024 * 1024
+
+ManifestFetcher = Callable[[str], Manifest]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyncRequest(_Body):
+    url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://")
+
+
+class StartRunRequest(_Body):
+    input: Any = None
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class CancelRequest(_Body):
+    reason: str | None = Field(default=None, max_length=1024)
+
+
+class ResolveRequest(_Body):
+    action: Literal["succeed", "fail", "retry"]
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class MalformedJsonError(ServerError):
+    code = "malformed_json"
+    status = 400
+
+
+def _error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response[str]:
+    payload: dict[str, Any] = {"code": code, "message": message}
+    payload.update({k: v for k, v in (details or {}).items() if k != "code"})
+    return Response(status_code=status, content_type="application/json", body=json.dumps({"error": payload}, default=str))
+
+
+def _json(status: int, body: Any) -> Response[str]:
+    return Response(status_code=status, content_type="application/json", body=json.dumps(body, default=str))
+
+
+def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRestResolver:
+    api = APIGatewayRestResolver(strip_prefixes=[])
+
+    def body_of(model: type[_Body], *, optional: bool = False) -> Any:
+        raw = api.current_event.body
+        if raw is not None and len(raw.encode()) > MAX_BODY_BYTES:
+            raise PayloadTooLargeError(f"request body is over {MAX_BODY_BYTES} bytes", limit=MAX_BODY_BYTES)
+        if raw is None or raw.strip() == "":
+            if optional:
+                return model()
+            raise MalformedJsonError("request body is empty; a JSON object is required")
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise MalformedJsonError(f"request body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        return model.model_validate(data)
+
+    @api.exception_handler(ServerError)
+    def server_error(exc: ServerError) -> Response[str]:
+        code = str(exc.details.get("code", exc.code))
+        return _error_response(exc.status, code, exc.message, exc.details)
+
+    @api.exception_handler(ValidationError)
+    def validation_error(exc: ValidationError) -> Response[str]:
+        errors = [
+            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors(include_url=False)
+        ]
+        return _error_response(422, "invalid_request", "the request does not match the expected shape", {"errors": errors})
+
+    @api.not_found
+    def not_found(_: Exception) -> Response[str]:
+        return _error_response(404, "route_not_found", f"no route {api.current_event.http_method} {api.current_event.path}")
+
+    @api.put("/v1/apps/<app_id>")
+    def sync_app(app_id: str) -> Response[str]:
+        request = body_of(SyncRequest)
+        manifest = fetch_manifest(request.url)
+        release = engine.sync_release(app_id, request.url, manifest)
+        return _json(
+            200,
+            {
+                "app_id": release.app_id,
+                "url": release.url,
+                "release_id": release.release_id,
+                "build_id": release.build_id,
+                "functions": [f.model_dump() for f in release.functions],
+                "synced_at": release.synced_at.isoformat(),
+                "signed": release.signed,
+            },
+        )
+
+    @api.get("/v1/functions")
+    def list_functions() -> Response[str]:
+        functions = []
+        for release in engine.store.list_releases():
+            for fn in release.functions:
+                functions.append(
+                    {
+                        "id": fn.id,
+                        "app_id": release.app_id,
+                        "timeout_s": fn.timeout_s,
+                        "release": {
+                            "release_id": release.release_id,
+                            "build_id": release.build_id,
+                            "url": release.url,
+                            "synced_at": release.synced_at.isoformat(),
+                        },
+                    }
+                )
+        return _json(200, {"functions": functions})
+
+    @api.post("/v1/functions/<function_id>/runs")
+    def start_run(function_id: str) -> Response[str]:
+        request = body_of(StartRunRequest)
+        state, created = engine.start_run(
+            function_id, request.input, idempotency_key=request.idempotency_key, timeout_s=request.timeout_s
+        )
+        return _json(201 if created else 200, run_view(state))
+
+    @api.get("/v1/runs")
+    def list_runs() -> Response[str]:
+        params = api.current_event.query_string_parameters or {}
+        unknown = set(params) - {"function_id", "phase", "outcome", "limit", "cursor"}
+        if unknown:
+            raise InvalidRequestError(f"unknown query parameters: {', '.join(sorted(unknown))}")
+        phase, outcome = params.get("phase"), params.get("outcome")
+        if phase is not None and phase not in {p.value for p in RunPhase}:
+            raise InvalidRequestError(f"phase must be one of {', '.join(p.value for p in RunPhase)}")
+        if outcome is not None and outcome not in {o.value for o in Outcome}:
+            raise InvalidRequestError(f"outcome must be one of {', '.join(o.value for o in Outcome)}")
+        try:
+            limit = int(params.get("limit", "50"))
+        except ValueError:
+            raise InvalidRequestError("limit must be an integer") from None
+        if not 1 <= limit <= 200:
+            raise InvalidRequestError("limit must be between 1 and 200")
+        page = engine.store.list_runs(
+            function_id=params.get("function_id"), phase=phase, outcome=outcome, limit=limit, cursor=params.get("cursor")
+        )
+        return _json(200, {"runs": [run_summary_view(s) for s in page.runs], "cursor": page.cursor})
+
+    @api.get("/v1/runs/<run_id>")
+    def get_run(run_id: str) -> Response[str]:
+        return _json(200, run_view(engine.get_run(run_id)))
+
+    @api.post("/v1/runs/<run_id>/cancel")
+    def cancel_run(run_id: str) -> Response[str]:
+        request = body_of(CancelRequest, optional=True)
+        engine.get_run(run_id)
+        decision = engine.cancel(run_id, request.reason)
+        return _json(202, run_view(decision.state))
+
+    @api.post("/v1/runs/<run_id>/rediscover")
+    def rediscover(run_id: str) -> Response[str]:
+        engine.get_run(run_id)
+        decision = engine.rediscover(run_id)
+        return _json(202, run_view(decision.state))
+
+    @api.post("/v1/runs/<run_id>/steps/<step_id>/<phase>/<generation>/resolve")
+    def resolve(run_id: str, step_id: str, phase: str, generation: str) -> Response[str]:
+        if phase not in {p.value for p in Phase}:
+            raise InvalidRequestError(f"phase must be one of {', '.join(p.value for p in Phase)}")
+        if not generation.isdigit() or int(generation) < 1:
+            raise InvalidRequestError("generation must be a positive integer")
+        request = body_of(ResolveRequest)
+        if request.action == "fail" and request.error is None:
+            raise InvalidRequestError("action 'fail' needs an error: {\"type\": ..., \"message\": ...}")
+        if request.action != "succeed" and request.result is not None:
+            raise InvalidRequestError(f"action {request.action!r} takes no result")
+        engine.get_run(run_id)
+        decision = engine.resolve(
+            run_id,
+            Resolve(
+                step_id=step_id,
+                phase=Phase(phase),
+                generation=int(generation),
+                action=request.action,
+                result=request.result,
+                error=request.error,
+            ),
+        )
+        return _json(200, run_view(decision.state))
+
+    @api.post("/v1/results")
+    def late_result() -> Response[str]:
+        raw = api.current_event.body or ""
+        headers = dict(api.current_event.headers or {})
+        decision = engine.submit_late_result(raw.encode(), headers)
+        return _json(202, {"accepted": decision.note is None, "note": decision.note})
+
+    return api

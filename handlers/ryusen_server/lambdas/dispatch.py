@@ -1,0 +1,54 @@
+"""Lambda entry point for the dispatch queue (SQS event source, partial batch failures).
+
+A message that is not done (an attempt still in flight) gets its visibility
+set to the lease's remaining time and is reported as a batch item failure,
+so SQS keeps it: the message itself is the attempt's lease timer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, process_partial_response
+from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from ..runtime import process_body
+from ..wiring import AwsEngine, AwsResources, aws_engine
+
+logger = Logger(service="ryusen-dispatch")
+metrics = Metrics(namespace="Ryusen", service="dispatch")
+processor = BatchProcessor(event_type=EventType.SQS)
+_engine: AwsEngine | None = None
+
+
+class KeepMessageError(Exception):
+    """Marks a message to stay on the queue (the attempt's lease has not expired)."""
+
+
+def engine() -> AwsEngine:
+    global _engine
+    if _engine is None:
+        _engine = aws_engine(AwsResources.from_env())
+    return _engine
+
+
+def record_handler(record: SQSRecord) -> None:
+    wired = engine()
+    done, redeliver_after_s = process_body(wired.engine, record.body)
+    metrics.add_metric(name="MessagesHandled", unit=MetricUnit.Count, value=1)
+    if not done:
+        wired.sqs.change_message_visibility(
+            QueueUrl=AwsResources.from_env().queue_url,
+            ReceiptHandle=record.receipt_handle,
+            VisibilityTimeout=int(min(43200, max(1, redeliver_after_s))),
+        )
+        raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")
+
+
+@logger.inject_lambda_context
+@metrics.log_metrics
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return process_partial_response(event=event, record_handler=record_handler, processor=processor, context=context)

@@ -1,0 +1,409 @@
+"""``ryusen dev``: the whole server on one machine, on an embedded moto.
+
+Theory of operation. moto's server runs in this process on a loopback port;
+the table, dispatch queue (with its dead-letter queue) and schedule group are
+created on it. The ``api`` Lambda handler is served over HTTP by translating
+each request into an API Gateway event. A dispatch loop receives from the
+queue and hands each message to the same ``process_body`` the dispatch Lambda
+runs. moto never fires schedules, so a timer loop reads due schedules and
+sends their input to the dispatch queue, as EventBridge Scheduler's SQS target
+would. Each APP runs in its own process (``serve_app``) on its own port, is
+synced as a release, and is restarted and synced again when its file changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import httpx
+
+from ..api import build_api
+from ..aws.queue import create_queues
+from ..aws.store import create_table
+from ..aws.timers import create_schedule_group
+from ..ports import RequestCounter
+from ..runtime import process_body
+from ..settings import server_settings
+from ..wiring import AwsEngine, AwsResources, aws_engine, client, fetch_manifest
+from .serve_app import AppSpecError, source_file, split_spec
+from .ui import UI_HTML
+
+log = logging.getLogger("ryusen.dev")
+
+DEFAULT_PORT = 8700
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DevError(Exception):
+    pass
+
+
+@dataclass
+class AppProcess:
+    """One APP argument: its process, port, and the release it last synced."""
+
+    spec: str
+    port: int
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    app_id: str | None = None
+    release_id: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def start(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        self.process = subprocess.Popen(  # noqa: S603 - our own module, by path
+            [sys.executable, "-m", "ryusen_server.local.serve_app", self.spec, "--port", str(self.port)],
+            env=self.env,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DevError(f"app {self.spec} exited with status {self.process.returncode} while starting")
+            try:
+                response = httpx.get(self.url, timeout=1.0)
+                if response.status_code == 200:
+                    manifest: dict[str, Any] = response.json()
+                    return manifest
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise DevError(f"app {self.spec} did not answer on {self.url} within {timeout_s:g}s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None
+
+
+@dataclass
+class DevStack:
+    port: int = DEFAULT_PORT
+    apps: list[str] = field(default_factory=list)
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    out: Callable[[str], None] = print
+    counter: RequestCounter = field(default_factory=RequestCounter)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._processes: list[AppProcess] = []
+        self._moto: Any = None
+        self._http: Any = None
+        self.wired: AwsEngine | None = None
+        self.resources: AwsResources | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        for spec in self.apps:
+            split_spec(spec)  # fail fast on a malformed spec
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self._check_port_free(self.port)
+        for name, value in (("AWS_ACCESS_KEY_ID", "ryusen-dev"), ("AWS_SECRET_ACCESS_KEY", "ryusen-dev")):
+            os.environ.setdefault(name, value)
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        from moto.server import ThreadedMotoServer
+
+        moto_port = free_port()
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
+        self._moto.start()
+        endpoint = f"http://127.0.0.1:{moto_port}"
+        self.resources = self._create_resources(endpoint)
+        key = self.env.get("RYUSEN_SIGNING_KEY") or secrets.token_hex(32)
+        settings_env = dict(self.env)
+        settings_env["RYUSEN_SIGNING_KEY"] = key
+        settings_env["RYUSEN_RESULT_URL"] = f"http://127.0.0.1:{self.port}/v1/results"
+        self.wired = aws_engine(self.resources, server_settings(settings_env), self.counter)
+        self._serve_api()
+        self._spawn(self._dispatch_loop, "ryusen-dispatch")
+        self._spawn(self._timer_loop, "ryusen-timers")
+        app_env = {**os.environ, **{k: v for k, v in self.env.items()}, "RYUSEN_SIGNING_KEY": key}
+        app_env.pop("RYUSEN_RELEASE_ID", None)
+        for spec in self.apps:
+            proc = AppProcess(spec=spec, port=free_port(), env=app_env)
+            self._processes.append(proc)
+            self._start_and_sync(proc)
+            self._spawn(lambda p=proc: self._watch(p), f"ryusen-watch-{proc.port}")
+        self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
+        self.out(f"ryusen dev: dev UI      http://127.0.0.1:{self.port}/")
+        self.out(f"ryusen dev: moto        {endpoint}  (table {self.resources.table_name})")
+        self.out("ryusen dev: requests to apps are signed with a key made for this session")
+        for proc in self._processes:
+            self.out(f"ryusen dev: app {proc.app_id!r} ({proc.spec}) at {proc.url}, release {proc.release_id}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for proc in self._processes:
+            proc.stop()
+        if self._http is not None:
+            self._http.shutdown()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self._moto is not None:
+            with contextlib.suppress(Exception):
+                self._moto.stop()
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _check_port_free(self, port: int) -> None:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise DevError(f"port {port} is in use; choose another with --port") from None
+
+    def _create_resources(self, endpoint: str) -> AwsResources:
+        base = AwsResources(
+            table_name="ryusen",
+            queue_url="",
+            queue_arn="",
+            schedule_group="ryusen",
+            scheduler_role_arn="arn:aws:iam::123456789012:role/ryusen-scheduler",
+            endpoint_url=endpoint,
+        )
+        create_table(client("dynamodb", base), base.table_name)
+        sqs = client("sqs", base)
+        queue_url, _dlq = create_queues(sqs, "ryusen-dispatch")
+        arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        create_schedule_group(client("scheduler", base), base.schedule_group)
+        return AwsResources(
+            table_name=base.table_name,
+            queue_url=queue_url,
+            queue_arn=arn,
+            schedule_group=base.schedule_group,
+            scheduler_role_arn=base.scheduler_role_arn,
+            endpoint_url=endpoint,
+        )
+
+    # ---- apps -----------------------------------------------------------------------
+
+    def _start_and_sync(self, proc: AppProcess) -> None:
+        assert self.wired is not None
+        manifest = proc.start()
+        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, fetch_manifest(proc.url))
+        proc.app_id, proc.release_id = release.app_id, release.release_id
+
+    def _watch(self, proc: AppProcess) -> None:
+        path = source_file(proc.spec)
+        if path is None:
+            return
+        from watchfiles import watch
+
+        for changes in watch(path.parent, stop_event=self._stop, debounce=300, raise_interrupt=False):
+            if not any(Path(p).suffix == ".py" for _, p in changes):
+                continue
+            self.out(f"ryusen dev: {path.name} changed; reloading {proc.spec}")
+            proc.stop()
+            try:
+                self._start_and_sync(proc)
+            except (DevError, AppSpecError, Exception) as exc:  # noqa: BLE001 - keep serving the others
+                self.out(f"ryusen dev: reload of {proc.spec} failed: {exc}")
+                continue
+            self.out(f"ryusen dev: synced {proc.app_id!r} release {proc.release_id}")
+
+    # ---- the API over HTTP ------------------------------------------------------------
+
+    def _serve_api(self) -> None:
+        from werkzeug.serving import make_server
+
+        assert self.wired is not None
+        resolver = build_api(self.wired.engine, fetch_manifest)
+
+        def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "/")
+            if environ["REQUEST_METHOD"] == "GET" and path in ("/", "/ui", "/index.html"):
+                body = UI_HTML.encode()
+                start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))])
+                return [body]
+            event = wsgi_to_rest_event(environ)
+            result = resolver.resolve(event, _LocalContext())
+            payload = result.get("body") or ""
+            raw = base64.b64decode(payload) if result.get("isBase64Encoded") else payload.encode()
+            headers = [(k, str(v)) for k, v in (result.get("headers") or {}).items()]
+            for k, values in (result.get("multiValueHeaders") or {}).items():
+                headers.extend((k, str(v)) for v in values)
+            headers.append(("Content-Length", str(len(raw))))
+            start_response(f"{result['statusCode']} {_reason(result['statusCode'])}", headers)
+            return [raw]
+
+        self._http = make_server("127.0.0.1", self.port, wsgi, threaded=True)
+        self._spawn(self._http.serve_forever, "ryusen-api")
+
+    # ---- engine loops -----------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        assert self.wired is not None and self.resources is not None
+        sqs = self.wired.sqs
+        queue_url = self.resources.queue_url
+        settings = self.wired.engine.settings.engine
+        visibility = int(settings.attempt_timeout_s + settings.lease_grace_s)
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ryusen-task") as pool:
+            while not self._stop.is_set():
+                try:
+                    self.counter.add("sqs.receive")
+                    messages = sqs.receive_message(
+                        QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1, VisibilityTimeout=visibility
+                    ).get("Messages", [])
+                except Exception:  # noqa: BLE001 - moto stopping, or a transient error
+                    if self._stop.is_set():
+                        return
+                    log.exception("receive failed")
+                    time.sleep(0.5)
+                    continue
+                for message in messages:
+                    pool.submit(self._handle, message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        assert self.wired is not None and self.resources is not None
+        sqs, queue_url = self.wired.sqs, self.resources.queue_url
+        try:
+            done, later = process_body(self.wired.engine, message["Body"])
+        except Exception:  # noqa: BLE001 - leave it on the queue; the DLQ takes it after repeated failure
+            log.exception("dispatch of a message failed; it will be redelivered")
+            return
+        if done:
+            self.counter.add("sqs.delete")
+            sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
+        else:
+            self.counter.add("sqs.change_visibility")
+            sqs.change_message_visibility(
+                QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=int(max(1, min(43200, later)))
+            )
+
+    def _timer_loop(self) -> None:
+        assert self.wired is not None and self.resources is not None
+        timers = self.wired.engine.timers
+        sqs, queue_url = self.wired.sqs, self.resources.queue_url
+        while not self._stop.wait(0.5):
+            try:
+                due = timers.due(datetime.now(UTC))  # type: ignore[attr-defined]
+                for name, payload in due:
+                    # what EventBridge Scheduler's SQS target does: the input becomes a queue message
+                    self.counter.add("sqs.send")
+                    sqs.send_message(QueueUrl=queue_url, MessageBody=payload)
+                    timers.delete(name)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                if self._stop.is_set():
+                    return
+                log.exception("firing due schedules failed")
+
+
+class _LocalContext:
+    function_name = "ryusen-api-local"
+    memory_limit_in_mb = 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:ryusen-api-local"
+    aws_request_id = "local"
+
+    @staticmethod
+    def get_remaining_time_in_millis() -> int:
+        return 30_000
+
+
+_REASONS = {200: "OK", 201: "Created", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large", 422: "Unprocessable Entity",
+            500: "Internal Server Error"}
+
+
+def _reason(status: int) -> str:
+    return _REASONS.get(status, "Status")
+
+
+def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
+    """An API Gateway REST (payload 1.0) event for a WSGI request, as API Gateway would build it."""
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    body = environ["wsgi.input"].read(length) if length else b""
+    headers = {k[5:].replace("_", "-").title(): v for k, v in environ.items() if k.startswith("HTTP_")}
+    if environ.get("CONTENT_TYPE"):
+        headers["Content-Type"] = environ["CONTENT_TYPE"]
+    query = dict(parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True))
+    try:
+        text, is_b64 = body.decode(), False
+    except UnicodeDecodeError:
+        text, is_b64 = base64.b64encode(body).decode(), True
+    path = environ.get("PATH_INFO", "/")
+    return {
+        "resource": path,
+        "path": path,
+        "httpMethod": environ["REQUEST_METHOD"],
+        "headers": headers,
+        "multiValueHeaders": {k: [v] for k, v in headers.items()},
+        "queryStringParameters": query or None,
+        "multiValueQueryStringParameters": {k: [v] for k, v in query.items()} or None,
+        "pathParameters": None,
+        "stageVariables": None,
+        "requestContext": {
+            "resourcePath": path,
+            "httpMethod": environ["REQUEST_METHOD"],
+            "path": path,
+            "stage": "local",
+            "requestId": secrets.token_hex(8),
+            "identity": {"sourceIp": environ.get("REMOTE_ADDR", "127.0.0.1")},
+        },
+        "body": text if body else None,
+        "isBase64Encoded": is_b64,
+    }
+
+
+def run_dev(*, port: int = DEFAULT_PORT, apps: list[str] | None = None) -> int:
+    """Run the stack until Ctrl-C (or SIGTERM)."""
+    stack = DevStack(port=port, apps=list(apps or []))
+    try:
+        stack.start()
+    except (DevError, AppSpecError) as exc:
+        print(f"ryusen dev: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    stopped = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print("ryusen dev: ready. Ctrl-C to stop.", flush=True)
+    try:
+        while not stopped.wait(0.5):
+            pass
+    finally:
+        print("ryusen dev: stopping", flush=True)
+        stack.stop()
+    return 0
+
+
+__all__ = ["DevStack", "json", "run_dev"]

@@ -1,0 +1,72 @@
+"""Deployment settings, read from the environment (the CDK stack and ``ryusen dev`` set them).
+
+Every setting has the default of decisions 6.8; tests and ``ryusen dev`` may
+shorten the time-based ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ryusen._internal.wire import RetryPolicyWire
+
+from .core.events import EngineSettings
+from .engine import ServerSettings
+
+
+def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"setting {name} must be a number of seconds, not {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"setting {name} must be positive")
+    return value
+
+
+def _req(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name, default)
+    assert value is not None
+    return value
+
+
+def engine_settings(env: Mapping[str, str] | None = None) -> EngineSettings:
+    env = os.environ if env is None else env
+    base = EngineSettings()
+    forward = base.forward_retry
+    compensate = base.compensate_retry
+    return EngineSettings(
+        forward_retry=RetryPolicyWire(
+            max_attempts=int(_req(env, "RYUSEN_RETRY_MAX_ATTEMPTS", forward.max_attempts)),
+            initial_delay_s=_req(env, "RYUSEN_RETRY_INITIAL_DELAY_S", forward.initial_delay_s),
+            backoff=forward.backoff,
+            max_delay_s=_req(env, "RYUSEN_RETRY_MAX_DELAY_S", forward.max_delay_s),
+        ),
+        compensate_retry=RetryPolicyWire(
+            max_attempts=int(_req(env, "RYUSEN_COMPENSATE_MAX_ATTEMPTS", compensate.max_attempts)),
+            initial_delay_s=_req(env, "RYUSEN_COMPENSATE_INITIAL_DELAY_S", compensate.initial_delay_s),
+            backoff=compensate.backoff,
+            max_delay_s=_req(env, "RYUSEN_COMPENSATE_MAX_DELAY_S", compensate.max_delay_s),
+        ),
+        attempt_timeout_s=_req(env, "RYUSEN_ATTEMPT_TIMEOUT_S", base.attempt_timeout_s),
+        lease_grace_s=_req(env, "RYUSEN_LEASE_GRACE_S", base.lease_grace_s),
+        probe_initial_s=_req(env, "RYUSEN_PROBE_INITIAL_S", base.probe_initial_s),
+        probe_max_s=_req(env, "RYUSEN_PROBE_MAX_S", base.probe_max_s),
+        redelivery_initial_s=_req(env, "RYUSEN_REDELIVERY_INITIAL_S", base.redelivery_initial_s),
+        redelivery_max_s=_req(env, "RYUSEN_REDELIVERY_MAX_S", base.redelivery_max_s),
+    )
+
+
+def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
+    env = os.environ if env is None else env
+    return ServerSettings(
+        engine=engine_settings(env),
+        signing_key=env.get("RYUSEN_SIGNING_KEY") or None,
+        result_url=env.get("RYUSEN_RESULT_URL") or None,
+        default_run_timeout_s=_float(env, "RYUSEN_DEFAULT_RUN_TIMEOUT_S", None),
+        max_run_timeout_s=_float(env, "RYUSEN_MAX_RUN_TIMEOUT_S", None),
+    )

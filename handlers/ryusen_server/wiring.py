@@ -1,0 +1,103 @@
+"""Build the engine on AWS (or on moto, for ``ryusen dev``) from settings.
+
+The Lambda handlers and ``ryusen dev`` call :func:`aws_engine`; nothing else
+constructs boto3 clients.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import httpx
+from botocore.config import Config
+from ryusen._internal.wire import Manifest
+
+from .aws.queue import SqsQueue
+from .aws.store import DynamoStore
+from .aws.timers import SchedulerTimers
+from .engine import Engine, ServerSettings
+from .invoker import HttpInvoker
+from .ports import InvalidRequestError, RequestCounter
+from .settings import server_settings
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AwsResources:
+    table_name: str
+    queue_url: str
+    queue_arn: str
+    schedule_group: str
+    scheduler_role_arn: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AwsResources:
+        env = os.environ if env is None else env
+        return cls(
+            table_name=env["RYUSEN_TABLE"],
+            queue_url=env["RYUSEN_QUEUE_URL"],
+            queue_arn=env["RYUSEN_QUEUE_ARN"],
+            schedule_group=env.get("RYUSEN_SCHEDULE_GROUP", "ryusen"),
+            scheduler_role_arn=env["RYUSEN_SCHEDULER_ROLE_ARN"],
+            endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+        )
+
+
+def client(service: str, resources: AwsResources) -> Any:
+    return boto3.client(
+        service,  # type: ignore[call-overload]
+        region_name=resources.region,
+        endpoint_url=resources.endpoint_url,
+        config=Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=32),
+    )
+
+
+@dataclass(slots=True)
+class AwsEngine:
+    engine: Engine
+    sqs: Any
+    counter: RequestCounter
+
+
+def aws_engine(
+    resources: AwsResources, settings: ServerSettings | None = None, counter: RequestCounter | None = None
+) -> AwsEngine:
+    counter = counter or RequestCounter()
+    sqs = client("sqs", resources)
+    timers = SchedulerTimers(
+        client("scheduler", resources),
+        group=resources.schedule_group,
+        target_arn=resources.queue_arn,
+        role_arn=resources.scheduler_role_arn,
+        counter=counter,
+    )
+    engine = Engine(
+        store=DynamoStore(client("dynamodb", resources), resources.table_name, counter),
+        queue=SqsQueue(sqs, resources.queue_url, timers, counter),
+        timers=timers,
+        invoker=HttpInvoker(counter),
+        settings=settings or server_settings(),
+    )
+    return AwsEngine(engine=engine, sqs=sqs, counter=counter)
+
+
+def fetch_manifest(url: str) -> Manifest:
+    """GET an app endpoint's manifest (what ``PUT /v1/apps/{id}`` records as a release)."""
+    try:
+        response = httpx.get(url, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(f"cannot reach {url}: {exc}", code="endpoint_unreachable") from None
+    if response.status_code != 200:
+        raise InvalidRequestError(
+            f"{url} answered HTTP {response.status_code} to the manifest request", code="invalid_manifest"
+        )
+    try:
+        return Manifest.model_validate_json(response.content)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{url} did not return a Ryusen manifest: {exc}", code="invalid_manifest") from None

@@ -1,0 +1,212 @@
+"""C: compensation on uncaught failure, end to end through the engine and the SDK."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+import ryusen
+from ryusen import RetryPolicy, Ryusen, Step
+from ryusen._internal.wire import Phase
+from ryusen.testing import WorkflowEnvironment
+
+from ryusen_server.core.events import EngineSettings
+
+
+def saga(log: list[tuple[str, Any]], *, fail: bool = True, compensators: bool = True) -> Ryusen:
+    app = Ryusen("saga")
+
+    def undo(name: str) -> Any:
+        def compensate(result: Any) -> Any:
+            op = ryusen.operation()
+            log.append((f"undo-{name}", {"result": result, "op": op.id, "phase": op.phase, "gen": op.generation}))
+            return {"undone": name}
+
+        return compensate if compensators else None
+
+    @app.function("trip")
+    def trip(data: Any, step: Step) -> Any:
+        flight = step.run("flight", lambda: {"pnr": "F1"}, compensate=undo("flight"))
+        hotel = step.run("hotel", lambda: {"room": 12}, compensate=undo("hotel"))
+        car = step.run("car", lambda: {"car": "C3"}, compensate=undo("car"))
+        if fail:
+            raise RuntimeError("payment authorization revoked")
+        return [flight, hotel, car]
+
+    return app
+
+
+@pytest.mark.rfd("C1", "C3", "C4")
+def test_unwind_reverses_completion_order_one_at_a_time() -> None:
+    log: list[tuple[str, Any]] = []
+    env = WorkflowEnvironment(saga(log))
+    run_id = env.start("trip")
+    in_flight: list[int] = []
+
+    def watch(kind: str, payload: Any) -> None:
+        if kind == "decided":
+            state = payload[1].state
+            live = [
+                s.id
+                for s in state.steps
+                if (a := s.current(Phase.COMPENSATION)) is not None
+                and a.status.value in ("queued", "authorized", "unknown")
+            ]
+            in_flight.append(len(live))
+
+    env.engine.hooks.append(watch)
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated"
+    assert [name for name, _ in log] == ["undo-car", "undo-hotel", "undo-flight"]  # C1
+    assert max(in_flight) == 1  # one at a time
+    assert [u["step_id"] for u in run["unwind"]] == ["car", "hotel", "flight"]
+    # C3: the recorded forward result and a stable operation id of its own
+    car = log[0][1]
+    assert car["result"] == {"car": "C3"} and car["phase"] == "compensation" and car["gen"] == 1
+    car_forward_op = run.attempts("car")[0]["operation_id"]
+    assert car["op"] == run.attempts("car", "compensation")[0]["operation_id"] != car_forward_op
+    # C4: compensation has its own attempts and result
+    assert run.step("car")["compensation"] == {"status": "compensated", "result": {"undone": "car"}, "error": None}
+
+
+@pytest.mark.rfd("C4")
+def test_compensation_has_its_own_retry_policy_and_stable_operation_id() -> None:
+    app = Ryusen("refunds")
+    ops: list[tuple[str, int]] = []
+
+    def refund(charge: Any) -> Any:
+        op = ryusen.operation()
+        ops.append((op.id, op.generation))
+        if op.generation < 3:
+            raise TimeoutError("bank timed out")
+        return {"refunded": charge["id"]}
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        step.run(
+            "charge",
+            lambda: {"id": "ch_1"},
+            compensate=refund,
+            retry=RetryPolicy(max_attempts=1),
+            compensate_retry=RetryPolicy(max_attempts=5, initial_delay=timedelta(seconds=10)),
+        )
+        raise RuntimeError("fraud check failed")
+
+    run = WorkflowEnvironment(app).run("pay")
+    assert run.recovery == "compensated"
+    comp = run.attempts("charge", "compensation")
+    assert [a["status"] for a in comp] == ["failed", "failed", "succeeded"]
+    assert len({op for op, _ in ops}) == 1 and [g for _, g in ops] == [1, 2, 3]  # one operation id, three generations
+    delay = datetime.fromisoformat(comp[1]["not_before"]) - datetime.fromisoformat(comp[1]["queued_at"])
+    assert timedelta(seconds=5) <= delay <= timedelta(seconds=10)  # the compensate_retry policy, not forward's
+
+
+@pytest.mark.rfd("C2", "C8")
+def test_missing_compensator_is_a_durable_skip() -> None:
+    log: list[tuple[str, Any]] = []
+    env = WorkflowEnvironment(saga(log, compensators=False))
+    run = env.run("trip")
+    assert run.recovery == "compensated" and run.summary == "failed, fully compensated"
+    assert [u["status"] for u in run["unwind"]] == ["skipped", "skipped", "skipped"]
+    attempt = run.attempts("car", "compensation")[0]
+    assert attempt["status"] == "succeeded" and attempt["detail"].startswith("target_not_found")
+    assert log == []
+
+
+@pytest.mark.rfd("C2", "C8", "C7")
+def test_current_code_decides_the_compensator_and_committed_recovery_is_never_reopened() -> None:
+    calls: Counter[str] = Counter()
+
+    def build(with_compensator: bool, release: str) -> Ryusen:
+        app = Ryusen("evolve", release_id=release, build_id=release)
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            step.run("a", lambda: "A", compensate=(lambda r: calls.update([f"undo-a@{release}"])) if with_compensator else None)
+            step.run("b", lambda: "B", compensate=None)
+            raise RuntimeError("later failure")
+
+        return app
+
+    # release 1 declares no compensator for "a" (presence bit false); release 2 adds one
+    env = WorkflowEnvironment(build(False, "r1"))
+    run_id = env.start("wf")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    assert env.get(run_id).step("a")["has_compensation"] is False
+    env.sync(build(True, "r2"))
+    run = env.wait(run_id)
+    assert calls == Counter({"undo-a@r2": 1})  # C8: current code decided; the bit is diagnostic only
+    assert [u["status"] for u in run["unwind"]] == ["skipped", "compensated"]
+    # C7: a later release does not reopen committed recovery
+    version = env.engine.get_run(run_id).version
+    env.sync(build(False, "r3"))
+    env.drive()
+    assert env.engine.get_run(run_id).version == version
+    assert calls == Counter({"undo-a@r2": 1})
+
+
+@pytest.mark.rfd("C6")
+def test_exhausted_compensation_finishes_partially_compensated() -> None:
+    app = Ryusen("partial")
+    undone: list[str] = []
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("first", lambda: 1, compensate=lambda r: undone.append("first"))
+        step.run("second", lambda: 2, compensate=lambda r: (_ for _ in ()).throw(IOError("refund API down")))
+        step.run("third", lambda: 3, compensate=lambda r: undone.append("third"))
+        raise RuntimeError("boom")
+
+    env = WorkflowEnvironment(
+        app, settings=EngineSettings(compensate_retry=EngineSettings().compensate_retry.model_copy(update={"max_attempts": 3}))
+    )
+    run = env.run("wf")
+    assert run.phase == "finished" and run.recovery == "partially_compensated"
+    assert run.summary == "failed, partially compensated"
+    assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [
+        ("third", "compensated"),
+        ("second", "failed"),
+        ("first", "not_reached"),
+    ]
+    assert undone == ["third"]
+    assert len(run.attempts("second", "compensation")) == 3
+    assert run.step("first")["compensation"]["status"] == "not_reached"
+
+
+@pytest.mark.rfd("C9")
+def test_failed_step_is_never_compensated_only_accepted_successes() -> None:
+    app = Ryusen("only-success")
+    undone: list[str] = []
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("ok", lambda: 1, compensate=lambda r: undone.append("ok"))
+        step.run(
+            "broken",
+            lambda: 1 / 0,
+            compensate=lambda r: undone.append("broken"),
+            retry=RetryPolicy(max_attempts=2, initial_delay=timedelta(seconds=1)),
+        )
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.outcome == "failed"
+    assert undone == ["ok"]
+    assert [u["step_id"] for u in run["unwind"]] == ["ok"]
+
+
+@pytest.mark.rfd("C9")
+def test_empty_unwind_is_not_required_and_never_compensating() -> None:
+    app = Ryusen("empty")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        raise ValueError("fails before any step")
+
+    env = WorkflowEnvironment(app)
+    phases: list[str] = []
+    env.engine.hooks.append(lambda k, p: phases.append(p[1].state.phase.value) if k == "decided" else None)
+    run = env.run("wf")
+    assert run.recovery == "not_required" and run.summary == "failed, compensation not required"
+    assert "compensating" not in phases

@@ -1,0 +1,188 @@
+"""D (definition conflicts) and R (releases), end to end through the engine and the SDK."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from ryusen import Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+
+from ryusen_server.core.events import EngineSettings
+from ryusen_server.ports import ConflictError
+
+
+def release_a(calls: Counter[str]) -> Ryusen:
+    """Release A: calls "charge" twice in one pass (decisions 4)."""
+    app = Ryusen("billing", build_id="build-a", release_id="release-a")
+
+    @app.function("invoice")
+    def invoice(data: Any, step: Step) -> Any:
+        first = step.run("charge", lambda: calls.update(["charge"]) or {"charged": 10}, name="charge amount")
+        fee = step.run("charge", lambda: calls.update(["fee"]) or {"fee": 1}, name="charge fee")
+        return {"first": first, "fee": fee}
+
+    return app
+
+
+def release_b(calls: Counter[str]) -> Ryusen:
+    """Release B: the second call is renamed "charge-fee"."""
+    app = Ryusen("billing", build_id="build-b", release_id="release-b")
+
+    @app.function("invoice")
+    def invoice(data: Any, step: Step) -> Any:
+        first = step.run("charge", lambda: calls.update(["charge-b"]) or {"charged": 99})
+        fee = step.run("charge-fee", lambda: calls.update(["fee"]) or {"fee": 1})
+        return {"first": first, "fee": fee}
+
+    return app
+
+
+@pytest.mark.rfd("D1", "D2", "D3", "D5", "R3")
+def test_duplicate_step_id_blocks_then_new_release_repairs() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(release_a(calls))
+    run_id = env.start("invoice")
+    env.drive(horizon=timedelta(seconds=1))  # the probe would wake it again after a minute
+    run = env.get(run_id)
+    # D1: blocked, not failed, not compensated; the second callback never ran
+    assert run.phase == "running" and run.outcome is None and run.recovery is None
+    assert calls == Counter({"charge": 1})
+    assert run["unwind"] == []
+    # D2: the blocker names the id, both locations and display names
+    [blocker] = run.blockers
+    assert blocker["type"] == "duplicate_step_id" and blocker["step_id"] == "charge"
+    assert blocker["first"]["name"] == "charge amount" and blocker["duplicate"]["name"] == "charge fee"
+    assert blocker["first"]["location"].startswith("test_definitions_and_releases.py:")
+    assert blocker["duplicate"]["location"].startswith("test_definitions_and_releases.py:")
+    assert blocker["first"]["location"] != blocker["duplicate"]["location"]
+    # D3: the first occurrence keeps its accepted result
+    assert run.step("charge")["status"] == "completed" and run.step("charge")["result"] == {"charged": 10}
+    # D5 / R3: syncing release B wakes the run; current code, normal memoization
+    env.sync(release_b(calls))
+    run = env.wait(run_id)
+    assert run.outcome == "completed"
+    assert run.output == {"first": {"charged": 10}, "fee": {"fee": 1}}
+    assert calls == Counter({"charge": 1, "fee": 1})  # "charge" was not rerun under release B
+    assert run.blockers == []
+    assert run.step("charge-fee")["attempts"][0]["release_id"] == "release-b"
+
+
+@pytest.mark.rfd("D4")
+def test_exclusive_branches_share_an_id_and_its_result() -> None:
+    app = Ryusen("branches")
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        # one pass takes one branch: never the same id twice in a pass
+        if step.run("coin", lambda: "heads") == "heads":
+            got = step.run("notify", lambda: calls.update(["email"]) or "email")
+        else:  # pragma: no cover - not taken
+            got = step.run("notify", lambda: calls.update(["sms"]) or "sms")
+        again = step.run("after", lambda: "done")
+        return [got, again]
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.outcome == "completed" and run.blockers == []
+    assert calls == Counter({"email": 1})
+
+
+@pytest.mark.rfd("D4")
+def test_same_id_in_different_passes_reuses_the_accepted_result() -> None:
+    app = Ryusen("passes")
+    calls: Counter[str] = Counter()
+    passes: list[int] = []
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        passes.append(1)
+        if len(passes) % 2:
+            a = step.run("shared", lambda: calls.update(["odd"]) or "from-odd")
+        else:
+            a = step.run("shared", lambda: calls.update(["even"]) or "from-even")
+        b = step.run("next", lambda: "n")
+        return [a, b]
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.outcome == "completed" and run.blockers == []
+    assert sum(calls.values()) == 1
+    assert run.output[0] in ("from-odd", "from-even")
+
+
+@pytest.mark.rfd("D6", "D7")
+def test_probe_and_operator_rediscover_observe_the_conflict_without_side_effects() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(
+        release_a(calls), settings=EngineSettings(probe_initial_s=60.0, probe_max_s=240.0)
+    )
+    run_id = env.start("invoice")
+    env.drive(horizon=timedelta(seconds=1))
+    first = env.get(run_id).blockers[0]
+    assert first["count"] == 1
+    # the probe fires after 60 s, then 120 s, then is capped at 240 s
+    env.drive(horizon=timedelta(seconds=61))
+    assert env.get(run_id).blockers[0]["count"] == 2
+    env.drive(horizon=timedelta(seconds=121))
+    assert env.get(run_id).blockers[0]["count"] == 3
+    probe_due = env.get(run_id)
+    state = env.engine.get_run(run_id)
+    assert state.probe_interval_s == 240.0
+    # an operator rediscover observes it again: diagnostics only
+    env.rediscover(run_id)
+    env.drive(horizon=timedelta(seconds=1))
+    blocker = env.get(run_id).blockers[0]
+    assert blocker["count"] == 4 and blocker["last_seen_at"] > first["last_seen_at"]
+    assert env.engine.get_run(run_id).probe_interval_s == 240.0  # capped
+    # D7: no callbacks ran again, no terminal failure, nothing compensated
+    assert calls == Counter({"charge": 1})
+    run = env.get(run_id)
+    assert [s["status"] for s in run.steps] == ["completed"]
+    assert len(run.step("charge")["attempts"]) == 1
+    assert run.outcome is None and probe_due.outcome is None
+
+
+@pytest.mark.rfd("D6")
+def test_rediscover_without_a_definition_blocker_is_refused() -> None:
+    app = Ryusen("plain")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return 1
+
+    env = WorkflowEnvironment(app)
+    run = env.run("wf")
+    before = env.engine.get_run(run.id).version
+    with pytest.raises(ConflictError) as info:
+        env.rediscover(run.id)
+    assert info.value.details["code"] == "no_definition_blocker"
+    assert env.engine.get_run(run.id).version == before
+
+
+@pytest.mark.rfd("R1", "R2")
+def test_no_pinning_each_task_uses_the_newest_release_and_records_it() -> None:
+    def build(release: str, result: str, log: list[str]) -> Ryusen:
+        app = Ryusen("evolving", release_id=release, build_id=f"build-{release}")
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            a = step.run("a", lambda: log.append(f"a@{release}") or result)
+            b = step.run("b", lambda: log.append(f"b@{release}") or result)
+            return [a, b]
+
+        return app
+
+    log: list[str] = []
+    env = WorkflowEnvironment(build("r1", "one", log))
+    run_id = env.start("wf")
+    env.drive(until=lambda: bool(env.get(run_id).steps) and env.get(run_id).step("a")["status"] == "completed")
+    env.sync(build("r2", "two", log))  # deploy while the run is in flight
+    run = env.wait(run_id)
+    assert log == ["a@r1", "b@r2"]
+    assert run.output == ["one", "two"]  # a's accepted result stands; b ran current code
+    assert run.attempts("a")[0]["release_id"] == "r1" and run.attempts("a")[0]["build_id"] == "build-r1"
+    assert run.attempts("b")[0]["release_id"] == "r2" and run.attempts("b")[0]["build_id"] == "build-r2"
+    # metadata only: the run itself carries no release affinity
+    assert "release_id" not in run.raw

@@ -1,0 +1,301 @@
+"""F: forward execution, end to end through the engine and the SDK (ryusen.testing, in-process)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen.testing import WorkflowEnvironment
+
+from ryusen_server.core.events import TaskDelivered
+from ryusen_server.core.model import TaskRef
+
+
+def make_env(app: Ryusen) -> WorkflowEnvironment:
+    return WorkflowEnvironment(app)
+
+
+@pytest.mark.rfd("F1")
+def test_new_run_is_running_with_first_discovery_queued() -> None:
+    app = Ryusen("f1")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return data
+
+    env = make_env(app)
+    run_id = env.start("wf", {"x": 1})
+    run = env.get(run_id)
+    assert run.phase == "running"
+    assert run.outcome is None and run.recovery is None
+    assert run["discovery"]["status"] == "queued" and run["discovery"]["seq"] == 1
+    assert [t.kind.value for t in env.pending_tasks()] == ["discover"]
+    assert env.wait(run_id).outcome == "completed"
+
+
+@pytest.mark.rfd("F2", "F11")
+def test_accepted_result_is_memoized_and_output_recorded() -> None:
+    app = Ryusen("f2")
+    calls: Counter[str] = Counter()
+
+    def effect(name: str) -> dict[str, str]:
+        calls[name] += 1
+        return {"done": name}
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        a = step.run("a", effect, "a")
+        b = step.run("b", effect, "b")
+        return {"a": a, "b": b}
+
+    env = make_env(app)
+    run = env.run("wf", None)
+    assert run.outcome == "completed"
+    assert run.output == {"a": {"done": "a"}, "b": {"done": "b"}}  # F11
+    assert calls == Counter({"a": 1, "b": 1})  # F2: never again after acceptance
+    assert run["discoveries"] == 3  # every pass after acceptance returned the recorded result
+    assert [len(s["attempts"]) for s in run.steps] == [1, 1]
+
+
+@pytest.mark.rfd("F2")
+def test_duplicate_delivery_never_reruns_an_accepted_step() -> None:
+    app = Ryusen("f2dup")
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("a", lambda: calls.update(["a"]) or 1)
+
+    env = make_env(app)
+    env.faults.duplicate_messages = True
+    run = env.run("wf")
+    assert run.outcome == "completed"
+    assert calls["a"] == 1
+    # a late redelivery of the forward task after acceptance changes nothing
+    state = env.engine.get_run(run.id)
+    decision = env.engine.apply(
+        run.id, TaskDelivered(task=TaskRef(run_id=run.id, kind="forward", step_id="a", generation=1), release=None)
+    )
+    assert not decision.changed
+    assert env.engine.get_run(run.id).version == state.version
+
+
+@pytest.mark.rfd("F3")
+def test_code_outside_steps_reruns_and_new_ids_execute() -> None:
+    app = Ryusen("f3")
+    passes: list[int] = []
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        passes.append(1)  # outside step.run: runs on every pass
+        first = step.run("first", lambda: calls.update(["first"]) or "one")
+        if len(passes) >= 3:  # a later pass takes a branch the earlier ones did not
+            step.run("late-branch", lambda: calls.update(["late"]) or "new")
+        return first
+
+    env = make_env(app)
+    run = env.run("wf")
+    assert run.outcome == "completed"
+    assert len(passes) >= 4  # discovery ×3 plus forward replays
+    assert calls == Counter({"first": 1, "late": 1})
+    assert [s["id"] for s in run.steps] == ["first", "late-branch"]
+    assert run.step("first")["result"] == "one"
+
+
+@pytest.mark.rfd("F4", "F5")
+def test_retries_are_invisible_and_exhaustion_records_one_terminal_failure() -> None:
+    app = Ryusen("f4")
+    seen_by_function: list[str] = []
+    attempts: Counter[str] = Counter()
+
+    def flaky() -> str:
+        attempts["flaky"] += 1
+        raise ConnectionError(f"boom {attempts['flaky']}")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        try:
+            step.run("flaky", flaky, retry=RetryPolicy(max_attempts=3, initial_delay=timedelta(seconds=2)))
+        except StepFailed as failure:
+            seen_by_function.append(failure.message)
+            return "handled"
+        return "ok"
+
+    env = make_env(app)
+    run_id = env.start("wf")
+    # drive until the second attempt has failed: the function has seen nothing yet (F4)
+    env.drive(until=lambda: attempts["flaky"] == 2)
+    assert seen_by_function == []
+    assert env.get(run_id).step("flaky")["status"] in ("pending", "running")
+    run = env.wait(run_id)
+    assert attempts["flaky"] == 3
+    forward = run.attempts("flaky")
+    assert [a["status"] for a in forward] == ["failed", "failed", "failed"]
+    # backoff: generation 2 waited 1-2 s (equal jitter around 2 s), generation 3 2-4 s
+    from datetime import datetime
+
+    def delay(a: dict[str, Any]) -> float:
+        return (datetime.fromisoformat(a["not_before"]) - datetime.fromisoformat(a["queued_at"])).total_seconds()
+
+    assert 1.0 <= delay(forward[1]) <= 2.0
+    assert 2.0 <= delay(forward[2]) <= 4.0
+    # F5: exactly one terminal failure, seen once on replay; the run was not failed by exhaustion
+    assert seen_by_function == ["boom 3"]
+    assert run.step("flaky")["status"] == "failed"
+    assert run.outcome == "completed" and run.output == "handled"
+
+
+@pytest.mark.rfd("F5", "F7")
+def test_exhaustion_schedules_discovery_and_the_adapter_response_fails_the_run() -> None:
+    app = Ryusen("f5")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("bad", lambda: 1 / 0, retry=RetryPolicy(max_attempts=2, initial_delay=timedelta(seconds=1)))
+        return "unreachable"
+
+    env = make_env(app)
+    run_id = env.start("wf")
+    env.drive(until=lambda: env.get(run_id).step("bad")["status"] == "failed" if env.get(run_id).steps else False)
+    after_exhaustion = env.get(run_id)
+    assert after_exhaustion.outcome is None  # not failed by the exhaustion itself
+    assert after_exhaustion["discovery"]["status"] == "queued"
+    run = env.wait(run_id)
+    assert run.outcome == "failed"  # F7: the uncaught StepFailed reached the entry adapter
+    assert run.error["type"] == "StepFailed"
+    assert run.recovery == "not_required" and run.phase == "finished"
+
+
+@pytest.mark.rfd("F6", "F8", "C9")
+def test_handled_failure_completes_without_compensation_and_stays_visible() -> None:
+    app = Ryusen("f6")
+    compensated: list[str] = []
+
+    def decline() -> None:
+        raise NonRetryableError("declined", data={"code": 51})
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("reserve", lambda: "r1", compensate=lambda r: compensated.append(r))
+        try:
+            step.run("charge", decline, compensate=lambda r: compensated.append("charge"))
+        except StepFailed as failure:
+            assert failure.step_id == "charge"
+            assert failure.error_type == "NonRetryableError" and failure.data == {"code": 51}
+            return step.run("fallback", lambda: "invoice")
+        return "charged"
+
+    env = make_env(app)
+    run = env.run("wf")
+    assert run.outcome == "completed" and run.recovery is None
+    assert run.output == "invoice"
+    assert compensated == []  # F8 / C9: completed runs never compensate
+    assert run.step("charge")["status"] == "failed"
+    assert run.step("charge")["error"]["message"] == "declined"
+    assert run.attempts("charge")[0]["status"] == "failed"
+    assert run["unwind"] == []
+
+
+@pytest.mark.rfd("F7")
+def test_uncaught_exception_fails_run_and_starts_recovery_atomically() -> None:
+    app = Ryusen("f7")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("a", lambda: "A", compensate=lambda r: "undone")
+        raise ValueError("bad input after step a")
+
+    env = make_env(app)
+    run_id = env.start("wf")
+    decisions: list[Any] = []
+    env.engine.hooks.append(lambda kind, payload: decisions.append(payload) if kind == "decided" else None)
+    run = env.wait(run_id)
+    failing = [d for _, d in decisions if d.state.outcome is not None and d.state.outcome.value == "failed"]
+    first = failing[0].state
+    # the same write that set the outcome started recovery (the compensation is already queued)
+    assert first.phase.value == "compensating" and first.recovery.value == "compensating"
+    assert first.step("a").attempts[-1].phase.value == "compensation"
+    assert run.error == {"type": "ValueError", "message": "bad input after step a", "data": None, "retryable": True}
+    assert run.summary == "failed, fully compensated"
+
+
+@pytest.mark.rfd("F9")
+def test_non_retryable_error_fails_the_step_at_once() -> None:
+    app = Ryusen("f9")
+    calls: Counter[str] = Counter()
+
+    def fatal() -> None:
+        calls["fatal"] += 1
+        raise NonRetryableError("no such account")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        try:
+            step.run("fatal", fatal, retry=RetryPolicy(max_attempts=10))
+        except StepFailed:
+            return "handled"
+
+    run = make_env(app).run("wf")
+    assert calls["fatal"] == 1
+    assert len(run.attempts("fatal")) == 1
+    assert run.step("fatal")["error"]["retryable"] is False
+
+
+@pytest.mark.rfd("F10")
+def test_success_and_failure_are_explicit_wire_values() -> None:
+    app = Ryusen("f10")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("s", lambda: None if data else (_ for _ in ()).throw(KeyError("k")))
+
+    bodies: list[dict[str, Any]] = []
+    env = make_env(app)
+    original = env.invoker.apps["inproc://f10"]
+
+    def recording(method: str, headers: dict[str, str], body: bytes) -> Any:
+        response = original(method, headers, body)
+        bodies.append(json.loads(response.body))
+        return response
+
+    env.invoker.apps["inproc://f10"] = recording
+    env.run("wf", True)  # a success whose value is null is still an explicit success
+    env.run("wf", False, )
+    attempts = [b["attempt"] for b in bodies if b["kind"] == "forward"]
+    assert {"type": "succeeded", "result": None} in attempts
+    failed = [a for a in attempts if a["type"] == "failed"]
+    assert failed and failed[0]["error"]["type"] == "KeyError"
+    discoveries = [b["discovery"]["type"] for b in bodies if b["kind"] == "discover"]
+    assert "completed" in discoveries and "step" in discoveries
+
+
+@pytest.mark.rfd("F12")
+def test_oversized_values_are_refused_not_truncated() -> None:
+    from ryusen_server.ports import PayloadTooLargeError
+
+    app = Ryusen("f12")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        if data == "big-result":
+            try:
+                step.run("big", lambda: "x" * (300 * 1024))
+            except StepFailed as failure:
+                return failure.error_type
+        return "y" * (300 * 1024)
+
+    env = make_env(app)
+    with pytest.raises(PayloadTooLargeError):
+        env.start("wf", "z" * (300 * 1024))
+    assert env.store.list_runs().runs == []  # nothing was created
+    run = env.run("wf", "big-result")
+    assert run.output == "result_too_large"
+    assert len(run.attempts("big")) == 1  # non-retryable
+    run = env.run("wf", "big-output")
+    assert run.outcome == "failed" and run.error["type"] == "output_too_large"
+    assert run.output is None

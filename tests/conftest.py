@@ -1,0 +1,10 @@
+"""Shared fixtures. Tests that need the `ryusen dev` stack use the `dev_stack` fixture (tests/stack.py)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("AWS_ACCOUNT_ID_ENDPOINT_MODE", "disabled")
