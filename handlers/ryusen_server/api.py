@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from ryusen._internal.wire import ErrorInfo, Manifest, Phase
 
 from .core.events import Resolve
@@ -58,7 +59,9 @@ class MalformedJsonError(ServerError):
 def _error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response[str]:
     payload: dict[str, Any] = {"code": code, "message": message}
     payload.update({k: v for k, v in (details or {}).items() if k != "code"})
-    return Response(status_code=status, content_type="application/json", body=json.dumps({"error": payload}, default=str))
+    return Response(
+        status_code=status, content_type="application/json", body=json.dumps({"error": payload}, default=str)
+    )
 
 
 def _json(status: int, body: Any) -> Response[str]:
@@ -84,21 +87,23 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             raise InvalidRequestError("request body must be a JSON object")
         return model.model_validate(data)
 
-    @api.exception_handler(ServerError)
+    @api.exception_handler(ServerError)  # type: ignore[untyped-decorator]
     def server_error(exc: ServerError) -> Response[str]:
         code = str(exc.details.get("code", exc.code))
         return _error_response(exc.status, code, exc.message, exc.details)
 
-    @api.exception_handler(ValidationError)
+    @api.exception_handler(ValidationError)  # type: ignore[untyped-decorator]
     def validation_error(exc: ValidationError) -> Response[str]:
-        errors = [
-            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors(include_url=False)
-        ]
-        return _error_response(422, "invalid_request", "the request does not match the expected shape", {"errors": errors})
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors(include_url=False)]
+        return _error_response(
+            422, "invalid_request", "the request does not match the expected shape", {"errors": errors}
+        )
 
     @api.not_found
     def not_found(_: Exception) -> Response[str]:
-        return _error_response(404, "route_not_found", f"no route {api.current_event.http_method} {api.current_event.path}")
+        return _error_response(
+            404, "route_not_found", f"no route {api.current_event.http_method} {api.current_event.path}"
+        )
 
     @api.put("/v1/apps/<app_id>")
     def sync_app(app_id: str) -> Response[str]:
@@ -164,7 +169,11 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
         if not 1 <= limit <= 200:
             raise InvalidRequestError("limit must be between 1 and 200")
         page = engine.store.list_runs(
-            function_id=params.get("function_id"), phase=phase, outcome=outcome, limit=limit, cursor=params.get("cursor")
+            function_id=params.get("function_id"),
+            phase=phase,
+            outcome=outcome,
+            limit=limit,
+            cursor=params.get("cursor"),
         )
         return _json(200, {"runs": [run_summary_view(s) for s in page.runs], "cursor": page.cursor})
 
@@ -193,7 +202,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             raise InvalidRequestError("generation must be a positive integer")
         request = body_of(ResolveRequest)
         if request.action == "fail" and request.error is None:
-            raise InvalidRequestError("action 'fail' needs an error: {\"type\": ..., \"message\": ...}")
+            raise InvalidRequestError('action \'fail\' needs an error: {"type": ..., "message": ...}')
         if request.action != "succeed" and request.result is not None:
             raise InvalidRequestError(f"action {request.action!r} takes no result")
         engine.get_run(run_id)

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
+
 from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
 from ryusen._internal.wire import (
     MAX_VALUE_BYTES,
@@ -368,7 +369,9 @@ class Engine:
         if result.status in (400, 401, 404, 405, 413) and key is not None:
             # a signed refusal: the SDK ran no user code
             return InvocationFailed(
-                task=task, failure=InvocationFailure.UNREACHABLE, detail=f"endpoint refused the task: HTTP {result.status}"
+                task=task,
+                failure=InvocationFailure.UNREACHABLE,
+                detail=f"endpoint refused the task: HTTP {result.status}",
             )
         if result.status != 200:
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}")

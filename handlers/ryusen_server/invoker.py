@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
+from ryusen._internal.app import HandlerResponse
 
 from .ports import InvokeResult, RequestCounter
 
@@ -40,7 +41,7 @@ class HttpInvoker:
         self._client.close()
 
 
-Handler = Callable[[str, dict[str, str], bytes], object]
+Handler = Callable[[str, dict[str, str], bytes], HandlerResponse]
 
 
 class InProcessInvoker:
@@ -61,7 +62,5 @@ class InProcessInvoker:
         if handler is None:
             return InvokeResult(kind="unreachable", detail=f"nothing serves {url}")
         response = handler("POST", headers, body)
-        status = getattr(response, "status")
-        return InvokeResult(
-            kind="response", status=status, headers=dict(getattr(response, "headers")), body=getattr(response, "body")
-        )
+        status = response.status
+        return InvokeResult(kind="response", status=status, headers=dict(response.headers), body=response.body)

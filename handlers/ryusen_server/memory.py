@@ -32,6 +32,12 @@ class MemoryStore:
             raw = self._runs.get(run_id)
         return RunState.model_validate_json(raw) if raw is not None else None
 
+    def peek(self, run_id: str) -> RunState | None:
+        """Read without counting a request (test harness and benchmark bookkeeping)."""
+        with self._lock:
+            raw = self._runs.get(run_id)
+        return RunState.model_validate_json(raw) if raw is not None else None
+
     def create(self, state: RunState) -> None:
         raw = state.model_dump_json()
         self.counter.add("store.write", len(raw))

@@ -14,6 +14,7 @@ from typing import Any
 import boto3
 import httpx
 from botocore.config import Config
+
 from ryusen._internal.wire import Manifest
 
 from .aws.queue import SqsQueue

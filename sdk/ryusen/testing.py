@@ -15,6 +15,7 @@ transitions. Requires the server extra (``pip install 'ryusen[server]'``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -25,7 +26,7 @@ from ryusen._internal.wire import Manifest, Phase, TaskKind, TaskRequest
 
 try:
     from ryusen_server.core.events import EngineSettings, Resolve
-    from ryusen_server.core.model import TaskRef
+    from ryusen_server.core.model import RunState, TaskRef
     from ryusen_server.core.view import run_view
     from ryusen_server.engine import Engine, ServerSettings
     from ryusen_server.invoker import InProcessInvoker
@@ -35,7 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("ryusen.testing needs the server extra: pip install 'ryusen[server]'") from exc
 
-__all__ = ["RunView", "VirtualClock", "WorkflowEnvironment", "Faults"]
+__all__ = ["Faults", "RunView", "VirtualClock", "WorkflowEnvironment"]
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -57,6 +58,10 @@ class VirtualClock:
             self.now = moment
 
 
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 @dataclass(frozen=True)
 class RunView:
     """A run as the API shows it (``raw``), with shortcuts for the fields tests read most."""
@@ -76,11 +81,11 @@ class RunView:
 
     @property
     def outcome(self) -> str | None:
-        return self.raw["outcome"]
+        return _opt_str(self.raw["outcome"])
 
     @property
     def recovery(self) -> str | None:
-        return self.raw["recovery"]
+        return _opt_str(self.raw["recovery"])
 
     @property
     def summary(self) -> str:
@@ -92,7 +97,8 @@ class RunView:
 
     @property
     def error(self) -> dict[str, Any] | None:
-        return self.raw["error"]
+        error = self.raw["error"]
+        return dict(error) if error is not None else None
 
     @property
     def blockers(self) -> list[dict[str, Any]]:
@@ -154,13 +160,20 @@ class Faults:
         """The dispatcher dies after authorizing the attempt and before invoking: the lease must expire."""
         self._rules.append(_Rule(step_id, phase, "crash", times))
 
-    def before_invoke(self, step_id: str, action: Callable[[], None], *, phase: str = "forward", times: int = 1) -> None:
+    def before_invoke(
+        self, step_id: str, action: Callable[[], None], *, phase: str = "forward", times: int = 1
+    ) -> None:
         """Run ``action`` (e.g. a cancel) while the authorized attempt is about to be invoked."""
         self._rules.append(_Rule(step_id, phase, "before", times, action))
 
     def take(self, step_id: str | None, phase: str | None, kinds: tuple[str, ...]) -> _Rule | None:
         for rule in self._rules:
-            if rule.kind in kinds and rule.times > 0 and rule.step_id in (None, step_id) and rule.phase in (None, phase):
+            if (
+                rule.kind in kinds
+                and rule.times > 0
+                and rule.step_id in (None, step_id)
+                and rule.phase in (None, phase)
+            ):
                 rule.times -= 1
                 return rule
         return None
@@ -191,7 +204,7 @@ class WorkflowEnvironment:
         ids = iter(range(1, 1 << 62))
         self.engine = Engine(
             store=self.store,
-            queue=self,  # type: ignore[arg-type] # sends go through the fault layer below
+            queue=self,  # sends go through the fault layer below
             timers=self.timers,
             invoker=self.invoker,
             settings=ServerSettings(
@@ -262,8 +275,14 @@ class WorkflowEnvironment:
                 }
             )
             self.faults.held.append(
-                HeldResult(request.run_id, step_id, request.operation.phase.value, request.operation.generation,
-                           late.model_dump_json().encode(), {})
+                HeldResult(
+                    request.run_id,
+                    step_id,
+                    request.operation.phase.value,
+                    request.operation.generation,
+                    late.model_dump_json().encode(),
+                    {},
+                )
             )
             return InvokeResult(kind="lost", detail="injected: response lost after the callback ran")
         return None
@@ -271,7 +290,12 @@ class WorkflowEnvironment:
     # ---- driving ---------------------------------------------------------------------
 
     def start(
-        self, function_id: str, input: Any = None, *, idempotency_key: str | None = None, timeout: timedelta | None = None
+        self,
+        function_id: str,
+        input: Any = None,
+        *,
+        idempotency_key: str | None = None,
+        timeout: timedelta | None = None,
     ) -> str:
         state, _ = self.engine.start_run(
             function_id, input, idempotency_key=idempotency_key, timeout_s=timeout.total_seconds() if timeout else None
@@ -286,17 +310,21 @@ class WorkflowEnvironment:
         if not messages:
             return False
         message = messages[0]
-        try:
+        with contextlib.suppress(_Crash):  # the message stays in flight; it returns when its visibility lapses
             handle_message(self.engine, self.queue, message, message.message_id)
-        except _Crash:
-            pass  # the message stays in flight; it returns when its visibility lapses
         return True
 
     def next_due(self) -> datetime | None:
         candidates = [t for t in (self.queue.next_visible_at(), self.timers.next_due_at()) if t is not None]
         return min(candidates, default=None)
 
-    def drive(self, *, until: Callable[[], bool] | None = None, max_transitions: int = 100_000, horizon: timedelta = timedelta(days=30)) -> None:
+    def drive(
+        self,
+        *,
+        until: Callable[[], bool] | None = None,
+        max_transitions: int = 100_000,
+        horizon: timedelta = timedelta(days=30),
+    ) -> None:
         """Run until ``until()`` holds or nothing is left to do within ``horizon`` of virtual time."""
         limit = self.clock.now + horizon
         for _ in range(max_transitions):
@@ -316,11 +344,18 @@ class WorkflowEnvironment:
         return self.wait(run_id)
 
     def wait(self, run_id: str, **kwargs: Any) -> RunView:
-        self.drive(until=lambda: self.engine.get_run(run_id).phase.value == "finished", **kwargs)
+        self.drive(until=lambda: self._peek(run_id).phase.value == "finished", **kwargs)
         return self.get(run_id)
 
+    def _peek(self, run_id: str) -> RunState:
+        state = self.store.peek(run_id)
+        if state is None:
+            raise KeyError(f"no run {run_id!r}")
+        return state
+
     def get(self, run_id: str) -> RunView:
-        return RunView(run_view(self.engine.get_run(run_id)))
+        """The run view, as ``GET /v1/runs/{id}`` returns it."""
+        return RunView(run_view(self._peek(run_id)))
 
     def advance(self, delta: timedelta) -> None:
         self.clock.advance(delta)
@@ -358,11 +393,16 @@ class WorkflowEnvironment:
             ),
         )
 
-    def deliver_late_result(self, run_id: str, step_id: str, *, phase: str = "forward", generation: int | None = None) -> None:
+    def deliver_late_result(
+        self, run_id: str, step_id: str, *, phase: str = "forward", generation: int | None = None
+    ) -> None:
         """Submit a result held back by ``faults.lose_result`` through the late-result endpoint path."""
         for held in list(self.faults.held):
-            if held.run_id == run_id and held.step_id == step_id and held.phase == phase and (
-                generation is None or held.generation == generation
+            if (
+                held.run_id == run_id
+                and held.step_id == step_id
+                and held.phase == phase
+                and (generation is None or held.generation == generation)
             ):
                 self.faults.held.remove(held)
                 self.engine.submit_late_result(held.body, held.headers)

@@ -7,11 +7,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+
 import ryusen
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen._internal.wire import Phase
 from ryusen.testing import WorkflowEnvironment
-
 from ryusen_server.core.events import EngineSettings
 
 
@@ -124,7 +124,11 @@ def test_current_code_decides_the_compensator_and_committed_recovery_is_never_re
 
         @app.function("wf")
         def wf(data: Any, step: Step) -> Any:
-            step.run("a", lambda: "A", compensate=(lambda r: calls.update([f"undo-a@{release}"])) if with_compensator else None)
+            step.run(
+                "a",
+                lambda: "A",
+                compensate=(lambda r: calls.update([f"undo-a@{release}"])) if with_compensator else None,
+            )
             step.run("b", lambda: "B", compensate=None)
             raise RuntimeError("later failure")
 
@@ -155,12 +159,15 @@ def test_exhausted_compensation_finishes_partially_compensated() -> None:
     @app.function("wf")
     def wf(data: Any, step: Step) -> Any:
         step.run("first", lambda: 1, compensate=lambda r: undone.append("first"))
-        step.run("second", lambda: 2, compensate=lambda r: (_ for _ in ()).throw(IOError("refund API down")))
+        step.run("second", lambda: 2, compensate=lambda r: (_ for _ in ()).throw(OSError("refund API down")))
         step.run("third", lambda: 3, compensate=lambda r: undone.append("third"))
         raise RuntimeError("boom")
 
     env = WorkflowEnvironment(
-        app, settings=EngineSettings(compensate_retry=EngineSettings().compensate_retry.model_copy(update={"max_attempts": 3}))
+        app,
+        settings=EngineSettings(
+            compensate_retry=EngineSettings().compensate_retry.model_copy(update={"max_attempts": 3})
+        ),
     )
     run = env.run("wf")
     assert run.phase == "finished" and run.recovery == "partially_compensated"

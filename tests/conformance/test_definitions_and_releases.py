@@ -7,9 +7,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+
 from ryusen import Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
-
 from ryusen_server.core.events import EngineSettings
 from ryusen_server.ports import ConflictError
 
@@ -115,9 +115,7 @@ def test_same_id_in_different_passes_reuses_the_accepted_result() -> None:
 @pytest.mark.rfd("D6", "D7")
 def test_probe_and_operator_rediscover_observe_the_conflict_without_side_effects() -> None:
     calls: Counter[str] = Counter()
-    env = WorkflowEnvironment(
-        release_a(calls), settings=EngineSettings(probe_initial_s=60.0, probe_max_s=240.0)
-    )
+    env = WorkflowEnvironment(release_a(calls), settings=EngineSettings(probe_initial_s=60.0, probe_max_s=240.0))
     run_id = env.start("invoice")
     env.drive(horizon=timedelta(seconds=1))
     first = env.get(run_id).blockers[0]

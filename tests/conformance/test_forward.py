@@ -8,9 +8,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+
 from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step, StepFailed
 from ryusen.testing import WorkflowEnvironment
-
 from ryusen_server.core.events import TaskDelivered
 from ryusen_server.core.model import TaskRef
 
@@ -265,7 +265,10 @@ def test_success_and_failure_are_explicit_wire_values() -> None:
 
     env.invoker.apps["inproc://f10"] = recording
     env.run("wf", True)  # a success whose value is null is still an explicit success
-    env.run("wf", False, )
+    env.run(
+        "wf",
+        False,
+    )
     attempts = [b["attempt"] for b in bodies if b["kind"] == "forward"]
     assert {"type": "succeeded", "result": None} in attempts
     failed = [a for a in attempts if a["type"] == "failed"]

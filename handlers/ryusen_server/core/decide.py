@@ -244,7 +244,9 @@ class _Transition:
     def timeout_s(self, step: StepState | None) -> float:
         return step.timeout_s if step and step.timeout_s else self.settings.attempt_timeout_s
 
-    def settle(self, attempt: Attempt, status: AttemptStatus, *, error: ErrorInfo | None = None, detail: str | None = None) -> None:
+    def settle(
+        self, attempt: Attempt, status: AttemptStatus, *, error: ErrorInfo | None = None, detail: str | None = None
+    ) -> None:
         attempt.status = status
         attempt.settled_at = self.now
         attempt.error = error
@@ -261,7 +263,7 @@ class _Transition:
             self.s.probe_due_at = None
 
     def redelivery_delay(self, redeliveries: int) -> float:
-        return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * 2 ** max(0, redeliveries - 1))
+        return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2 ** max(0, redeliveries - 1)))
 
     def finish(self, recovery: Recovery | None) -> None:
         self.s.phase = RunPhase.FINISHED
@@ -585,9 +587,7 @@ class _Transition:
     def attempt_failed(self, step: StepState, attempt: Attempt, error: ErrorInfo, detail: str | None = None) -> None:
         self.settle(attempt, AttemptStatus.FAILED, error=error, detail=detail)
         policy = self.policy(step, attempt.phase)
-        failures = sum(
-            1 for a in step.attempts if a.phase is attempt.phase and a.status in (AttemptStatus.FAILED,)
-        )
+        failures = sum(1 for a in step.attempts if a.phase is attempt.phase and a.status in (AttemptStatus.FAILED,))
         retry_allowed = error.retryable and failures < policy.max_attempts
         if attempt.phase is Phase.FORWARD:
             if self.stopping:  # S6: no forward retry after a stop
@@ -646,7 +646,7 @@ class _Transition:
         """Start the unwind once every effect attempt authorized before the outcome has settled (S9)."""
         s = self.s
         if s.outcome is None or s.outcome is Outcome.COMPLETED or s.phase in (RunPhase.COMPENSATING, RunPhase.FINISHED):
-            return
+            return None
         self.touch()
         s.recovery = Recovery.PENDING
         unsettled = [
@@ -657,7 +657,7 @@ class _Transition:
         ]
         if unsettled or (s.discovery is not None and s.discovery.status is AttemptStatus.AUTHORIZED):
             s.phase = RunPhase.SETTLING
-            return
+            return None
         s.discovery = None
         completed = sorted(
             (step for step in s.steps if step.status is StepStatus.COMPLETED),
@@ -722,7 +722,9 @@ class _Transition:
         for step in s.steps:
             current = step.current(Phase.FORWARD)
             if current is not None and current.status is AttemptStatus.QUEUED:
-                self.settle(current, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization")
+                self.settle(
+                    current, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization"
+                )
                 if step.status is not StepStatus.COMPLETED:
                     step.status = StepStatus.FENCED
         self.evaluate_recovery()

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ryusen._internal.wire import Phase
 
-from .model import Attempt, BlockerType, Outcome, Recovery, RunPhase, RunState, StepState
+from .model import Attempt, Outcome, Recovery, RunPhase, RunState, StepState
 
 _OUTCOME_WORDS = {
     Outcome.COMPLETED: "completed",
@@ -37,12 +37,8 @@ def summary(state: RunState) -> str:
         elif state.recovery is not None:
             text += ", " + _RECOVERY_WORDS[state.recovery]
     if state.blockers:
-        text += " (blocked: " + "; ".join(_blocker_words(b.type, b.message) for b in state.blockers) + ")"
+        text += " (blocked: " + "; ".join(b.message for b in state.blockers) + ")"
     return text
-
-
-def _blocker_words(kind: BlockerType, message: str) -> str:
-    return message if kind is BlockerType.UNKNOWN_OUTCOME else message
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -147,7 +147,7 @@ class DevStack:
         self._serve_api()
         self._spawn(self._dispatch_loop, "ryusen-dispatch")
         self._spawn(self._timer_loop, "ryusen-timers")
-        app_env = {**os.environ, **{k: v for k, v in self.env.items()}, "RYUSEN_SIGNING_KEY": key}
+        app_env = {**os.environ, **dict(self.env), "RYUSEN_SIGNING_KEY": key}
         app_env.pop("RYUSEN_RELEASE_ID", None)
         for spec in self.apps:
             proc = AppProcess(spec=spec, port=free_port(), env=app_env)
@@ -246,7 +246,9 @@ class DevStack:
             path = environ.get("PATH_INFO", "/")
             if environ["REQUEST_METHOD"] == "GET" and path in ("/", "/ui", "/index.html"):
                 body = UI_HTML.encode()
-                start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))])
+                start_response(
+                    "200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))]
+                )
                 return [body]
             event = wsgi_to_rest_event(environ)
             result = resolver.resolve(event, _LocalContext())
@@ -277,7 +279,7 @@ class DevStack:
                     messages = sqs.receive_message(
                         QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1, VisibilityTimeout=visibility
                     ).get("Messages", [])
-                except Exception:  # noqa: BLE001 - moto stopping, or a transient error
+                except Exception:
                     if self._stop.is_set():
                         return
                     log.exception("receive failed")
@@ -291,7 +293,7 @@ class DevStack:
         sqs, queue_url = self.wired.sqs, self.resources.queue_url
         try:
             done, later = process_body(self.wired.engine, message["Body"])
-        except Exception:  # noqa: BLE001 - leave it on the queue; the DLQ takes it after repeated failure
+        except Exception:
             log.exception("dispatch of a message failed; it will be redelivered")
             return
         if done:
@@ -300,7 +302,9 @@ class DevStack:
         else:
             self.counter.add("sqs.change_visibility")
             sqs.change_message_visibility(
-                QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=int(max(1, min(43200, later)))
+                QueueUrl=queue_url,
+                ReceiptHandle=message["ReceiptHandle"],
+                VisibilityTimeout=int(max(1, min(43200, later))),
             )
 
     def _timer_loop(self) -> None:
@@ -315,7 +319,7 @@ class DevStack:
                     self.counter.add("sqs.send")
                     sqs.send_message(QueueUrl=queue_url, MessageBody=payload)
                     timers.delete(name)  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if self._stop.is_set():
                     return
                 log.exception("firing due schedules failed")
@@ -332,9 +336,19 @@ class _LocalContext:
         return 30_000
 
 
-_REASONS = {200: "OK", 201: "Created", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large", 422: "Unprocessable Entity",
-            500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    202: "Accepted",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Payload Too Large",
+    422: "Unprocessable Entity",
+    500: "Internal Server Error",
+}
 
 
 def _reason(status: int) -> str:

@@ -8,6 +8,7 @@ or ``package.module:app`` (the attribute defaults to ``app``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -80,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = make_server("127.0.0.1", args.port, app.wsgi(), threaded=True)
     print(f"serving app {app.app_id!r} ({args.spec}) on http://127.0.0.1:{args.port}/", flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -95,7 +95,9 @@ class Ryusen:
     def functions(self) -> dict[str, RegisteredFunction]:
         return dict(self._functions)
 
-    def function(self, function_id: str, *, timeout: timedelta | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def function(
+        self, function_id: str, *, timeout: timedelta | None = None
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a workflow function ``fn(input, step)`` under ``function_id``.
 
         ``timeout`` is the run timeout every run of this function inherits.
@@ -108,9 +110,7 @@ class Ryusen:
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             if function_id in self._functions:
                 raise DefinitionError(f"function id {function_id!r} is registered twice in app {self.app_id!r}")
-            self._functions[function_id] = RegisteredFunction(
-                function_id, fn, timeout, inspect.iscoroutinefunction(fn)
-            )
+            self._functions[function_id] = RegisteredFunction(function_id, fn, timeout, inspect.iscoroutinefunction(fn))
             return fn
 
         return register
@@ -126,8 +126,8 @@ class Ryusen:
         if env:
             return env
         digest = hashlib.sha256()
-        for name in sorted({f.fn.__module__ for f in self._functions.values()}):
-            module = sys.modules.get(name)
+        for name in sorted({f.fn.__module__ or "" for f in self._functions.values()}):
+            module = sys.modules.get(name) if name else None
             try:
                 digest.update(inspect.getsource(module).encode() if module else name.encode())
             except (OSError, TypeError):
@@ -271,9 +271,11 @@ class Ryusen:
         key = self.signing_key
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
-        req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")
+        if not request.result_url.startswith(("http://", "https://")):
+            return
+        req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - server-provided URL
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the server-provided http(s) URL
                 resp.read()
         except OSError:
             pass  # the server's lease turns the attempt Unknown; an operator can still settle it
@@ -315,5 +317,7 @@ def _respond(request: TaskRequest, outcome: Any) -> TaskResponse:
         return TaskResponse(kind=request.kind, run_id=request.run_id, discovery=outcome)
     if isinstance(outcome, FunctionFailed):
         # the function raised before reaching the target step: current code does not reach it
-        outcome = TargetNotFound(detail=f"current code fails before reaching step {request.step_id!r}: {outcome.error.message}")
+        outcome = TargetNotFound(
+            detail=f"current code fails before reaching step {request.step_id!r}: {outcome.error.message}"
+        )
     return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome)

@@ -64,7 +64,7 @@ def wsgi_app(app: Ryusen) -> Callable[[dict[str, Any], Callable[..., Any]], Iter
         response = app.handle(environ["REQUEST_METHOD"], headers, body)
         start_response(
             f"{response.status} {_REASONS.get(response.status, 'Error')}",
-            list(response.headers.items()) + [("Content-Length", str(len(response.body)))],
+            [*response.headers.items(), ("Content-Length", str(len(response.body)))],
         )
         return [response.body]
 

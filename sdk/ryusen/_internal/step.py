@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
-from .errors import NoOperationError, NonRetryableError, StepFailed
+from .errors import NonRetryableError, NoOperationError, StepFailed
 from .wire import (
     MAX_VALUE_BYTES,
     CallbackFailed,
@@ -53,8 +53,9 @@ T = TypeVar("T")
 class RetryPolicy:
     """How a step's callback is retried after a failed attempt.
 
-    >>> RetryPolicy(max_attempts=6, initial_delay=timedelta(seconds=2))
-    RetryPolicy(max_attempts=6, initial_delay=datetime.timedelta(seconds=2), backoff=2.0, max_delay=datetime.timedelta(seconds=300), on_unknown='block')
+    >>> policy = RetryPolicy(max_attempts=6, initial_delay=timedelta(seconds=2))
+    >>> policy.to_wire().initial_delay_s, policy.on_unknown
+    (2.0, 'block')
 
     ``on_unknown="retry"`` declares the callback safe to run twice: an attempt
     whose outcome cannot be known then consumes a retry instead of blocking.
@@ -98,9 +99,7 @@ class Operation:
     generation: int
 
 
-_current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar(
-    "ryusen_operation", default=None
-)
+_current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar("ryusen_operation", default=None)
 
 
 def operation() -> Operation:
@@ -115,7 +114,7 @@ def operation() -> Operation:
     return op
 
 
-class Suspend(BaseException):  # noqa: N818 - control flow, not an error
+class Suspend(BaseException):
     """Ends a pass; carries what the task learned. Never raised to the user."""
 
     def __init__(self, outcome: Any) -> None:
@@ -355,4 +354,4 @@ def _close(obj: Any) -> None:
         close()
 
 
-__all__ = ["AsyncStep", "Operation", "RetryPolicy", "Step", "Suspend", "operation", "Phase"]
+__all__ = ["AsyncStep", "Operation", "Phase", "RetryPolicy", "Step", "Suspend", "operation"]

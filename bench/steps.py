@@ -1,0 +1,140 @@
+"""Per-step cost of a straight-line workflow: requests, bytes and latency.
+
+    .venv/bin/python bench/steps.py            # 20- and 100-step runs, ryusen.testing and the ryusen dev stack
+    .venv/bin/python bench/steps.py --quick    # 20 steps only
+
+For each environment and run length it prints, per step: invocations of the
+user endpoint, store (DynamoDB) reads and writes, SQS requests and Scheduler
+calls; per run: bytes sent to the endpoint and bytes written to the store; and
+the median milliseconds per step (the gap between consecutive step
+settlements). Figures, not assertions: docs/performance.md records them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+APP_SOURCE = """
+from ryusen import Ryusen, Step
+
+app = Ryusen("bench")
+
+def work(i: int) -> dict:
+    return {"i": i, "payload": "x" * 64}
+
+@app.function("straight")
+def straight(data: dict, step: Step) -> dict:
+    total = 0
+    for i in range(data["steps"]):
+        total += step.run(f"step-{i}", work, i)["i"]
+    return {"total": total}
+"""
+
+
+SQS_KINDS = (
+    "queue.send",
+    "queue.receive",
+    "queue.delete",
+    "sqs.send",
+    "sqs.receive",
+    "sqs.delete",
+    "sqs.change_visibility",
+)
+
+
+def per_step_ms(view: dict[str, Any]) -> float:
+    settled = sorted(
+        datetime.fromisoformat(a["settled_at"])
+        for s in view["steps"]
+        for a in s["attempts"]
+        if a["phase"] == "forward" and a["settled_at"]
+    )
+    gaps = [(b - a).total_seconds() * 1000 for a, b in itertools.pairwise(settled)]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], ms: float, wall_s: float) -> None:
+    def per(kinds: tuple[str, ...]) -> float:
+        return sum(counts.get(k, 0) for k in kinds) / steps
+
+    print(
+        f"{env:15} {steps:4} steps | per step: invoke {per(('endpoint.invoke',)):.2f}"
+        f"  ddb read {per(('store.read', 'dynamodb.read')):.2f}"
+        f"  ddb write {per(('store.write', 'dynamodb.write')):.2f}"
+        f"  sqs {per(SQS_KINDS):.2f}"
+        f"  scheduler {per(('timers.schedule', 'scheduler.create_schedule', 'scheduler.list_schedules')):.2f}"
+        f" | per run: endpoint bytes {sent.get('endpoint.invoke', 0):,}"
+        f"  store bytes {sent.get('store.write', 0) + sent.get('dynamodb.write', 0):,}"
+        f" | median {ms:.1f} ms/step  (wall {wall_s:.2f} s)"
+    )
+
+
+def bench_testing(steps: int) -> None:
+    from ryusen.testing import WorkflowEnvironment
+
+    namespace: dict[str, Any] = {}
+    exec(compile(APP_SOURCE, "bench_app.py", "exec"), namespace)
+    env = WorkflowEnvironment(namespace["app"])
+    env.counter.reset()
+    started = time.perf_counter()
+    run = env.run("straight", {"steps": steps})
+    wall = time.perf_counter() - started
+    assert run.outcome == "completed", run.summary
+    # virtual time does not move between steps here, so latency is wall time per step
+    report("ryusen.testing", steps, dict(env.counter.counts), dict(env.counter.bytes_sent), wall * 1000 / steps, wall)
+
+
+def bench_dev(steps_list: list[int]) -> None:
+    from ryusen_server.local.dev import DevStack, free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        app_file = Path(tmp) / "bench_app.py"
+        app_file.write_text(APP_SOURCE)
+        port = free_port()
+        stack = DevStack(port=port, apps=[f"{app_file}:app"], out=lambda line: None)
+        stack.start()
+        try:
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+            for steps in steps_list:
+                stack.counter.reset()
+                started = time.perf_counter()
+                run_id = client.post("/v1/functions/straight/runs", json={"input": {"steps": steps}}).json()["id"]
+                while True:
+                    view = client.get(f"/v1/runs/{run_id}").json()
+                    if view["phase"] == "finished":
+                        break
+                    time.sleep(0.05)
+                wall = time.perf_counter() - started
+                assert view["outcome"] == "completed", view["summary"]
+                counts = dict(stack.counter.counts)
+                # the benchmark's own polling is not engine cost: remove what the API read for it
+                report("ryusen dev", steps, counts, dict(stack.counter.bytes_sent), per_step_ms(view), wall)
+        finally:
+            stack.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20 steps only")
+    parser.add_argument("--no-dev", action="store_true", help="skip the ryusen dev stack")
+    args = parser.parse_args()
+    lengths = [20] if args.quick else [20, 100]
+    for steps in lengths:
+        bench_testing(steps)
+    if not args.no_dev:
+        bench_dev(lengths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The dispatch queue on SQS (a standard queue with a dead-letter queue).
+
+Theory of operation. A task is one message whose body is the TaskRef JSON.
+``send`` delays it with SQS's per-message ``DelaySeconds`` (rounded up, so it
+is never early); SQS caps that at 900 s, so a longer delay is parked as a
+one-time EventBridge Scheduler schedule whose target is this queue and whose
+input is the same body: the task arrives on the queue when it is due, as if
+it had been sent then. The queue also carries the Scheduler's timer messages
+(``{"timer": ...}``), so ``receive`` returns both kinds.
+
+A received message is not deleted until its handler is done with it; while
+an attempt is in flight, its message is kept invisible for the lease's
+remaining time (``change_visibility``) and so is the attempt's lease timer.
+A message that keeps failing moves to the dead-letter queue after
+``MAX_RECEIVE_COUNT`` receives (the queue's redrive policy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from botocore.exceptions import ClientError
+from pydantic import ValidationError
+
+from ..core.model import TaskRef, TimerRef
+from ..ports import RequestCounter
+
+if TYPE_CHECKING:
+    from mypy_boto3_sqs.client import SQSClient
+
+    from .timers import SchedulerTimers
+
+log = logging.getLogger("ryusen.aws.queue")
+
+MAX_DELAY_S = 900
+"""SQS's limit on DelaySeconds; longer delays go through the Scheduler."""
+MAX_VISIBILITY_S = 43_200
+"""SQS's limit on a visibility timeout (12 hours)."""
+MAX_RECEIVE_COUNT = 10
+VISIBILITY_TIMEOUT_S = 360
+"""The queue's default visibility: the default attempt timeout (300 s) plus the lease grace (60 s)."""
+RETENTION_S = 1_209_600
+"""14 days, SQS's maximum: a message may be an attempt's lease timer for a long time."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SqsMessage:
+    """One received message: a task (``task``) or a Scheduler timer (``timer``); exactly one is set."""
+
+    message_id: str
+    """The receipt handle: what :meth:`SqsQueue.delete` and :meth:`SqsQueue.change_visibility` take."""
+    body: str
+    task: TaskRef | None = None
+    timer: TimerRef | None = None
+    sqs_message_id: str = ""
+    receive_count: int = 1
+
+
+def parse_body(body: str) -> TaskRef | TimerRef:
+    """A dispatch message's body: a TaskRef, or ``{"timer": TimerRef}``. Raises ValueError if neither."""
+    data = json.loads(body)
+    if isinstance(data, dict) and "timer" in data:
+        return TimerRef.model_validate(data["timer"])
+    return TaskRef.model_validate(data)
+
+
+class SqsQueue:
+    """:class:`~ryusen_server.ports.TaskQueue` (and ``runtime.ReceivingQueue``) on SQS."""
+
+    def __init__(
+        self,
+        sqs_client: SQSClient,
+        queue_url: str,
+        scheduler: SchedulerTimers | None = None,
+        counter: RequestCounter | None = None,
+        *,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        self._client = sqs_client
+        self.queue_url = queue_url
+        self._scheduler = scheduler
+        self.counter = counter or RequestCounter()
+        self._clock = clock or (lambda: datetime.now(UTC))
+
+    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+        body = task.model_dump_json()
+        delay = max(0, math.ceil(delay_s))
+        if delay > MAX_DELAY_S:
+            if self._scheduler is not None:
+                at = self._clock() + timedelta(seconds=delay)
+                self._scheduler.schedule_message(self._delayed_name(task, body, at), at, body)
+                return
+            # without a scheduler the task still must not be lost: it arrives early instead
+            log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
+            delay = MAX_DELAY_S
+        self.counter.add("sqs.send", len(body))
+        self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
+
+    @staticmethod
+    def _delayed_name(task: TaskRef, body: str, at: datetime) -> str:
+        # deterministic: sending the same task for the same second twice schedules it once
+        digest = hashlib.sha256(f"{body}\n{int(at.timestamp())}".encode()).hexdigest()[:12]
+        return f"ryusen-task-{task.run_id}-{digest}"
+
+    def receive(self, max_messages: int = 10, wait_s: float = 0.0) -> list[SqsMessage]:
+        """Up to ``max_messages`` (at most 10) visible messages, long-polling up to ``wait_s`` (at most 20)."""
+        self.counter.add("sqs.receive")
+        response = self._client.receive_message(
+            QueueUrl=self.queue_url,
+            MaxNumberOfMessages=max(1, min(10, max_messages)),
+            WaitTimeSeconds=max(0, min(20, math.ceil(wait_s))),
+            MessageSystemAttributeNames=["ApproximateReceiveCount"],
+        )
+        out: list[SqsMessage] = []
+        for raw in response.get("Messages", []):
+            body, receipt = raw.get("Body", ""), raw["ReceiptHandle"]
+            count = int(raw.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+            try:
+                parsed = parse_body(body)
+            except (ValueError, ValidationError):
+                # Not ours to interpret. It is left on the queue untouched (not deleted): it comes back
+                # after the visibility timeout and, after MAX_RECEIVE_COUNT receives, the redrive policy
+                # moves it to the dead-letter queue, where an operator can still read it.
+                log.error(
+                    "malformed dispatch message %s (receive %d of %d before the DLQ): %.200r",
+                    raw.get("MessageId"),
+                    count,
+                    MAX_RECEIVE_COUNT,
+                    body,
+                )
+                continue
+            out.append(
+                SqsMessage(
+                    message_id=receipt,
+                    body=body,
+                    task=parsed if isinstance(parsed, TaskRef) else None,
+                    timer=parsed if isinstance(parsed, TimerRef) else None,
+                    sqs_message_id=raw.get("MessageId", ""),
+                    receive_count=count,
+                )
+            )
+        return out
+
+    def delete(self, message_id: str) -> None:
+        """Delete a received message by its receipt handle; one already gone is fine."""
+        self.counter.add("sqs.delete")
+        try:
+            self._client.delete_message(QueueUrl=self.queue_url, ReceiptHandle=message_id)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "ReceiptHandleIsInvalid":
+                raise
+            log.debug("delete: receipt handle no longer valid (message already deleted)")
+
+    def change_visibility(self, message_id: str, delay_s: float) -> None:
+        """Make a received message visible again in ``delay_s`` (capped at 12 hours)."""
+        self.counter.add("sqs.change_visibility")
+        try:
+            self._client.change_message_visibility(
+                QueueUrl=self.queue_url,
+                ReceiptHandle=message_id,
+                VisibilityTimeout=max(0, min(MAX_VISIBILITY_S, math.ceil(delay_s))),
+            )
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in ("ReceiptHandleIsInvalid", "MessageNotInflight"):
+                log.debug("change_visibility: message no longer in flight (%s)", code)
+            elif code == "InvalidParameterValue":
+                # AWS refuses to keep a message invisible past 12 h after its first receive; it then
+                # returns early, and the engine simply asks for more time again (harmless).
+                log.warning("change_visibility refused: %s", exc)
+            else:
+                raise
+
+
+def create_queues(sqs_client: SQSClient, name: str) -> tuple[str, str]:
+    """Create the dispatch queue ``name`` and its dead-letter queue ``{name}-dlq``; returns both URLs."""
+    dlq_url = sqs_client.create_queue(QueueName=f"{name}-dlq", Attributes={"MessageRetentionPeriod": str(RETENTION_S)})[
+        "QueueUrl"
+    ]
+    dlq_arn = sqs_client.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    queue_url = sqs_client.create_queue(
+        QueueName=name,
+        Attributes={
+            "VisibilityTimeout": str(VISIBILITY_TIMEOUT_S),
+            "MessageRetentionPeriod": str(RETENTION_S),
+            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(MAX_RECEIVE_COUNT)}),
+        },
+    )["QueueUrl"]
+    return queue_url, dlq_url

@@ -1,0 +1,84 @@
+"""The app the conformance tests serve over real HTTP with `ryusen dev`.
+
+Callbacks append a line to $RYUSEN_TEST_LOG for every execution, so a test in
+another process can count physical invocations.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import ryusen
+from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step, StepFailed
+
+app = Ryusen("conformance")
+VARIANT = "a"
+
+
+def record(what: str) -> None:
+    with open(os.environ["RYUSEN_TEST_LOG"], "a") as f:
+        f.write(f"{what}\n")
+
+
+def times(what: str) -> int:
+    try:
+        with open(os.environ["RYUSEN_TEST_LOG"]) as f:
+            return sum(1 for line in f if line.strip() == what)
+    except FileNotFoundError:
+        return 0
+
+
+def effect(name: str, tag: str) -> dict[str, Any]:
+    record(f"{tag}:{name}")
+    return {"step": name, "op": ryusen.operation().id}
+
+
+def flaky(tag: str, failures: int) -> str:
+    record(f"{tag}:flaky")
+    if times(f"{tag}:flaky") <= failures:
+        raise ConnectionError("upstream unavailable")
+    return "recovered"
+
+
+def undo(tag: str, name: str) -> Any:
+    def compensate(result: dict[str, Any]) -> dict[str, Any]:
+        record(f"{tag}:undo-{name}")
+        return {"undone": result["step"], "op": ryusen.operation().id}
+
+    return compensate
+
+
+@app.function("straight")
+def straight(data: dict[str, Any], step: Step) -> dict[str, Any]:
+    tag = data["tag"]
+    return {n: step.run(n, effect, n, tag, compensate=undo(tag, n)) for n in data.get("steps", ["a", "b", "c"])}
+
+
+@app.function("handled")
+def handled(data: dict[str, Any], step: Step) -> Any:
+    tag = data["tag"]
+    policy = RetryPolicy(max_attempts=data["attempts"], initial_delay=timedelta(milliseconds=100))
+    try:
+        return step.run("flaky", flaky, tag, data["failures"], retry=policy, compensate=undo(tag, "flaky"))
+    except StepFailed as failure:
+        return {"handled": failure.error_type}
+
+
+@app.function("saga")
+def saga(data: dict[str, Any], step: Step) -> Any:
+    tag = data["tag"]
+    for name in ("reserve", "charge", "ship"):
+        step.run(name, effect, name, tag, compensate=undo(tag, name))
+    if data.get("declined"):
+        step.run("notify", lambda: (_ for _ in ()).throw(NonRetryableError("declined")))
+    raise RuntimeError("order rejected after shipping")
+
+
+@app.function("dup")
+def dup(data: dict[str, Any], step: Step) -> Any:
+    tag = data["tag"]
+    first = step.run("charge", effect, "charge", tag, name="charge amount")
+    second = step.run("charge", effect, "fee", tag, name="charge fee")
+    return [first["step"], second["step"], VARIANT]

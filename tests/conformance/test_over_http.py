@@ -1,0 +1,144 @@
+"""Every group over real HTTP: `ryusen dev` (moto server, dispatch loop, scheduler loop) and the SDK on loopback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import DevStack, launch, wait_for
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
+    yield from launch(tmp_path_factory.mktemp("dev"))
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.mark.rfd("F1", "F2", "F11", "R2")
+def test_straight_run_memoizes_each_step_over_http(stack: DevStack) -> None:
+    t = tag()
+    started = stack.start("straight", {"tag": t})
+    assert started["phase"] == "running" and started["outcome"] is None
+    run = stack.wait_finished(started["id"])
+    assert run["outcome"] == "completed" and run["recovery"] is None
+    assert set(run["output"]) == {"a", "b", "c"}
+    assert [stack.invocations(f"{t}:{n}") for n in "abc"] == [1, 1, 1]
+    release = stack.functions()["straight"]["release"]["release_id"]
+    for step in run["steps"]:
+        [attempt] = step["attempts"]
+        assert attempt["release_id"] == release and attempt["build_id"]
+        assert attempt["authorized_at"] and attempt["settled_at"]
+
+
+@pytest.mark.rfd("F4", "F5", "F6", "C9")
+def test_retries_then_handled_failure_over_http(stack: DevStack) -> None:
+    t = tag()
+    recovered = stack.wait_finished(stack.start("handled", {"tag": t, "attempts": 3, "failures": 2})["id"])
+    assert recovered["output"] == "recovered"
+    assert [a["status"] for a in recovered["steps"][0]["attempts"]] == ["failed", "failed", "succeeded"]
+    t2 = tag()
+    handled = stack.wait_finished(stack.start("handled", {"tag": t2, "attempts": 2, "failures": 5})["id"])
+    assert handled["outcome"] == "completed" and handled["output"] == {"handled": "ConnectionError"}
+    assert stack.invocations(f"{t2}:flaky") == 2
+    assert stack.invocations(f"{t2}:undo-flaky") == 0
+    assert handled["steps"][0]["status"] == "failed" and handled["unwind"] == []
+
+
+@pytest.mark.rfd("C1", "C3", "F7")
+def test_uncaught_failure_compensates_in_reverse_over_http(stack: DevStack) -> None:
+    t = tag()
+    run = stack.wait_finished(stack.start("saga", {"tag": t})["id"])
+    assert run["outcome"] == "failed" and run["recovery"] == "compensated"
+    assert run["summary"] == "failed, fully compensated"
+    assert [u["step_id"] for u in run["unwind"]] == ["ship", "charge", "reserve"]
+    assert [stack.invocations(f"{t}:undo-{n}") for n in ("ship", "charge", "reserve")] == [1, 1, 1]
+    ship = next(s for s in run["steps"] if s["id"] == "ship")
+    assert ship["compensation"]["result"]["undone"] == "ship"
+    comp_op = ship["compensation"]["result"]["op"]
+    assert comp_op == ship["attempts"][-1]["operation_id"] != ship["attempts"][0]["operation_id"]
+
+
+@pytest.mark.rfd("D1", "D2", "D3", "D5", "R1", "R3")
+def test_duplicate_id_blocks_and_a_saved_fix_repairs_the_run(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("dup", {"tag": t})["id"]
+    blocked = wait_for(lambda: (r := stack.run(run_id))["blockers"] and r, what="duplicate_step_id blocker")
+    [blocker] = blocked["blockers"]
+    assert blocker["type"] == "duplicate_step_id" and blocker["step_id"] == "charge"
+    assert blocker["first"]["location"].startswith("http_app.py:") and blocker["first"]["name"] == "charge amount"
+    assert blocker["duplicate"]["name"] == "charge fee"
+    assert blocked["outcome"] is None and blocked["phase"] == "running"
+    assert stack.invocations(f"{t}:fee") == 0
+    old_release = stack.functions()["dup"]["release"]["release_id"]
+    # the developer renames the second id and saves: ryusen dev reloads, syncs, and the run wakes
+    source = stack.app_file.read_text()
+    fixed = source.replace('step.run("charge", effect, "fee"', 'step.run("charge-fee", effect, "fee"')
+    stack.app_file.write_text(fixed.replace('VARIANT = "a"', 'VARIANT = "b"'))
+    run = stack.wait_finished(run_id, timeout=120)
+    assert run["outcome"] == "completed" and run["output"] == ["charge", "fee", "b"]
+    assert stack.invocations(f"{t}:charge") == 1 and stack.invocations(f"{t}:fee") == 1
+    new_release = stack.functions()["dup"]["release"]["release_id"]
+    assert new_release != old_release
+    steps = {s["id"]: s for s in run["steps"]}
+    assert steps["charge"]["attempts"][0]["release_id"] == old_release
+    assert steps["charge-fee"]["attempts"][0]["release_id"] == new_release
+
+
+@pytest.mark.rfd("O2")
+def test_app_endpoint_refuses_unsigned_requests_over_http(stack: DevStack) -> None:
+    url = stack.functions()["straight"]["release"]["url"]
+    manifest = httpx.get(url).json()
+    assert manifest["app_id"] == "conformance" and manifest["signed"] is True
+    body = b'{"kind": "discover", "run_id": "r", "function_id": "straight", "input": {"tag": "x"}}'
+    unsigned = httpx.post(url, content=body)
+    assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "invalid_signature"
+    forged = httpx.post(url, content=body, headers={"X-Ryusen-Signature": "t=1,v1=00"})
+    assert forged.status_code == 401
+
+
+@pytest.mark.rfd("O3")
+def test_bad_requests_over_http_change_nothing(stack: DevStack) -> None:
+    client = stack.client
+    before = client.get("/v1/runs", params={"limit": 200}).json()["runs"]
+    cases: list[tuple[str, str, Any, int, str]] = [
+        ("POST", "/v1/functions/no-such-fn/runs", {"input": 1}, 404, "not_found"),
+        ("GET", "/v1/runs/run_nope", None, 404, "not_found"),
+        ("POST", "/v1/functions/straight/runs", b"{broken", 400, "malformed_json"),
+        ("POST", "/v1/functions/straight/runs", {"input": {}, "timeout_s": "x"}, 422, "invalid_request"),
+        ("POST", "/v1/functions/straight/runs", {"input": "x" * 300_000}, 413, "payload_too_large"),
+        ("POST", "/v1/runs/run_nope/cancel", None, 404, "not_found"),
+    ]
+    for method, path, body, status, code in cases:
+        if isinstance(body, bytes):
+            response = client.request(method, path, content=body, headers={"content-type": "application/json"})
+        else:
+            response = client.request(method, path, json=body)
+        assert response.status_code == status, (path, response.text)
+        assert response.json()["error"]["code"] == code
+    after = client.get("/v1/runs", params={"limit": 200}).json()["runs"]
+    assert [(r["id"], r["phase"]) for r in after] == [(r["id"], r["phase"]) for r in before]
+
+
+def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    gen = launch(tmp_path)
+    stack = next(gen)
+    stack.process.send_signal(signal.SIGINT)
+    try:
+        code = stack.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("ryusen dev did not stop within 30 s of Ctrl-C")
+    assert code == 0
+    assert "stopping" in stack.output.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(stack.url + "/v1/functions", timeout=2)
+    gen.close()

@@ -1,0 +1,269 @@
+"""O2 (signing) and O3 (bad input), through the SDK handler, the engine and the API resolver."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ryusen import Ryusen, Step
+from ryusen._internal.signing import SIGNATURE_HEADER, sign
+from ryusen._internal.wire import TaskKind, TaskRequest
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.api import build_api
+from ryusen_server.engine import ServerSettings, SignatureRejectedError
+
+KEY = "k" * 32
+EVENTS = Path(__file__).resolve().parents[2] / "events"
+
+
+def signed_app(ran: list[str]) -> Ryusen:
+    app = Ryusen("secure", signing_key=KEY)
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        ran.append("function body")
+        return step.run("s", lambda: ran.append("callback") or "ok")
+
+    return app
+
+
+def discover_body() -> bytes:
+    return TaskRequest(kind=TaskKind.DISCOVER, run_id="r1", function_id="wf", input=None).model_dump_json().encode()
+
+
+@pytest.mark.rfd("O2")
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param({}, id="unsigned"),
+        pytest.param({SIGNATURE_HEADER: "t=1,v1=deadbeef"}, id="garbage"),
+        pytest.param({SIGNATURE_HEADER: sign("other-key", discover_body(), now=time.time())}, id="wrong-key"),
+        pytest.param({SIGNATURE_HEADER: sign(KEY, discover_body(), now=time.time() - 600)}, id="stale"),
+    ],
+)
+def test_sdk_refuses_unsigned_tampered_or_stale_requests(headers: dict[str, str]) -> None:
+    ran: list[str] = []
+    app = signed_app(ran)
+    response = app.handle("POST", headers, discover_body())
+    assert response.status == 401
+    assert json.loads(response.body)["error"]["code"] == "invalid_signature"
+    assert ran == []
+
+
+@pytest.mark.rfd("O2")
+def test_sdk_refuses_a_tampered_body() -> None:
+    ran: list[str] = []
+    app = signed_app(ran)
+    header = sign(KEY, discover_body(), now=time.time())
+    tampered = discover_body().replace(b'"r1"', b'"r2"')
+    assert app.handle("POST", {SIGNATURE_HEADER: header}, tampered).status == 401
+    assert ran == []
+    ok = app.handle("POST", {SIGNATURE_HEADER: header}, discover_body())
+    assert ok.status == 200 and ran == ["function body"]
+    assert ok.headers[SIGNATURE_HEADER].startswith("t=")  # responses are signed too
+
+
+def signed_env(app: Ryusen) -> WorkflowEnvironment:
+    env = WorkflowEnvironment()
+    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+    env.sync(app)
+    return env
+
+
+@pytest.mark.rfd("O2")
+def test_signed_round_trip_through_the_engine() -> None:
+    ran: list[str] = []
+    env = signed_env(signed_app(ran))
+    run = env.run("wf")
+    assert run.outcome == "completed" and run.output == "ok"
+    assert ran.count("callback") == 1
+
+
+@pytest.mark.rfd("O2")
+def test_server_treats_a_forged_response_as_no_result() -> None:
+    ran: list[str] = []
+    app = signed_app(ran)
+    env = signed_env(app)
+    real = env.invoker.apps["inproc://secure"]
+
+    def forger(method: str, headers: dict[str, str], body: bytes) -> Any:
+        response = real(method, headers, body)
+        request = json.loads(body)
+        if request["kind"] == "forward":
+            forged = response.body.replace(b'"ok"', b'"forged"')
+            return type(response)(response.status, response.headers, forged)  # signature no longer matches
+        return response
+
+    env.invoker.apps["inproc://secure"] = forger
+    run_id = env.start("wf")
+    env.drive()
+    run = env.get(run_id)
+    # the effect ran, but its result cannot be established: Unknown, never the forged value
+    assert run.step("s")["status"] == "unknown"
+    assert run.step("s")["result"] is None
+    assert run.blockers[0]["type"] == "unknown_outcome"
+
+
+@pytest.mark.rfd("O2")
+def test_server_rejects_a_forged_late_result() -> None:
+    ran: list[str] = []
+    env = signed_env(signed_app(ran))
+    run_id = env.start("wf")
+    env.drive()
+    body = json.dumps(
+        {
+            "run_id": run_id,
+            "step_id": "s",
+            "phase": "forward",
+            "generation": 1,
+            "attempt": {"type": "succeeded", "result": "forged"},
+        }
+    ).encode()
+    version = env.engine.get_run(run_id).version
+    with pytest.raises(SignatureRejectedError):
+        env.engine.submit_late_result(body, {SIGNATURE_HEADER: sign("wrong", body, now=time.time())})
+    with pytest.raises(SignatureRejectedError):
+        env.engine.submit_late_result(body, {})
+    assert env.engine.get_run(run_id).version == version
+
+
+# ---- O3: the server API --------------------------------------------------------------
+
+
+def rest_event(method: str, path: str, body: str | None = None, query: dict[str, str] | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads((EVENTS / "api_start_run.json").read_text())
+    event.update(
+        {
+            "httpMethod": method,
+            "path": path,
+            "resource": path,
+            "body": body,
+            "queryStringParameters": query,
+            "multiValueQueryStringParameters": {k: [v] for k, v in (query or {}).items()} or None,
+        }
+    )
+    event["requestContext"] = {**event["requestContext"], "httpMethod": method, "path": path, "resourcePath": path}
+    return event
+
+
+@pytest.fixture
+def api_env() -> tuple[WorkflowEnvironment, Any]:
+    app = Ryusen("api-app")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("s", lambda: data)
+
+    env = WorkflowEnvironment(app)
+    resolver = build_api(env.engine, lambda url: app.manifest())
+    return env, resolver
+
+
+def call(
+    resolver: Any, method: str, path: str, body: str | None = None, query: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    result = resolver.resolve(rest_event(method, path, body, query), None)
+    return result["statusCode"], json.loads(result["body"])
+
+
+def snapshot(env: WorkflowEnvironment) -> list[tuple[str, int]]:
+    return sorted((s.id, s.version) for s in env.store.list_runs(limit=200).runs)
+
+
+@pytest.mark.rfd("O3")
+@pytest.mark.parametrize(
+    ("method", "path", "body", "query", "status", "code"),
+    [
+        ("POST", "/v1/functions/nope/runs", '{"input": 1}', None, 404, "not_found"),
+        ("GET", "/v1/runs/run_missing", None, None, 404, "not_found"),
+        ("POST", "/v1/runs/run_missing/cancel", None, None, 404, "not_found"),
+        ("POST", "/v1/runs/run_missing/rediscover", None, None, 404, "not_found"),
+        ("POST", "/v1/functions/wf/runs", "{not json", None, 400, "malformed_json"),
+        ("POST", "/v1/functions/wf/runs", "", None, 400, "malformed_json"),
+        ("POST", "/v1/functions/wf/runs", "[1, 2]", None, 422, "invalid_request"),
+        ("POST", "/v1/functions/wf/runs", '{"input": 1, "timeout_s": "soon"}', None, 422, "invalid_request"),
+        ("POST", "/v1/functions/wf/runs", '{"input": 1, "timeout_s": -5}', None, 422, "invalid_request"),
+        ("POST", "/v1/functions/wf/runs", '{"input": 1, "surprise": true}', None, 422, "invalid_request"),
+        ("POST", "/v1/functions/wf/runs", '{"idempotency_key": 7}', None, 422, "invalid_request"),
+        ("POST", "/v1/functions/wf/runs", json.dumps({"input": "x" * 300_000}), None, 413, "payload_too_large"),
+        ("POST", "/v1/functions/wf/runs", json.dumps({"input": "x" * 1_100_000}), None, 413, "payload_too_large"),
+        ("PUT", "/v1/apps/api-app", '{"url": "ftp://nowhere"}', None, 422, "invalid_request"),
+        ("PUT", "/v1/apps/api-app", '{"url": 5}', None, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"limit": "many"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"limit": "0"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"phase": "queued"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"colour": "red"}, 422, "invalid_request"),
+        ("GET", "/v1/nothing-here", None, None, 404, "route_not_found"),
+    ],
+)
+def test_bad_requests_get_structured_4xx_and_change_nothing(
+    api_env: tuple[WorkflowEnvironment, Any],
+    method: str,
+    path: str,
+    body: str | None,
+    query: dict[str, str] | None,
+    status: int,
+    code: str,
+) -> None:
+    env, resolver = api_env
+    existing = env.run("wf", 1)
+    before = snapshot(env)
+    got_status, payload = call(resolver, method, path, body, query)
+    assert got_status == status, payload
+    assert payload["error"]["code"] == code
+    assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
+    assert snapshot(env) == before
+    assert env.get(existing.id).outcome == "completed"
+
+
+@pytest.mark.rfd("O3")
+@pytest.mark.parametrize(
+    ("body", "path_tail", "status", "code"),
+    [
+        ('{"action": "explode"}', "s/forward/1", 422, "invalid_request"),
+        ('{"action": "fail"}', "s/forward/1", 422, "invalid_request"),
+        ('{"action": "retry", "result": 1}', "s/forward/1", 422, "invalid_request"),
+        ('{"action": "retry"}', "s/sideways/1", 422, "invalid_request"),
+        ('{"action": "retry"}', "s/forward/zero", 422, "invalid_request"),
+        ('{"action": "retry"}', "nope/forward/1", 409, "step_not_found"),
+        ('{"action": "retry"}', "s/forward/9", 409, "attempt_not_found"),
+        ('{"action": "succeed", "result": 2}', "s/forward/1", 409, "generation_settled"),
+        ("{oops", "s/forward/1", 400, "malformed_json"),
+    ],
+)
+def test_invalid_resolutions_are_refused_and_change_nothing(
+    api_env: tuple[WorkflowEnvironment, Any], body: str, path_tail: str, status: int, code: str
+) -> None:
+    env, resolver = api_env
+    run = env.run("wf", 1)
+    before = snapshot(env)
+    got_status, payload = call(resolver, "POST", f"/v1/runs/{run.id}/steps/{path_tail}/resolve", body)
+    assert (got_status, payload["error"]["code"]) == (status, code), payload
+    assert snapshot(env) == before
+
+
+@pytest.mark.rfd("O3")
+def test_cancel_of_a_finished_run_is_a_conflict(api_env: tuple[WorkflowEnvironment, Any]) -> None:
+    env, resolver = api_env
+    run = env.run("wf", 1)
+    before = snapshot(env)
+    status, payload = call(resolver, "POST", f"/v1/runs/{run.id}/cancel")
+    assert status == 409 and payload["error"]["code"] == "run_not_cancellable"
+    assert snapshot(env) == before
+
+
+@pytest.mark.rfd("O3", "O4")
+def test_valid_start_and_idempotent_retry_through_the_api(api_env: tuple[WorkflowEnvironment, Any]) -> None:
+    env, resolver = api_env
+    status, first = call(resolver, "POST", "/v1/functions/wf/runs", '{"input": 5, "idempotency_key": "order-1"}')
+    assert status == 201 and first["phase"] == "running"
+    status, again = call(resolver, "POST", "/v1/functions/wf/runs", '{"input": 5, "idempotency_key": "order-1"}')
+    assert status == 200 and again["id"] == first["id"]
+    assert len(env.store.list_runs().runs) == 1
+    env.wait(first["id"])
+    status, listed = call(resolver, "GET", "/v1/runs", None, {"function_id": "wf", "outcome": "completed"})
+    assert status == 200 and [r["id"] for r in listed["runs"]] == [first["id"]]
