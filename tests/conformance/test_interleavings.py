@@ -1,0 +1,232 @@
+"""U8 and O4 under random interleavings: a hypothesis state machine drives the engine (core + store +
+queue + SDK) through deliveries, duplicate messages, lost and late results, lease expiries, cancels and
+operator resolutions, and checks the invariants after every rule.
+
+CI runs a fixed budget; explore longer with
+    RYUSEN_INTERLEAVINGS=5000 .venv/bin/pytest tests/conformance/test_interleavings.py
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from ryusen import RetryPolicy, Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+
+from ryusen_server.core.events import EngineSettings
+from ryusen_server.core.model import AttemptStatus, RunState
+from ryusen_server.ports import ConflictError
+
+STEPS = ("reserve", "charge", "ship")
+SETTLED = {AttemptStatus.SUCCEEDED, AttemptStatus.FAILED, AttemptStatus.RETRY_AUTHORIZED, AttemptStatus.FENCED}
+EXAMPLES = int(os.environ.get("RYUSEN_INTERLEAVINGS", "200"))
+
+
+def build_app(fail_next: Counter[str], executions: Counter[str]) -> Ryusen:
+    app = Ryusen("interleave")
+
+    def effect(name: str) -> dict[str, str]:
+        executions[name] += 1
+        if fail_next[name] > 0:
+            fail_next[name] -= 1
+            raise ConnectionError(f"{name} flaked")
+        return {"done": name}
+
+    def undo(name: str) -> Any:
+        def compensate(result: Any) -> Any:
+            executions[f"undo-{name}"] += 1
+            if fail_next[f"undo-{name}"] > 0:
+                fail_next[f"undo-{name}"] -= 1
+                raise ConnectionError(f"undo {name} flaked")
+            return {"undone": name}
+
+        return compensate
+
+    @app.function("saga")
+    def saga(data: Any, step: Step) -> Any:
+        for name in STEPS:
+            step.run(name, effect, name, compensate=undo(name), retry=RetryPolicy(max_attempts=3))
+        if data.get("fail"):
+            raise RuntimeError("rejected")
+        return "ok"
+
+    return app
+
+
+class Interleavings(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next: Counter[str] = Counter()
+        self.executions: Counter[str] = Counter()
+        self.env = WorkflowEnvironment(
+            build_app(self.fail_next, self.executions),
+            settings=EngineSettings(attempt_timeout_s=20, lease_grace_s=5, redelivery_initial_s=1),
+        )
+        self.run_ids = [self.env.start("saga", {"fail": False}), self.env.start("saga", {"fail": True})]
+        self.settled: dict[tuple[str, str, str, int], tuple[str, str | None]] = {}
+        self.accepted: dict[tuple[str, str], Any] = {}
+
+    # ---- rules --------------------------------------------------------------------
+
+    @rule()
+    def deliver(self) -> None:
+        self.env.step_once()
+
+    @rule(n=st.integers(min_value=2, max_value=25))
+    def deliver_several(self, n: int) -> None:
+        for _ in range(n):
+            if not self.env.step_once():
+                return
+
+    @rule(seconds=st.integers(min_value=1, max_value=60))
+    def time_passes(self, seconds: int) -> None:
+        self.env.advance(timedelta(seconds=seconds))
+        self.env.step_once()
+
+    @rule(on=st.booleans())
+    def duplicate_messages(self, on: bool) -> None:
+        self.env.faults.duplicate_messages = on
+
+    @rule(callback=st.sampled_from([*STEPS, *(f"undo-{s}" for s in STEPS)]))
+    def callback_fails_next(self, callback: str) -> None:
+        self.fail_next[callback] += 1
+
+    @rule(step=st.sampled_from(STEPS), phase=st.sampled_from(["forward", "compensation"]))
+    def lose_next_result(self, step: str, phase: str) -> None:
+        self.env.faults.lose_result(step, phase=phase)
+
+    @rule(step=st.sampled_from(STEPS))
+    def crash_before_invoke(self, step: str) -> None:
+        self.env.faults.crash_before_invoke(step)
+
+    @rule(which=st.integers(min_value=0, max_value=1), chance=st.integers(min_value=0, max_value=3))
+    def cancel(self, which: int, chance: int) -> None:
+        if chance:
+            return  # cancels are rarer than other events, so runs also get far
+        try:
+            self.env.cancel(self.run_ids[which])
+        except ConflictError:
+            pass  # finished, or already failed: refused without change
+
+    @rule(pick=st.integers(min_value=0, max_value=50))
+    def late_result(self, pick: int) -> None:
+        held = self.env.faults.held
+        if held:
+            h = held[pick % len(held)]
+            self.env.deliver_late_result(h.run_id, h.step_id, phase=h.phase, generation=h.generation)
+
+    @rule(pick=st.integers(min_value=0, max_value=50), action=st.sampled_from(["succeed", "fail", "retry"]))
+    def resolve(self, pick: int, action: str) -> None:
+        candidates = [
+            (run_id, step.id, attempt.phase.value, attempt.generation)
+            for run_id in self.run_ids
+            for step in self.state(run_id).steps
+            for attempt in step.attempts
+        ]
+        if not candidates:
+            return
+        run_id, step_id, phase, generation = candidates[pick % len(candidates)]
+        try:
+            self.env.resolve(
+                run_id,
+                step_id,
+                phase=phase,
+                generation=generation,
+                action=action,
+                result={"operator": True} if action == "succeed" else None,
+                error={"type": "declared_failure", "message": "operator"} if action == "fail" else None,
+            )
+        except ConflictError:
+            pass  # not allowed here: refused without change
+
+    def teardown(self) -> None:
+        for run_id in self.run_ids:
+            state = self.state(run_id)
+            event(f"run ended {state.phase.value}/{state.outcome}/{state.recovery}")
+            if any(a.status is AttemptStatus.RETRY_AUTHORIZED for s in state.steps for a in s.attempts):
+                event("an operator retry happened")
+            if any(a.stale_submissions for s in state.steps for a in s.attempts):
+                event("a stale submission was kept")
+
+    # ---- invariants ---------------------------------------------------------------
+
+    def state(self, run_id: str) -> RunState:
+        state = self.env.store.peek(run_id)
+        assert state is not None
+        return state
+
+    @invariant()
+    def no_generation_settles_twice(self) -> None:
+        for run_id in self.run_ids:
+            for step in self.state(run_id).steps:
+                for a in step.attempts:
+                    key = (run_id, step.id, a.phase.value, a.generation)
+                    if a.status in SETTLED:
+                        seen = (a.status.value, a.settled_at.isoformat() if a.settled_at else None)
+                        assert self.settled.setdefault(key, seen) == seen, f"{key} settled twice"
+                    else:
+                        assert key not in self.settled, f"{key} was settled, now {a.status}"
+
+    @invariant()
+    def accepted_success_is_never_replaced_or_lost(self) -> None:
+        for run_id in self.run_ids:
+            state = self.state(run_id)
+            for key, result in self.accepted.items():
+                if key[0] == run_id:
+                    step = state.step(key[1])
+                    assert step is not None and step.status.value == "completed" and step.result == result
+            for step in state.steps:
+                if step.status.value == "completed":
+                    self.accepted.setdefault((run_id, step.id), step.result)
+
+    @invariant()
+    def compensation_waits_for_authorized_effects(self) -> None:
+        for run_id in self.run_ids:
+            state = self.state(run_id)
+            compensating = any(a.phase.value == "compensation" for s in state.steps for a in s.attempts)
+            if compensating:
+                for step in state.steps:
+                    forward = [a for a in step.attempts if a.phase.value == "forward"]
+                    if forward:
+                        assert forward[-1].status not in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN), (
+                            f"compensation began while {step.id} forward #{forward[-1].generation} is {forward[-1].status}"
+                        )
+
+    @invariant()
+    def one_live_attempt_per_step_phase(self) -> None:
+        for run_id in self.run_ids:
+            for step in self.state(run_id).steps:
+                for phase in ("forward", "compensation"):
+                    live = [
+                        a
+                        for a in step.attempts
+                        if a.phase.value == phase and a.status.value in ("queued", "authorized", "unknown")
+                    ]
+                    assert len(live) <= 1
+
+    @invariant()
+    def outcome_is_set_once(self) -> None:
+        for run_id in self.run_ids:
+            state = self.state(run_id)
+            previous = getattr(self, f"_outcome_{run_id}", None)
+            if previous is not None:
+                assert state.outcome == previous
+            if state.outcome is not None:
+                setattr(self, f"_outcome_{run_id}", state.outcome)
+
+
+TestInterleavings = Interleavings.TestCase
+TestInterleavings.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+pytest.mark.rfd("U8", "O4")(TestInterleavings)
