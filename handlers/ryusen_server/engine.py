@@ -204,10 +204,7 @@ class Engine:
         return decision.state, True
 
     def _run_for_key(self, function_id: str, key: str) -> RunState | None:
-        finder = getattr(self.store, "run_for_idempotency_key", None)
-        if finder is None:
-            return None
-        run_id = finder(function_id, key)
+        run_id = self.store.run_for_idempotency_key(function_id, key)
         return self.store.get(run_id) if run_id else None
 
     def _deadline(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from .core.model import RunState, TaskRef, TimerRef
-from .ports import Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
+from .ports import InvalidRequestError, Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
 
 
 class MemoryStore:
@@ -42,13 +42,13 @@ class MemoryStore:
         raw = state.model_dump_json()
         self.counter.add("store.write", len(raw))
         with self._lock:
-            if state.idempotency_key is not None:
-                key = (state.function_id, state.idempotency_key)
-                if key in self._keys:
-                    raise RunExistsError(self._keys[key])
-                self._keys[key] = state.id
+            key = (state.function_id, state.idempotency_key) if state.idempotency_key is not None else None
+            if key is not None and key in self._keys:
+                raise RunExistsError(self._keys[key])
             if state.id in self._runs:
                 raise RunExistsError(state.id)
+            if key is not None:
+                self._keys[key] = state.id
             self._runs[state.id] = raw
 
     def save(self, state: RunState, *, expected_version: int) -> None:
@@ -88,6 +88,10 @@ class MemoryStore:
             and (phase is None or s.phase.value == phase)
             and (outcome is None or (s.outcome.value if s.outcome else None) == outcome)
         ]
+        if limit < 1:
+            raise InvalidRequestError("limit must be at least 1")
+        if cursor is not None and not cursor.isdigit():
+            raise InvalidRequestError("malformed cursor", code="invalid_cursor")
         start = int(cursor) if cursor else 0
         page = selected[start : start + limit]
         more = start + limit < len(selected)

@@ -116,6 +116,9 @@ class RunStore(Protocol):
     def save(self, state: RunState, *, expected_version: int) -> None:
         """Replace the run iff its stored version is ``expected_version``, else :class:`VersionConflictError`."""
 
+    def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
+        """The run started for ``function_id`` with idempotency key ``key``, if any."""
+
     def list_runs(
         self,
         *,

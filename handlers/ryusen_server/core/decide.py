@@ -291,6 +291,9 @@ class _Transition:
                 return self.ignore(f"discovery #{d.seq} is in flight")
             # a lost discovery is repeatable: dispatch a fresh pass
             return self.queue_discovery()
+        if d.not_before is not None and self.now < d.not_before:
+            self.commands.append(RedeliverLater(delay_s=(d.not_before - self.now).total_seconds()))
+            return self.ignore(f"discovery #{d.seq} is not due yet")
         if self.stopping:  # the fence: no discovery after a stop intent
             self.s.discovery = None
             self.touch()
@@ -326,6 +329,9 @@ class _Transition:
             self.settle(attempt, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization")
             step.status = StepStatus.FENCED
             return self.evaluate_recovery()
+        if attempt.not_before is not None and self.now < attempt.not_before:
+            self.commands.append(RedeliverLater(delay_s=(attempt.not_before - self.now).total_seconds()))
+            return self.ignore(f"{task.describe()} is not due until {attempt.not_before.isoformat()}")
         if release is None:
             attempt.redeliveries += 1
             self.touch()

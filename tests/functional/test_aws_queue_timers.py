@@ -1,0 +1,292 @@
+"""The SQS queue and EventBridge Scheduler adapters, on moto (in-process).
+
+moto never fires schedules, so these tests do what the local runtime does:
+read ``SchedulerTimers.due(now)`` and put each due input on the dispatch queue,
+as the real Scheduler's SQS target would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ryusen_server.aws.queue import SqsMessage, SqsQueue, create_queues
+from ryusen_server.aws.timers import SchedulerTimers, create_schedule_group, schedule_name
+from ryusen_server.core.model import TaskRef, TimerKind, TimerRef
+from ryusen_server.ports import RequestCounter
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+ROLE_ARN = "arn:aws:iam::123456789012:role/ryusen-scheduler"
+GROUP = "ryusen"
+VALID_NAME = re.compile(r"[0-9A-Za-z_.\-]{1,64}")
+
+
+@dataclass
+class Stack:
+    sqs: Any
+    scheduler: Any
+    queue_url: str
+    dlq_url: str
+    queue_arn: str
+    counter: RequestCounter
+    timers: SchedulerTimers
+    queue: SqsQueue
+
+    def deliver_due(self, now: datetime) -> list[str]:
+        """What EventBridge Scheduler would do at ``now``: each due input becomes a queue message."""
+        fired = []
+        for name, body in self.timers.due(now):
+            self.sqs.send_message(QueueUrl=self.queue_url, MessageBody=body)
+            self.timers.delete(name)
+            fired.append(name)
+        return fired
+
+    def attribute(self, url: str, name: str) -> int:
+        attributes = self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=[name])["Attributes"]
+        return int(attributes[name])
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def stack(aws_env: None) -> Iterator[Stack]:
+    with mock_aws():
+        sqs = boto3.client("sqs", region_name="us-east-1")
+        scheduler = boto3.client("scheduler", region_name="us-east-1")
+        queue_url, dlq_url = create_queues(sqs, "ryusen-dispatch")
+        queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        create_schedule_group(scheduler, GROUP)
+        counter = RequestCounter()
+        timers = SchedulerTimers(
+            scheduler, group=GROUP, target_arn=queue_arn, role_arn=ROLE_ARN, counter=counter, clock=lambda: T0
+        )
+        queue = SqsQueue(sqs, queue_url, timers, counter, clock=lambda: T0)
+        yield Stack(sqs, scheduler, queue_url, dlq_url, queue_arn, counter, timers, queue)
+
+
+def forward(run_id: str = "run_1", generation: int = 1) -> TaskRef:
+    return TaskRef(run_id=run_id, kind="forward", step_id="charge-card", generation=generation)
+
+
+def poll(receive: Any, *, timeout_s: float = 15.0) -> list[SqsMessage]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        messages: list[SqsMessage] = receive()
+        if messages:
+            return messages
+        time.sleep(0.1)
+    raise AssertionError("no message arrived")
+
+
+# ---- queue ------------------------------------------------------------------------
+
+
+def test_create_queues_sets_the_redrive_policy_and_visibility(stack: Stack) -> None:
+    attributes = stack.sqs.get_queue_attributes(QueueUrl=stack.queue_url, AttributeNames=["All"])["Attributes"]
+    dlq_arn = stack.sqs.get_queue_attributes(QueueUrl=stack.dlq_url, AttributeNames=["QueueArn"])["Attributes"]
+    redrive = json.loads(attributes["RedrivePolicy"])
+    assert redrive["deadLetterTargetArn"] == dlq_arn["QueueArn"]
+    assert int(redrive["maxReceiveCount"]) == 10
+    assert attributes["VisibilityTimeout"] == "360"
+    assert create_queues(stack.sqs, "ryusen-dispatch") == (stack.queue_url, stack.dlq_url)  # idempotent
+
+
+def test_send_receive_delete(stack: Stack) -> None:
+    task = forward()
+    stack.queue.send(task)
+    [message] = stack.queue.receive()
+    assert message.task == task and message.timer is None
+    assert message.body == task.model_dump_json()
+    assert message.receive_count == 1
+    stack.queue.delete(message.message_id)
+    stack.queue.delete(message.message_id)  # deleting twice is harmless
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessages") == 0
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesNotVisible") == 0
+    assert stack.counter.counts == {"sqs.send": 1, "sqs.receive": 1, "sqs.delete": 2}
+
+
+def test_a_short_delay_uses_sqs_delay_seconds_rounded_up(stack: Stack) -> None:
+    task = TaskRef(run_id="run_1", kind="discover", seq=2)
+    stack.queue.send(task, delay_s=0.2)  # rounded up to one second: never early
+    assert stack.queue.receive() == []
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesDelayed") == 1
+    [message] = poll(stack.queue.receive)
+    assert message.task == task
+    assert stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"] == []
+
+
+def test_a_delay_past_sqs_limit_becomes_a_schedule_that_delivers_the_same_task(stack: Stack) -> None:
+    task = forward(generation=3)
+    stack.queue.send(task, delay_s=1800.5)
+    assert stack.queue.receive() == []
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesDelayed") == 0
+    [summary] = stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]
+    schedule = stack.scheduler.get_schedule(Name=summary["Name"], GroupName=GROUP)
+    assert schedule["ScheduleExpression"] == "at(2030-01-01T00:30:01)"
+    assert schedule["Target"]["Arn"] == stack.queue_arn
+    assert VALID_NAME.fullmatch(summary["Name"])
+
+    assert stack.deliver_due(T0 + timedelta(seconds=1800)) == []  # not yet
+    assert stack.deliver_due(T0 + timedelta(seconds=1801)) == [summary["Name"]]
+    [message] = stack.queue.receive()
+    assert message.task == task
+    assert stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"] == []
+
+
+def test_sending_the_same_long_delay_twice_schedules_it_once(stack: Stack) -> None:
+    stack.queue.send(forward(), delay_s=3600)
+    stack.queue.send(forward(), delay_s=3600)
+    stack.queue.send(forward(generation=2), delay_s=3600)
+    assert len(stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]) == 2
+
+
+def test_without_a_scheduler_a_long_delay_is_capped_not_lost(stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    queue = SqsQueue(stack.sqs, stack.queue_url, None, RequestCounter())
+    with caplog.at_level(logging.WARNING, logger="ryusen.aws.queue"):
+        queue.send(forward(), delay_s=7200)
+    assert "no scheduler" in caplog.text
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesDelayed") == 1
+
+
+def test_change_visibility_hides_and_reveals_a_message(stack: Stack) -> None:
+    stack.queue.send(forward())
+    [first] = stack.queue.receive()
+    assert stack.queue.receive() == []  # in flight: invisible for the queue's 360 s
+    stack.queue.change_visibility(first.message_id, 0)
+    [again] = stack.queue.receive()
+    assert again.task == first.task and again.receive_count == 2
+    stack.queue.change_visibility(again.message_id, 10**6)  # beyond 12 h: capped, not refused
+    assert stack.queue.receive() == []
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesNotVisible") == 1
+    stack.queue.delete(again.message_id)
+    stack.queue.change_visibility(again.message_id, 5)  # a deleted message: nothing to do
+    assert stack.counter.counts["sqs.change_visibility"] == 3
+
+
+def test_a_malformed_message_is_skipped_and_left_for_the_dead_letter_queue(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # no visibility delay, so that every receive counts at once towards the redrive's maxReceiveCount
+    stack.sqs.set_queue_attributes(QueueUrl=stack.queue_url, Attributes={"VisibilityTimeout": "0"})
+    malformed = {"not json {", '{"run_id": "run_1", "kind": "teleport"}'}
+    for body in sorted(malformed):
+        stack.sqs.send_message(QueueUrl=stack.queue_url, MessageBody=body)
+    stack.queue.send(forward())
+    tasks: list[TaskRef | None] = []
+    with caplog.at_level(logging.ERROR, logger="ryusen.aws.queue"):
+        for _ in range(60):
+            for message in stack.queue.receive():
+                tasks.append(message.task)
+                stack.queue.delete(message.message_id)
+            if stack.attribute(stack.dlq_url, "ApproximateNumberOfMessages") == len(malformed):
+                break
+    assert tasks == [forward()]  # the malformed ones never reach a handler
+    assert caplog.text.count("malformed dispatch message") >= 2 * len(malformed)
+    dead = stack.sqs.receive_message(QueueUrl=stack.dlq_url, MaxNumberOfMessages=10)["Messages"]
+    assert {m["Body"] for m in dead} == malformed
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessages") == 0
+
+
+# ---- timers -----------------------------------------------------------------------
+
+
+def test_a_timer_is_a_one_time_schedule_targeting_the_queue(stack: Stack) -> None:
+    timer = TimerRef(run_id="run_1", kind=TimerKind.DEADLINE, at=T0 + timedelta(minutes=5, microseconds=250))
+    stack.timers.schedule(timer)
+    schedule = stack.scheduler.get_schedule(Name=timer.name, GroupName=GROUP)
+    assert schedule["ScheduleExpression"] == "at(2030-01-01T00:05:01)"  # rounded up: never early
+    assert schedule["ScheduleExpressionTimezone"] == "UTC"
+    assert schedule["FlexibleTimeWindow"] == {"Mode": "OFF"}
+    assert schedule["ActionAfterCompletion"] == "DELETE"
+    assert schedule["Target"]["Arn"] == stack.queue_arn
+    assert schedule["Target"]["RoleArn"] == ROLE_ARN
+    assert TimerRef.model_validate(json.loads(schedule["Target"]["Input"])["timer"]) == timer
+
+
+def test_due_timers_reach_the_queue_as_timer_messages_then_are_deleted(stack: Stack) -> None:
+    probe = TimerRef(run_id="run_1", kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1))
+    deadline = TimerRef(run_id="run_2", kind=TimerKind.DEADLINE, at=T0 + timedelta(hours=1))
+    stack.timers.schedule(deadline)
+    stack.timers.schedule(probe)
+    assert stack.timers.due(T0) == []
+    assert [name for name, _ in stack.timers.due(T0 + timedelta(hours=2))] == [probe.name, deadline.name]
+
+    assert stack.deliver_due(T0 + timedelta(minutes=1)) == [probe.name]
+    [message] = stack.queue.receive()
+    assert message.timer == probe and message.task is None
+    assert stack.timers.due(T0 + timedelta(minutes=59)) == []
+    assert stack.deliver_due(T0 + timedelta(hours=1)) == [deadline.name]
+    assert stack.timers.due(T0 + timedelta(days=1)) == []
+    stack.timers.delete(deadline.name)  # already gone: fine
+
+
+def test_due_reads_each_schedule_once(stack: Stack) -> None:
+    for minutes in (1, 2, 3):
+        stack.timers.schedule(TimerRef(run_id="run_1", kind=TimerKind.PROBE, at=T0 + timedelta(minutes=minutes)))
+    for _ in range(5):
+        stack.timers.due(T0)
+    assert stack.counter.counts["scheduler.get_schedule"] == 3
+    assert stack.counter.counts["scheduler.list_schedules"] == 5
+
+
+def test_a_timer_in_the_past_is_scheduled_just_after_now(stack: Stack) -> None:
+    timer = TimerRef(run_id="run_1", kind=TimerKind.DEADLINE, at=T0 - timedelta(hours=1))
+    stack.timers.schedule(timer)
+    schedule = stack.scheduler.get_schedule(Name=timer.name, GroupName=GROUP)
+    assert schedule["ScheduleExpression"] == "at(2030-01-01T00:00:01)"
+
+
+def test_scheduling_the_same_timer_twice_is_idempotent(stack: Stack) -> None:
+    timer = TimerRef(run_id="run_1", kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1))
+    stack.timers.schedule(timer)
+    stack.timers.schedule(timer)
+    assert [s["Name"] for s in stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]] == [timer.name]
+    assert stack.counter.counts["scheduler.create_schedule"] == 2
+
+
+def test_names_aws_would_reject_are_made_valid_deterministically(stack: Stack) -> None:
+    long_run = "run_" + "x" * 80
+    odd_run = "run/with spaces:and#signs"
+    timers = [
+        TimerRef(run_id=long_run, kind=TimerKind.DEADLINE, at=T0 + timedelta(minutes=1)),
+        TimerRef(run_id=long_run, kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1)),
+        TimerRef(run_id=odd_run, kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1)),
+    ]
+    for timer in timers:
+        assert not VALID_NAME.fullmatch(timer.name)
+        stack.timers.schedule(timer)
+        stack.timers.schedule(timer)  # the same sanitized name: still one schedule
+    names = [s["Name"] for s in stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]]
+    assert len(names) == 3 and all(VALID_NAME.fullmatch(n) for n in names)
+    assert sorted(names) == sorted(schedule_name(t.name) for t in timers)
+    due = stack.timers.due(T0 + timedelta(minutes=1))
+    assert {TimerRef.model_validate(json.loads(body)["timer"]) for _, body in due} == set(timers)
+
+    assert schedule_name("ryusen-probe-run_1-1700000000") == "ryusen-probe-run_1-1700000000"
+    assert schedule_name("a" * 65) == schedule_name("a" * 65) != schedule_name("a" * 66)
+    assert len(schedule_name("a" * 65)) == 64 and schedule_name("") != ""
+
+
+def test_create_schedule_group_twice_keeps_its_schedules(stack: Stack) -> None:
+    stack.timers.schedule(TimerRef(run_id="run_1", kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1)))
+    create_schedule_group(stack.scheduler, GROUP)
+    assert len(stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]) == 1

@@ -1,0 +1,478 @@
+"""The RunStore contract, run against every store: the in-memory twin and DynamoDB (on moto).
+
+Runs are built by the real core (``decide``), and every transition is
+written the way the engine writes it: ``save(new, expected_version=old.version)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ryusen._internal.wire import (
+    ConflictFound,
+    DiscoveryResponse,
+    DuplicateStepConflict,
+    ErrorInfo,
+    FunctionCompleted,
+    FunctionFailed,
+    FunctionManifest,
+    Occurrence,
+)
+from ryusen_server.aws.store import DynamoStore, create_table
+from ryusen_server.core.decide import decide
+from ryusen_server.core.events import (
+    DiscoveryReported,
+    EngineSettings,
+    Event,
+    ReleaseRef,
+    StartRun,
+    StopRequested,
+    TaskDelivered,
+    WakeRequested,
+)
+from ryusen_server.core.model import RunState, TaskRef
+from ryusen_server.memory import MemoryStore
+from ryusen_server.ports import (
+    InvalidRequestError,
+    Release,
+    RequestCounter,
+    RunExistsError,
+    RunStore,
+    VersionConflictError,
+)
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+SETTINGS = EngineSettings()
+RELEASE_REF = ReleaseRef(release_id="rel-1", build_id="build-1")
+TABLE = "ryusen-contract"
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(params=["memory", "dynamodb"])
+def store(request: pytest.FixtureRequest, aws_env: None) -> Iterator[RunStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        create_table(client, TABLE)
+        yield DynamoStore(client, TABLE, RequestCounter())
+
+
+# ---- runs driven through the real core ----------------------------------------------
+
+
+@dataclass
+class Runs:
+    """Start runs and move them on through ``decide``, writing each transition like the engine does."""
+
+    store: RunStore
+
+    def start(
+        self, run_id: str, *, function_id: str = "checkout", at: datetime = T0, key: str | None = None
+    ) -> RunState:
+        decision = decide(
+            None,
+            StartRun(
+                run_id=run_id, app_id="shop", function_id=function_id, input={"sku": "A1", "n": 2}, idempotency_key=key
+            ),
+            now=at,
+            settings=SETTINGS,
+        )
+        self.store.create(decision.state)
+        return decision.state
+
+    def apply(self, state: RunState, event: Event, at: datetime = T0) -> RunState:
+        decision = decide(state, event, now=at, settings=SETTINGS)
+        assert decision.changed
+        self.store.save(decision.state, expected_version=state.version)
+        return decision.state
+
+    def discover(self, state: RunState, response: DiscoveryResponse) -> RunState:
+        """Deliver the queued discovery and report ``response`` for it."""
+        assert state.discovery is not None
+        seq = state.discovery.seq
+        state = self.apply(
+            state, TaskDelivered(task=TaskRef(run_id=state.id, kind="discover", seq=seq), release=RELEASE_REF)
+        )
+        return self.apply(state, DiscoveryReported(seq=seq, response=response))
+
+    def complete(self, state: RunState) -> RunState:
+        return self.discover(state, FunctionCompleted(output={"ok": True}))
+
+    def fail(self, state: RunState) -> RunState:
+        return self.discover(state, FunctionFailed(error=ErrorInfo(type="ValueError", message="no stock")))
+
+    def cancel(self, state: RunState) -> RunState:
+        return self.apply(state, StopRequested(kind="cancel", reason="test"))
+
+    def block(self, state: RunState) -> RunState:
+        conflict = DuplicateStepConflict(
+            step_id="charge", first=Occurrence(location="a.py:1"), duplicate=Occurrence(location="a.py:2")
+        )
+        return self.discover(state, ConflictFound(conflict=conflict))
+
+    def unblock(self, state: RunState) -> RunState:
+        """A release sync wakes the run; the rediscovery with fixed code completes it."""
+        return self.complete(self.apply(state, WakeRequested(source="release_sync")))
+
+
+@pytest.fixture
+def runs(store: RunStore) -> Runs:
+    return Runs(store)
+
+
+def ids(states: list[RunState]) -> list[str]:
+    return [s.id for s in states]
+
+
+# ---- create / get / save ------------------------------------------------------------
+
+
+def test_create_then_get_returns_an_equal_run(store: RunStore, runs: Runs) -> None:
+    created = runs.start("run_1", key="order-7")
+    assert store.get("run_1") == created
+    assert store.get("run_missing") is None
+
+
+def test_every_transition_round_trips(store: RunStore, runs: Runs) -> None:
+    state = runs.block(runs.start("run_1"))
+    assert store.get("run_1") == state and state.blocked_by_definition
+    state = runs.unblock(state)
+    assert store.get("run_1") == state and state.outcome == "completed"
+
+
+def test_create_with_a_taken_run_id_is_refused(store: RunStore, runs: Runs) -> None:
+    first = runs.start("run_1")
+    with pytest.raises(RunExistsError) as exc:
+        runs.start("run_1", function_id="other")
+    assert exc.value.run_id == "run_1"
+    assert store.get("run_1") == first
+
+
+def test_save_on_the_stored_version_replaces_the_run(store: RunStore, runs: Runs) -> None:
+    started = runs.start("run_1")
+    cancelled = runs.cancel(started)
+    assert cancelled.version == started.version + 1
+    assert store.get("run_1") == cancelled
+
+
+def test_save_on_a_stale_version_raises_with_the_current_run(store: RunStore, runs: Runs) -> None:
+    started = runs.start("run_1")
+    current = runs.cancel(started)
+    stale = decide(started, StopRequested(kind="timeout"), now=T0, settings=SETTINGS).state
+    with pytest.raises(VersionConflictError) as exc:
+        store.save(stale, expected_version=started.version)
+    assert exc.value.current == current
+    assert store.get("run_1") == current
+
+
+def test_save_of_a_run_that_does_not_exist_raises_without_a_current_run(store: RunStore, runs: Runs) -> None:
+    ghost = decide(
+        None, StartRun(run_id="run_ghost", app_id="shop", function_id="checkout", input=None), now=T0, settings=SETTINGS
+    ).state
+    with pytest.raises(VersionConflictError) as exc:
+        store.save(ghost, expected_version=ghost.version)
+    assert exc.value.current is None
+    assert store.get("run_ghost") is None
+
+
+@pytest.mark.rfd("O4")
+def test_concurrent_saves_on_the_same_version_exactly_one_wins(store: RunStore, runs: Runs) -> None:
+    for trial in range(10):
+        started = runs.start(f"run_{trial}")
+        assert started.discovery is not None
+        task = TaskRef(run_id=started.id, kind="discover", seq=started.discovery.seq)
+        rivals = [
+            decide(started, TaskDelivered(task=task, release=RELEASE_REF), now=T0, settings=SETTINGS).state,
+            decide(started, StopRequested(kind="cancel"), now=T0, settings=SETTINGS).state,
+        ]
+        barrier = threading.Barrier(len(rivals))
+        won: list[RunState] = []
+        lost: list[VersionConflictError] = []
+
+        def save(state: RunState) -> None:
+            barrier.wait()
+            try:
+                store.save(state, expected_version=started.version)
+                won.append(state)
+            except VersionConflictError as exc:
+                lost.append(exc)
+
+        threads = [threading.Thread(target=save, args=(s,)) for s in rivals]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(lost) == 1
+        assert lost[0].current == won[0] == store.get(started.id)
+
+
+# ---- idempotency keys ---------------------------------------------------------------
+
+
+@pytest.mark.rfd("O4")
+def test_a_second_create_with_the_same_key_names_the_first_run(store: RunStore, runs: Runs) -> None:
+    first = runs.start("run_1", key="order-7")
+    with pytest.raises(RunExistsError) as exc:
+        runs.start("run_2", key="order-7")
+    assert exc.value.run_id == "run_1"
+    assert store.get("run_2") is None  # nothing half-written
+    assert store.get("run_1") == first
+    assert store.run_for_idempotency_key("checkout", "order-7") == "run_1"  # type: ignore[attr-defined]
+    assert store.run_for_idempotency_key("checkout", "order-8") is None  # type: ignore[attr-defined]
+
+
+def test_idempotency_keys_are_per_function(store: RunStore, runs: Runs) -> None:
+    runs.start("run_1", function_id="checkout", key="k")
+    runs.start("run_2", function_id="refund", key="k")
+    # '#' in a function id or a key must not make two (function, key) pairs collide
+    runs.start("run_3", function_id="a#b", key="c")
+    runs.start("run_4", function_id="a", key="b#c")
+    finder = store.run_for_idempotency_key  # type: ignore[attr-defined]
+    assert [finder("checkout", "k"), finder("refund", "k"), finder("a#b", "c"), finder("a", "b#c")] == [
+        "run_1",
+        "run_2",
+        "run_3",
+        "run_4",
+    ]
+
+
+@pytest.mark.rfd("O4")
+def test_concurrent_creates_with_one_key_make_one_run(store: RunStore) -> None:
+    contenders = [
+        decide(
+            None,
+            StartRun(run_id=f"run_{i}", app_id="shop", function_id="checkout", input=i, idempotency_key="order-7"),
+            now=T0,
+            settings=SETTINGS,
+        ).state
+        for i in range(4)
+    ]
+    barrier = threading.Barrier(len(contenders))
+    created: list[str] = []
+    refused: list[str] = []
+
+    def create(state: RunState) -> None:
+        barrier.wait()
+        try:
+            store.create(state)
+            created.append(state.id)
+        except RunExistsError as exc:
+            refused.append(exc.run_id)
+
+    threads = [threading.Thread(target=create, args=(s,)) for s in contenders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(created) == 1
+    assert refused == created * 3
+    assert [store.get(s.id) is not None for s in contenders].count(True) == 1
+
+
+# ---- listing ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def listed(runs: Runs) -> list[RunState]:
+    """Twelve runs of three functions in every phase/outcome, two of them created at the same instant."""
+    out: list[RunState] = []
+    for i in range(12):
+        function_id = ("checkout", "refund", "report")[i % 3]
+        at = T0 + timedelta(minutes=i if i != 7 else 6)  # run_06 and run_07 tie on created_at
+        state = runs.start(f"run_{i:02d}", function_id=function_id, at=at)
+        if i % 4 == 1:
+            state = runs.complete(state)
+        elif i % 4 == 2:
+            state = runs.fail(state)
+        elif i % 4 == 3:
+            state = runs.cancel(state)
+        out.append(state)
+    return out
+
+
+def newest_first(states: list[RunState]) -> list[RunState]:
+    return sorted(states, key=lambda s: (s.created_at, s.id), reverse=True)
+
+
+def all_pages(store: RunStore, limit: int, **filters: str) -> list[list[str]]:
+    pages: list[list[str]] = []
+    cursor: str | None = None
+    while True:
+        page = store.list_runs(limit=limit, cursor=cursor, **filters)
+        pages.append(ids(page.runs))
+        cursor = page.cursor
+        if cursor is None:
+            return pages
+        assert len(pages) < 50, "pagination does not end"
+
+
+def test_list_runs_is_newest_first(store: RunStore, listed: list[RunState]) -> None:
+    page = store.list_runs()
+    assert page.runs == newest_first(listed)
+    assert page.cursor is None
+    assert ids(page.runs)[4:6] == ["run_07", "run_06"]  # a tie on created_at is ordered by id
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"function_id": "refund"},
+        {"phase": "running"},
+        {"phase": "finished"},
+        {"outcome": "completed"},
+        {"outcome": "cancelled"},
+        {"function_id": "checkout", "phase": "finished"},
+        {"function_id": "report", "outcome": "failed"},
+        {"function_id": "nobody"},
+    ],
+)
+def test_list_runs_filters(store: RunStore, listed: list[RunState], filters: dict[str, str]) -> None:
+    def matches(s: RunState) -> bool:
+        return (
+            filters.get("function_id", s.function_id) == s.function_id
+            and filters.get("phase", s.phase.value) == s.phase.value
+            and ("outcome" not in filters or (s.outcome is not None and s.outcome.value == filters["outcome"]))
+        )
+
+    expected = newest_first([s for s in listed if matches(s)])
+    assert store.list_runs(**filters).runs == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 12, 13])
+def test_pagination_returns_every_run_exactly_once(store: RunStore, listed: list[RunState], limit: int) -> None:
+    pages = all_pages(store, limit)
+    assert [run_id for page in pages for run_id in page] == ids(newest_first(listed))
+    assert all(len(page) == limit for page in pages[:-1])
+    assert 1 <= len(pages[-1]) <= limit  # no empty trailing page: the cursor ends with the last run
+
+
+@pytest.mark.parametrize(
+    ("limit", "filters"),
+    [
+        (1, {"outcome": "completed"}),
+        (2, {"function_id": "report"}),
+        (3, {"phase": "running"}),
+        (2, {"function_id": "refund", "phase": "finished"}),
+    ],
+)
+def test_pagination_with_filters(store: RunStore, listed: list[RunState], limit: int, filters: dict[str, str]) -> None:
+    expected = ids(store.list_runs(limit=100, **filters).runs)
+    assert expected
+    pages = all_pages(store, limit, **filters)
+    assert [run_id for page in pages for run_id in page] == expected
+    assert all(len(page) == limit for page in pages[:-1])
+
+
+def test_list_of_an_empty_store(store: RunStore) -> None:
+    page = store.list_runs(limit=3)
+    assert page.runs == [] and page.cursor is None
+
+
+# ---- blocked runs -------------------------------------------------------------------
+
+
+def test_runs_blocked_by_definition_follow_the_blocker(store: RunStore, runs: Runs) -> None:
+    blocked = runs.block(runs.start("run_1"))
+    runs.block(runs.start("run_2", function_id="refund"))
+    runs.start("run_3")
+    assert store.runs_blocked_by_definition("checkout") == ["run_1"]
+    assert store.runs_blocked_by_definition("refund") == ["run_2"]
+    assert store.runs_blocked_by_definition("report") == []
+    runs.unblock(blocked)
+    assert store.runs_blocked_by_definition("checkout") == []
+    assert store.runs_blocked_by_definition("refund") == ["run_2"]
+
+
+# ---- releases -----------------------------------------------------------------------
+
+
+def release(app_id: str, release_id: str, functions: list[str], minutes: int) -> Release:
+    return Release(
+        app_id=app_id,
+        url=f"http://127.0.0.1:9000/{app_id}",
+        release_id=release_id,
+        build_id=f"build-{release_id}",
+        functions=tuple(FunctionManifest(id=f, timeout_s=3600.0 if f == "checkout" else None) for f in functions),
+        synced_at=T0 + timedelta(minutes=minutes),
+        signed=app_id != "unsigned",
+    )
+
+
+def test_releases_newest_per_function_and_per_app(store: RunStore) -> None:
+    assert store.get_release("checkout") is None
+    assert store.list_releases() == []
+    shop_1 = release("shop", "r1", ["checkout", "refund"], 0)
+    store.put_release(shop_1)
+    assert store.get_release("checkout") == shop_1
+    shop_2 = release("shop", "r2", ["checkout"], 5)
+    reports = release("unsigned", "r9", ["report"], 3)
+    store.put_release(shop_2)
+    store.put_release(reports)
+    assert store.get_release("checkout") == shop_2
+    assert store.get_release("refund") == shop_1  # the newest release that declares it
+    assert store.get_release("report") == reports
+    assert store.get_release("nobody") is None
+    by_app = {r.app_id: r for r in store.list_releases()}
+    assert by_app == {"shop": shop_2, "unsigned": reports}
+    assert len(store.list_releases()) == 2
+
+
+# ---- DynamoDB only: what it costs and what it refuses -------------------------------
+
+
+@pytest.fixture
+def dynamo(aws_env: None) -> Iterator[DynamoStore]:
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        create_table(client, TABLE)
+        yield DynamoStore(client, TABLE, RequestCounter())
+
+
+def test_dynamo_one_request_per_store_call_on_the_step_path(dynamo: DynamoStore) -> None:
+    runs = Runs(dynamo)
+    started = runs.start("run_1", key="order-7")  # a transaction: one write request
+    assert dynamo.counter.counts == {"dynamodb.write": 1}
+    dynamo.counter.reset()
+    assert dynamo.get("run_1") == started
+    runs.cancel(started)
+    assert dynamo.counter.counts == {"dynamodb.read": 1, "dynamodb.write": 1}
+    assert 0 < dynamo.counter.bytes_sent["dynamodb.write"] < 1024  # the body is compressed
+    dynamo.counter.reset()
+    with pytest.raises(VersionConflictError):
+        dynamo.save(started, expected_version=started.version)
+    assert dynamo.counter.counts == {"dynamodb.write": 1}  # the current run comes back in the error
+
+
+def test_dynamo_rejects_a_forged_cursor(dynamo: DynamoStore) -> None:
+    Runs(dynamo).start("run_1")
+    for cursor in ("not base64!", "eyJhIjogMX0=", "bnVsbA=="):
+        with pytest.raises(InvalidRequestError):
+            dynamo.list_runs(cursor=cursor)
+    with pytest.raises(InvalidRequestError):
+        dynamo.list_runs(limit=0)
+
+
+def test_dynamo_refuses_an_idempotency_key_longer_than_a_dynamodb_key(dynamo: DynamoStore) -> None:
+    with pytest.raises(InvalidRequestError):
+        Runs(dynamo).start("run_1", key="k" * 3000)
+    assert dynamo.get("run_1") is None
+    assert dynamo.run_for_idempotency_key("checkout", "k" * 3000) is None
