@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
+
 from ryusen._internal.app import HandlerResponse
 
 from .ports import InvokeResult, RequestCounter

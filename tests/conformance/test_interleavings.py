@@ -8,6 +8,7 @@ CI runs a fixed budget; explore longer with
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from datetime import timedelta
@@ -17,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
-
 from ryusen_server.core.events import EngineSettings
 from ryusen_server.core.model import AttemptStatus, RunState
 from ryusen_server.ports import ConflictError
@@ -110,10 +111,8 @@ class Interleavings(RuleBasedStateMachine):
     def cancel(self, which: int, chance: int) -> None:
         if chance:
             return  # cancels are rarer than other events, so runs also get far
-        try:
+        with contextlib.suppress(ConflictError):  # finished, or already failed: refused without change
             self.env.cancel(self.run_ids[which])
-        except ConflictError:
-            pass  # finished, or already failed: refused without change
 
     @rule(pick=st.integers(min_value=0, max_value=50))
     def late_result(self, pick: int) -> None:
@@ -133,7 +132,7 @@ class Interleavings(RuleBasedStateMachine):
         if not candidates:
             return
         run_id, step_id, phase, generation = candidates[pick % len(candidates)]
-        try:
+        with contextlib.suppress(ConflictError):  # not allowed here: refused without change
             self.env.resolve(
                 run_id,
                 step_id,
@@ -143,8 +142,6 @@ class Interleavings(RuleBasedStateMachine):
                 result={"operator": True} if action == "succeed" else None,
                 error={"type": "declared_failure", "message": "operator"} if action == "fail" else None,
             )
-        except ConflictError:
-            pass  # not allowed here: refused without change
 
     def teardown(self) -> None:
         for run_id in self.run_ids:

@@ -263,7 +263,9 @@ class _Transition:
             self.s.probe_due_at = None
 
     def redelivery_delay(self, redeliveries: int) -> float:
-        return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2 ** max(0, redeliveries - 1)))
+        return min(
+            self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2 ** max(0, redeliveries - 1))
+        )
 
     def finish(self, recovery: Recovery | None) -> None:
         self.s.phase = RunPhase.FINISHED

@@ -6,6 +6,7 @@ from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver
+from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from ..api import build_api
@@ -26,4 +27,11 @@ def resolver() -> APIGatewayRestResolver:
 @logger.inject_lambda_context(correlation_id_path="requestContext.requestId")
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    return resolver().resolve(event, context)
+    response = resolver().resolve(event, context)
+    status = int(response.get("statusCode", 500))
+    metrics.add_metric(name="ApiRequests", unit=MetricUnit.Count, value=1)
+    if status >= 400:
+        metrics.add_metric(
+            name="ApiClientErrors" if status < 500 else "ApiServerErrors", unit=MetricUnit.Count, value=1
+        )
+    return response

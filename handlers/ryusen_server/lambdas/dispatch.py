@@ -20,7 +20,8 @@ from ..wiring import AwsEngine, AwsResources, aws_engine
 
 logger = Logger(service="ryusen-dispatch")
 metrics = Metrics(namespace="Ryusen", service="dispatch")
-processor = BatchProcessor(event_type=EventType.SQS)
+# a batch of in-flight attempts is normal, not an error: report item failures, never raise
+processor = BatchProcessor(event_type=EventType.SQS, raise_on_entire_batch_failure=False)
 _engine: AwsEngine | None = None
 
 
@@ -51,4 +52,6 @@ def record_handler(record: SQSRecord) -> None:
 @logger.inject_lambda_context
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    return process_partial_response(event=event, record_handler=record_handler, processor=processor, context=context)
+    return dict(
+        process_partial_response(event=event, record_handler=record_handler, processor=processor, context=context)
+    )

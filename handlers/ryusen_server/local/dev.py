@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -30,12 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl
 
 import httpx
 
 from ..api import build_api
+
+if TYPE_CHECKING:
+    from aws_lambda_powertools.utilities.typing import LambdaContext
 from ..aws.queue import create_queues
 from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
@@ -153,7 +157,7 @@ class DevStack:
             proc = AppProcess(spec=spec, port=free_port(), env=app_env)
             self._processes.append(proc)
             self._start_and_sync(proc)
-            self._spawn(lambda p=proc: self._watch(p), f"ryusen-watch-{proc.port}")
+            self._spawn(functools.partial(self._watch, proc), f"ryusen-watch-{proc.port}")
         self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
         self.out(f"ryusen dev: dev UI      http://127.0.0.1:{self.port}/")
         self.out(f"ryusen dev: moto        {endpoint}  (table {self.resources.table_name})")
@@ -251,7 +255,7 @@ class DevStack:
                 )
                 return [body]
             event = wsgi_to_rest_event(environ)
-            result = resolver.resolve(event, _LocalContext())
+            result = resolver.resolve(event, cast("LambdaContext", _LocalContext()))
             payload = result.get("body") or ""
             raw = base64.b64decode(payload) if result.get("isBase64Encoded") else payload.encode()
             headers = [(k, str(v)) for k, v in (result.get("headers") or {}).items()]
