@@ -16,6 +16,15 @@ Inputs that show the engine at work:
   nothing is compensated.
 * ``"fail_after_ship": true``: everything succeeds, then the function raises:
   all three steps are compensated, newest first.
+* ``"slow_ship_s": 20``: shipping takes 20 seconds. ``ryusen cancel RUN`` while
+  it runs: the shipment in flight settles, then everything is compensated
+  ("cancelled, fully compensated"). Or start the run with ``--timeout 5``: the
+  deadline passes mid-shipment, and the run ends "timed out, fully compensated".
+* ``"crash_in_ship": true``: the app process dies while shipping (the first
+  attempt only). Ryusen cannot know whether the parcel went out: the step is
+  Unknown and the run is blocked. ``ryusen dev`` restarts the app; you decide,
+  for example ``ryusen resolve RUN ship --phase forward --generation 1 --retry``
+  (or ``--succeed '{"tracking": "trk_manual", "express": false}'``).
 
 The "systems" here are in-memory dictionaries so the example runs anywhere;
 a real app would call its inventory, payment and shipping services, passing
@@ -24,7 +33,9 @@ a real app would call its inventory, payment and shipping services, passing
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -75,9 +86,12 @@ def refund(charge: dict[str, Any]) -> dict[str, Any]:
     return {"refunded": charge["charge_id"], "refund_key": ryusen.operation().id}
 
 
-def ship(sku: str, express: bool) -> dict[str, Any]:
+def ship(sku: str, express: bool, slow_s: float = 0, crash: bool = False) -> dict[str, Any]:
     if express and sku == "piano":
         raise NonRetryableError("pianos cannot ship express")
+    if crash and ryusen.operation().generation == 1:
+        os._exit(17)  # the process dies mid-effect: nobody knows whether the parcel left
+    time.sleep(slow_s)
     tracking = f"trk_{ryusen.operation().id[-8:]}"
     with _lock:
         SHIPMENTS[tracking] = {"sku": sku, "express": express, "cancelled": False}
@@ -102,7 +116,15 @@ def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
         retry=RetryPolicy(max_attempts=5, initial_delay=timedelta(milliseconds=200)),
     )
     try:
-        shipment = step.run("ship", ship, order["sku"], order.get("express", False), compensate=cancel_shipment)
+        shipment = step.run(
+            "ship",
+            ship,
+            order["sku"],
+            order.get("express", False),
+            order.get("slow_ship_s", 0),
+            order.get("crash_in_ship", False),
+            compensate=cancel_shipment,
+        )
     except StepFailed:
         # handled failure: fall back to standard shipping; nothing is compensated
         shipment = step.run("ship-standard", ship, order["sku"], False, compensate=cancel_shipment)

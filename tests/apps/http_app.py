@@ -7,6 +7,7 @@ another process can count physical invocations.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -82,3 +83,20 @@ def dup(data: dict[str, Any], step: Step) -> Any:
     first = step.run("charge", effect, "charge", tag, name="charge amount")
     second = step.run("charge", effect, "fee", tag, name="charge fee")
     return [first["step"], second["step"], VARIANT]
+
+
+def slow(tag: str, seconds: float) -> dict[str, Any]:
+    record(f"{tag}:slow-start")
+    time.sleep(seconds)
+    record(f"{tag}:slow-end")
+    return {"slept": seconds, "op": ryusen.operation().id}
+
+
+@app.function("slow")
+def slow_fn(data: dict[str, Any], step: Step) -> Any:
+    tag = data["tag"]
+    step.run("first", effect, "first", tag, compensate=undo(tag, "first"))
+    timeout = timedelta(seconds=data["timeout_s"]) if data.get("timeout_s") else None
+    result = step.run("slow", slow, tag, data["sleep_s"], timeout=timeout, compensate=undo(tag, "slow"))
+    step.run("after", effect, "after", tag, compensate=undo(tag, "after"))
+    return result

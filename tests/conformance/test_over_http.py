@@ -142,3 +142,38 @@ def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(stack.url + "/v1/functions", timeout=2)
     gen.close()
+
+
+@pytest.mark.rfd("U1", "U2", "O1")
+def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_result_lands(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("slow", {"tag": t, "sleep_s": 3, "timeout_s": 1})["id"]
+    unknown = wait_for(
+        lambda: (r := stack.run(run_id))["blockers"] and r, what="the attempt to become Unknown", timeout=60
+    )
+    slow_step = next(s for s in unknown["steps"] if s["id"] == "slow")
+    assert slow_step["status"] == "unknown" and unknown["blockers"][0]["type"] == "unknown_outcome"
+    assert "no response within 1s" in slow_step["attempts"][0]["detail"]
+    # the SDK finishes the callback and submits the signed result to the server's result endpoint
+    run = stack.wait_finished(run_id, timeout=60)
+    assert run["outcome"] == "completed" and run["output"]["slept"] == 3
+    assert stack.invocations(f"{t}:slow-start") == 1  # never retried
+    [attempt] = next(s for s in run["steps"] if s["id"] == "slow")["attempts"]
+    assert attempt["status"] == "succeeded" and attempt["settled_at"]
+
+
+@pytest.mark.rfd("S2", "S5", "S13")
+def test_cancel_while_an_effect_is_in_flight_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("slow", {"tag": t, "sleep_s": 2})["id"]
+    wait_for(lambda: stack.invocations(f"{t}:slow-start") == 1, what="the slow callback to start")
+    response = stack.client.post(f"/v1/runs/{run_id}/cancel", json={"reason": "customer asked"})
+    assert response.status_code == 202
+    ack = response.json()
+    assert ack["stop_intent"]["kind"] == "cancel" and ack["outcome"] == "cancelled"
+    assert ack["phase"] == "settling"  # the in-flight effect has not been claimed stopped
+    run = stack.wait_finished(run_id)
+    assert run["summary"] == "cancelled, fully compensated"
+    assert [u["step_id"] for u in run["unwind"]] == ["slow", "first"]
+    assert stack.invocations(f"{t}:after") == 0
+    assert stack.invocations(f"{t}:undo-slow") == 1 and stack.invocations(f"{t}:undo-first") == 1

@@ -88,7 +88,8 @@ class AppProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise DevError(f"app {self.spec} exited with status {self.process.returncode} while starting")
+                code, self.process = self.process.returncode, None  # waits for the next change of its file
+                raise DevError(f"app {self.spec} exited with status {code} while starting")
             try:
                 response = httpx.get(self.url, timeout=1.0)
                 if response.status_code == 200:
@@ -97,6 +98,7 @@ class AppProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        self.stop()
         raise DevError(f"app {self.spec} did not answer on {self.url} within {timeout_s:g}s")
 
     def stop(self) -> None:
@@ -121,6 +123,7 @@ class DevStack:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._processes: list[AppProcess] = []
+        self._restart_lock = threading.Lock()  # a reload and a crash restart never overlap
         self._moto: Any = None
         self._http: Any = None
         self.wired: AwsEngine | None = None
@@ -158,6 +161,7 @@ class DevStack:
             self._processes.append(proc)
             self._start_and_sync(proc)
             self._spawn(functools.partial(self._watch, proc), f"ryusen-watch-{proc.port}")
+        self._spawn(self._supervise, "ryusen-supervise")
         self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
         self.out(f"ryusen dev: dev UI      http://127.0.0.1:{self.port}/")
         self.out(f"ryusen dev: moto        {endpoint}  (table {self.resources.table_name})")
@@ -220,6 +224,21 @@ class DevStack:
         release = self.wired.engine.sync_release(manifest["app_id"], proc.url, fetch_manifest(proc.url))
         proc.app_id, proc.release_id = release.app_id, release.release_id
 
+    def _supervise(self) -> None:
+        """Restart an app whose process exited (a crash mid-step), and sync it again."""
+        while not self._stop.wait(0.5):
+            for proc in self._processes:
+                with self._restart_lock:
+                    process = proc.process
+                    if process is None or process.poll() is None or self._stop.is_set():
+                        continue
+                    self.out(f"ryusen dev: app {proc.spec} exited with status {process.returncode}; restarting it")
+                    proc.process = None
+                    try:
+                        self._start_and_sync(proc)
+                    except Exception as exc:  # noqa: BLE001 - keep supervising
+                        self.out(f"ryusen dev: restart of {proc.spec} failed: {exc}")
+
     def _watch(self, proc: AppProcess) -> None:
         path = source_file(proc.spec)
         if path is None:
@@ -230,12 +249,13 @@ class DevStack:
             if not any(Path(p).suffix == ".py" for _, p in changes):
                 continue
             self.out(f"ryusen dev: {path.name} changed; reloading {proc.spec}")
-            proc.stop()
-            try:
-                self._start_and_sync(proc)
-            except (DevError, AppSpecError, Exception) as exc:  # noqa: BLE001 - keep serving the others
-                self.out(f"ryusen dev: reload of {proc.spec} failed: {exc}")
-                continue
+            with self._restart_lock:
+                proc.stop()
+                try:
+                    self._start_and_sync(proc)
+                except Exception as exc:  # noqa: BLE001 - keep serving the others
+                    self.out(f"ryusen dev: reload of {proc.spec} failed: {exc}")
+                    continue
             self.out(f"ryusen dev: synced {proc.app_id!r} release {proc.release_id}")
 
     # ---- the API over HTTP ------------------------------------------------------------
