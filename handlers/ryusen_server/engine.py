@@ -334,7 +334,8 @@ class Engine:
         assert step is not None
         attempt = step.attempt(task.phase, task.generation)
         assert attempt is not None and attempt.respond_by is not None
-        timeout = step.timeout_s or self.settings.engine.attempt_timeout_s
+        declared = step.timeout_s if task.phase is Phase.FORWARD else step.compensate_timeout_s
+        timeout = declared or self.settings.engine.attempt_timeout_s
         req = TaskRequest(
             kind=task.kind,
             run_id=state.id,

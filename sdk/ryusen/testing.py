@@ -31,12 +31,29 @@ try:
     from ryusen_server.engine import Engine, ServerSettings
     from ryusen_server.invoker import InProcessInvoker
     from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
-    from ryusen_server.ports import InvokeResult, RequestCounter
+    from ryusen_server.ports import (
+        ConflictError,
+        InvalidRequestError,
+        InvokeResult,
+        NotFoundError,
+        PayloadTooLargeError,
+        RequestCounter,
+    )
     from ryusen_server.runtime import fire_due, handle_message
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("ryusen.testing needs the server extra: pip install 'ryusen[server]'") from exc
 
-__all__ = ["Faults", "RunView", "VirtualClock", "WorkflowEnvironment"]
+__all__ = [
+    "ConflictError",
+    "EngineSettings",
+    "Faults",
+    "InvalidRequestError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "RunView",
+    "VirtualClock",
+    "WorkflowEnvironment",
+]
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -324,14 +341,22 @@ class WorkflowEnvironment:
         until: Callable[[], bool] | None = None,
         max_transitions: int = 100_000,
         horizon: timedelta = timedelta(days=30),
+        stop_when_blocked: str | None = None,
     ) -> None:
-        """Run until ``until()`` holds or nothing is left to do within ``horizon`` of virtual time."""
+        """Run until ``until()`` holds or nothing is left to do within ``horizon`` of virtual time.
+
+        With ``stop_when_blocked=run_id``, also stop (without moving the clock)
+        once that run has a blocker and nothing else is due now: time would
+        only bring probes or its deadline.
+        """
         limit = self.clock.now + horizon
         for _ in range(max_transitions):
             if until is not None and until():
                 return
             if self.step_once():
                 continue
+            if stop_when_blocked is not None and self._peek(stop_when_blocked).blockers:
+                return
             due = self.next_due()
             if due is None or due > limit:
                 return
@@ -344,6 +369,8 @@ class WorkflowEnvironment:
         return self.wait(run_id)
 
     def wait(self, run_id: str, **kwargs: Any) -> RunView:
+        """Drive until the run finishes, or is blocked (a duplicate step id, an Unknown) with nothing due."""
+        kwargs.setdefault("stop_when_blocked", run_id)
         self.drive(until=lambda: self._peek(run_id).phase.value == "finished", **kwargs)
         return self.get(run_id)
 

@@ -217,3 +217,29 @@ def test_empty_unwind_is_not_required_and_never_compensating() -> None:
     run = env.run("wf")
     assert run.recovery == "not_required" and run.summary == "failed, compensation not required"
     assert "compensating" not in phases
+
+
+@pytest.mark.rfd("C4")
+def test_compensation_has_its_own_attempt_timeout() -> None:
+    app = Ryusen("timeouts")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run(
+            "a",
+            lambda: 1,
+            compensate=lambda r: "undone",
+            timeout=timedelta(seconds=5),
+            compensate_timeout=timedelta(minutes=2),
+        )
+        raise RuntimeError("fail")
+
+    run = WorkflowEnvironment(app).run("wf")
+    forward, compensation = run.step("a")["attempts"]
+
+    def window(a: dict[str, Any]) -> timedelta:
+        expires = datetime.fromisoformat(a["lease_expires_at"]) - datetime.fromisoformat(a["authorized_at"])
+        return expires - timedelta(seconds=EngineSettings().lease_grace_s)
+
+    assert window(forward) == timedelta(seconds=5)
+    assert window(compensation) == timedelta(minutes=2)

@@ -302,3 +302,49 @@ def test_oversized_values_are_refused_not_truncated() -> None:
     run = env.run("wf", "big-output")
     assert run.outcome == "failed" and run.error["type"] == "output_too_large"
     assert run.output is None
+
+
+@pytest.mark.rfd("F10")
+def test_async_workflow_runs_with_sync_and_async_callbacks_even_inside_an_event_loop() -> None:
+    import asyncio
+
+    from ryusen import AsyncStep
+
+    app = Ryusen("async-app")
+
+    async def fetch(x: int) -> int:
+        await asyncio.sleep(0)
+        return x * 2
+
+    @app.function("wf")
+    async def wf(data: Any, step: AsyncStep) -> Any:
+        a = await step.run("a", fetch, data)
+        b = await step.run("b", lambda: a + 1)
+        return [a, b]
+
+    env = make_env(app)
+    assert env.run("wf", 5).output == [10, 11]
+
+    async def inside_a_loop() -> Any:  # a user's async test calling the environment
+        return env.run("wf", 1).output
+
+    assert asyncio.run(inside_a_loop()) == [2, 3]
+
+
+@pytest.mark.rfd("F9")
+def test_async_callback_in_a_sync_workflow_fails_at_once() -> None:
+    app = Ryusen("misuse")
+
+    async def coro() -> int:
+        return 1
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        try:
+            step.run("a", coro)
+        except StepFailed as failure:
+            return failure.message
+
+    run = make_env(app).run("wf")
+    assert len(run.attempts("a")) == 1
+    assert "needs an async workflow function" in run.output

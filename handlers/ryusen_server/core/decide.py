@@ -241,8 +241,9 @@ class _Transition:
             return step.retry or self.settings.forward_retry
         return step.compensate_retry or self.settings.compensate_retry
 
-    def timeout_s(self, step: StepState | None) -> float:
-        return step.timeout_s if step and step.timeout_s else self.settings.attempt_timeout_s
+    def timeout_s(self, step: StepState, phase: Phase) -> float:
+        declared = step.timeout_s if phase is Phase.FORWARD else step.compensate_timeout_s
+        return declared or self.settings.attempt_timeout_s
 
     def settle(
         self, attempt: Attempt, status: AttemptStatus, *, error: ErrorInfo | None = None, detail: str | None = None
@@ -339,7 +340,7 @@ class _Transition:
             self.touch()
             self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
             return self.ignore("the function has no synced release")
-        timeout = self.timeout_s(step)
+        timeout = self.timeout_s(step, phase)
         attempt.status = AttemptStatus.AUTHORIZED
         attempt.authorized_at = self.now
         attempt.respond_by = self.now + timedelta(seconds=timeout)
@@ -410,7 +411,8 @@ class _Transition:
                 step_id=step.id,
                 phase=attempt.phase,
                 generation=attempt.generation,
-                message=f"unknown outcome of {step.id} {label} #{attempt.generation}: {detail}",
+                message=f"unknown outcome of {step.id} {label} #{attempt.generation}",
+                detail=detail,
                 first_seen_at=self.now,
                 last_seen_at=self.now,
             )
@@ -443,7 +445,8 @@ class _Transition:
             elif (current := step.current(Phase.FORWARD)) is not None and current.status in LIVE_ATTEMPT:
                 return self.ignore(f"step {plan.id} already has a live attempt")
             step.name, step.location, step.has_compensation = plan.name, plan.location, plan.has_compensation
-            step.retry, step.compensate_retry, step.timeout_s = plan.retry, plan.compensate_retry, plan.timeout_s
+            step.retry, step.compensate_retry = plan.retry, plan.compensate_retry
+            step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
             step.status = StepStatus.PENDING
             self.queue_attempt(step, Phase.FORWARD)
         elif isinstance(response, FunctionCompleted):
@@ -751,7 +754,12 @@ class _Transition:
             )
         current = step.current(event.phase)
         # idempotency: the same resolution repeated
-        if attempt.status is not AttemptStatus.UNKNOWN and attempt.status is not AttemptStatus.AUTHORIZED:
+        if attempt.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
+            return self.reject(
+                "attempt_not_unknown",
+                f"generation {event.generation} is {attempt.status}, not unknown: wait for its outcome or its lease",
+            )
+        if attempt.status is not AttemptStatus.UNKNOWN:
             if self._same_resolution(attempt, event, step):
                 return self.ignore("resolution already applied")
             return self.reject(

@@ -131,6 +131,7 @@ class StepState(_State):
     retry: RetryPolicyWire | None = None
     compensate_retry: RetryPolicyWire | None = None
     timeout_s: float | None = None
+    compensate_timeout_s: float | None = None
     status: StepStatus = StepStatus.PENDING
     result: Any = None
     error: ErrorInfo | None = None
@@ -178,6 +179,7 @@ class Blocker(_State):
     first: Occurrence | None = None
     duplicate: Occurrence | None = None
     message: str
+    detail: str | None = None
     count: int = 1
     first_seen_at: datetime
     last_seen_at: datetime

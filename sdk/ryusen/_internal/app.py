@@ -8,6 +8,7 @@ and body and returns a status, headers and body; the serve adapters in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import inspect
 import json
@@ -158,7 +159,7 @@ class Ryusen:
         if registered is None:
             return self._not_found(request)
         if registered.is_async:
-            return asyncio.run(self.execute_async(request))
+            return _run_coroutine(self.execute_async(request))
         replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
         try:
             output = registered.fn(request.input, Step(replay))
@@ -299,6 +300,16 @@ class Ryusen:
         from .serve import handle_lambda_event
 
         return handle_lambda_event(self, event)
+
+
+def _run_coroutine(coro: Any) -> TaskResponse:
+    """Run an async workflow to completion, also when the caller is itself inside an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[no-any-return]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()  # type: ignore[no-any-return]
 
 
 def _completed(request: TaskRequest, output: Any) -> FunctionCompleted | FunctionFailed | TargetNotFound:

@@ -199,6 +199,7 @@ class _Replay:
         retry: RetryPolicy | None,
         timeout: timedelta | None,
         compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
     ) -> tuple[str, Any]:
         """Decide what ``step.run`` does: ("return", value) or ("execute", callable)."""
         if not isinstance(step_id, str) or not step_id:
@@ -238,6 +239,7 @@ class _Replay:
                         retry=retry.to_wire() if retry else None,
                         compensate_retry=compensate_retry.to_wire() if compensate_retry else None,
                         timeout_s=timeout.total_seconds() if timeout else None,
+                        compensate_timeout_s=compensate_timeout.total_seconds() if compensate_timeout else None,
                     )
                 )
             )
@@ -282,6 +284,7 @@ class Step:
         retry: RetryPolicy | None = None,
         timeout: timedelta | None = None,
         compensate_retry: RetryPolicy | None = None,
+        compensate_timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` as step ``step_id``, at most once per accepted result.
@@ -289,8 +292,12 @@ class Step:
         Returns the recorded result on replay; raises :class:`StepFailed` when
         the step's retries are exhausted. ``compensate`` is called with the
         recorded result if the run later fails, is cancelled or times out.
+        ``timeout`` bounds one forward attempt; ``compensate_timeout`` one
+        compensation attempt (default: the server's attempt timeout, 5 min).
         """
-        action, value = self._replay.enter(step_id, fn, name, compensate, retry, timeout, compensate_retry)
+        action, value = self._replay.enter(
+            step_id, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+        )
         if action == "return":
             return value  # type: ignore[no-any-return]
         token = _current_operation.set(self._replay.operation_context())
@@ -301,7 +308,9 @@ class Step:
                 result = value(*args, **kwargs)
             if inspect.isawaitable(result):
                 _close(result)
-                raise TypeError("an async callback needs an async workflow function (async def)")
+                raise NonRetryableError(
+                    f"step {step_id!r}: an async callback needs an async workflow function (async def)"
+                )
         except Exception as exc:  # noqa: BLE001 - every callback failure is reported
             self._replay.fail(exc)
         finally:
@@ -329,10 +338,13 @@ class AsyncStep:
         retry: RetryPolicy | None = None,
         timeout: timedelta | None = None,
         compensate_retry: RetryPolicy | None = None,
+        compensate_timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> T:
         """Like :meth:`Step.run`, awaitable."""
-        action, value = self._replay.enter(step_id, fn, name, compensate, retry, timeout, compensate_retry)
+        action, value = self._replay.enter(
+            step_id, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+        )
         if action == "return":
             return value  # type: ignore[no-any-return]
         token = _current_operation.set(self._replay.operation_context())

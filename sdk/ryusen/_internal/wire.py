@@ -82,6 +82,7 @@ class StepPlan(_Wire):
     retry: RetryPolicyWire | None = None
     compensate_retry: RetryPolicyWire | None = None
     timeout_s: float | None = Field(default=None, gt=0)
+    compensate_timeout_s: float | None = Field(default=None, gt=0)
 
 
 class Occurrence(_Wire):
