@@ -46,7 +46,7 @@ def flaky(tag: str, failures: int) -> str:
 def undo(tag: str, name: str) -> Any:
     def compensate(result: dict[str, Any]) -> dict[str, Any]:
         record(f"{tag}:undo-{name}")
-        return {"undone": result["step"], "op": ryusen.operation().id}
+        return {"undone": result.get("step", name), "op": ryusen.operation().id}
 
     return compensate
 

@@ -1,0 +1,831 @@
+"""The ``ryusen`` command line (contract 3): a thin client of the server API.
+
+Every command but ``dev`` makes requests to the server API (contract 2) at
+``--server`` (or ``RYUSEN_URL``). Requests to a loopback server (``ryusen
+dev``) go unsigned; requests to any other host are signed with SigV4 for API
+Gateway's IAM authorization, with the caller's default AWS credential chain.
+The httpx client comes from ``make_client`` so tests can hand in a fake
+transport. ``render_run`` draws the run view as a timeline; it is pure (view
+in, console out) so it can be tested without a server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Generator
+from datetime import datetime
+from typing import Any, NoReturn
+from urllib.parse import quote, urlsplit
+
+import click
+import httpx
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+DEFAULT_SERVER = "http://127.0.0.1:8700"
+DEFAULT_DEV_PORT = 8700
+SIGV4_SERVICE = "execute-api"
+REQUEST_TIMEOUT_S = 30.0
+
+POLL_INITIAL_S = 0.2
+POLL_MAX_S = 1.0
+POLL_GROWTH = 1.5
+BLOCKED_QUIET_S = 2.0
+"""With --wait: how long a blocked run must stay unchanged before waiting stops."""
+
+PHASES = ("running", "settling", "compensating", "finished")
+OUTCOMES = ("completed", "failed", "cancelled", "timed_out")
+
+sleep: Callable[[float], None] = time.sleep
+clock: Callable[[], float] = time.monotonic
+"""The poller's time sources (tests replace them)."""
+
+
+class CliError(click.ClickException):
+    """A failure to report as ``error: ...`` on stderr, with exit status 1."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+# --- talking to the server -------------------------------------------------------------------------------------------
+
+
+def is_loopback(server: str) -> bool:
+    host = urlsplit(server).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _region_for(server: str, session: Any) -> str:
+    region = (
+        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
+    )
+    if region:
+        return str(region)
+    match = re.search(r"\.execute-api\.([a-z0-9-]+)\.amazonaws\.com$", urlsplit(server).hostname or "")
+    if match:
+        return match.group(1)
+    raise CliError(f"cannot tell the AWS region to sign requests to {server} with; set AWS_REGION")
+
+
+class SigV4(httpx.Auth):
+    """Sign requests to one origin with SigV4 (service ``execute-api``); requests elsewhere go unsigned."""
+
+    requires_request_body = True
+
+    def __init__(self, server: str) -> None:
+        import botocore.session
+
+        session = botocore.session.get_session()
+        credentials = session.get_credentials()
+        if credentials is None:
+            raise CliError(
+                f"no AWS credentials found to sign requests to {server} "
+                "(a server that is not on loopback is called with SigV4; configure the AWS credential chain)"
+            )
+        self.credentials = credentials
+        self.region = _region_for(server, session)
+        origin = httpx.URL(server)
+        self.origin = (origin.scheme, origin.host, origin.port)
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if (request.url.scheme, request.url.host, request.url.port) == self.origin:
+            from botocore.auth import SigV4Auth
+            from botocore.awsrequest import AWSRequest
+
+            signed = AWSRequest(method=request.method, url=str(request.url), data=request.content)
+            SigV4Auth(self.credentials.get_frozen_credentials(), SIGV4_SERVICE, self.region).add_auth(signed)
+            for name in ("Authorization", "X-Amz-Date", "X-Amz-Security-Token"):
+                if name in signed.headers:
+                    request.headers[name] = signed.headers[name]
+        yield request
+
+
+def make_client(server: str, *, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    """The HTTP client for ``server``: unsigned on loopback, SigV4 otherwise (tests replace or wrap this)."""
+    auth = None if is_loopback(server) else SigV4(server)
+    return httpx.Client(
+        base_url=server,
+        auth=auth,
+        timeout=REQUEST_TIMEOUT_S,
+        headers={"user-agent": "ryusen-cli"},
+        transport=transport,
+    )
+
+
+def _segment(value: str | int) -> str:
+    return quote(str(value), safe="")
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return f"{error.get('code', 'error')}: {error['message']}"
+        if isinstance(body.get("message"), str):  # API Gateway's own refusals
+            return f"HTTP {response.status_code}: {body['message']}"
+    text = response.text.strip()
+    return f"HTTP {response.status_code}" + (f": {text[:200]}" if text else "")
+
+
+class Api:
+    """The server API, one method per request the CLI makes."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self._client: httpx.Client | None = None
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = make_client(self.server)
+        return self._client
+
+    def request(
+        self, method: str, url: str, *, body: Any = None, params: dict[str, Any] | None = None
+    ) -> tuple[int, Any]:
+        try:
+            response = self.client.request(
+                method, url, json=body, params={k: v for k, v in (params or {}).items() if v is not None}
+            )
+        except httpx.ConnectError:
+            target = url if url.startswith(("http://", "https://")) else self.server
+            hint = (
+                " (is `ryusen dev` running? start it, or point --server / RYUSEN_URL at a deployed API)"
+                if is_loopback(target)
+                else ""
+            )
+            raise CliError(f"cannot connect to {target}{hint}") from None
+        except httpx.HTTPError as exc:
+            raise CliError(f"{method} {url} failed: {exc}") from None
+        if response.status_code >= 400:
+            raise CliError(_error_text(response))
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            raise CliError(f"{method} {url}: HTTP {response.status_code} with a body that is not JSON") from None
+
+    def manifest(self, url: str) -> dict[str, Any]:
+        try:
+            _, manifest = self.request("GET", url)
+        except CliError as exc:
+            raise CliError(f"cannot read the manifest at {url}: {exc.message}; pass --app APP_ID to skip it") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("app_id"), str):
+            raise CliError(f"{url} did not return a Ryusen manifest (no app_id); pass --app APP_ID")
+        return manifest
+
+    def sync(self, app_id: str, url: str) -> Any:
+        return self.request("PUT", f"/v1/apps/{_segment(app_id)}", body={"url": url})[1]
+
+    def start(self, function_id: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return self.request("POST", f"/v1/functions/{_segment(function_id)}/runs", body=body)
+
+    def runs(self, **params: Any) -> Any:
+        return self.request("GET", "/v1/runs", params=params)[1]
+
+    def run(self, run_id: str) -> Any:
+        return self.request("GET", f"/v1/runs/{_segment(run_id)}")[1]
+
+    def cancel(self, run_id: str, reason: str | None) -> Any:
+        body = {"reason": reason} if reason else None
+        return self.request("POST", f"/v1/runs/{_segment(run_id)}/cancel", body=body)[1]
+
+    def rediscover(self, run_id: str) -> Any:
+        return self.request("POST", f"/v1/runs/{_segment(run_id)}/rediscover")[1]
+
+    def resolve(self, run_id: str, step_id: str, phase: str, generation: int, body: dict[str, Any]) -> Any:
+        path = f"/v1/runs/{_segment(run_id)}/steps/{_segment(step_id)}/{_segment(phase)}/{_segment(generation)}/resolve"
+        return self.request("POST", path, body=body)[1]
+
+
+class WaitAbandonedError(CliError):
+    exit_code = 2
+
+
+class WaitTimeoutError(Exception):
+    def __init__(self, view: dict[str, Any]) -> None:
+        super().__init__("timed out waiting")
+        self.view = view
+
+
+def wait_for_run(api: Api, run_id: str, *, timeout_s: float) -> tuple[dict[str, Any], bool]:
+    """Poll the run until it finishes (True) or is blocked with nothing moving (False)."""
+    deadline = clock() + timeout_s
+    interval = POLL_INITIAL_S
+    last: Any = None
+    unchanged_since = clock()
+    while True:
+        view: dict[str, Any] = api.run(run_id)
+        now = clock()
+        if view.get("phase") == "finished":
+            return view, True
+        if view != last:
+            last, unchanged_since = view, now
+        elif view.get("blockers") and now - unchanged_since >= BLOCKED_QUIET_S:
+            return view, False
+        if now >= deadline:
+            raise WaitTimeoutError(view)
+        sleep(min(interval, max(deadline - now, 0.0)))
+        interval = min(interval * POLL_GROWTH, POLL_MAX_S)
+
+
+# --- rendering -------------------------------------------------------------------------------------------------------
+
+_SUMMARY_STYLE = {
+    None: "bold cyan",
+    "completed": "bold green",
+    "failed": "bold red",
+    "cancelled": "bold yellow",
+    "timed_out": "bold yellow",
+}
+_STATUS_STYLE = {
+    "completed": "green",
+    "succeeded": "green",
+    "compensated": "green",
+    "failed": "red",
+    "unknown": "bold magenta",
+    "fenced": "dim",
+    "retry_authorized": "yellow",
+    "skipped": "dim",
+    "not_reached": "dim",
+    "none": "dim",
+    "pending": "cyan",
+    "queued": "cyan",
+    "running": "cyan",
+    "authorized": "cyan",
+}
+_DEADLINE_SOURCE = {
+    "run_request": "from the run request",
+    "function": "the function's timeout",
+    "deployment_default": "the deployment default",
+}
+VALUE_WIDTH = 72
+PIPE_WIDTH = 100
+"""The width of output that is not going to a terminal (rich would assume 80)."""
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _zone(moment: datetime) -> str:
+    offset = moment.utcoffset()
+    if offset is None:
+        return ""
+    return " UTC" if not offset else f" {moment.strftime('%z')}"
+
+
+def _full_time(value: Any) -> str:
+    moment = _parse_time(value)
+    if moment is None:
+        return str(value) if value else "—"
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 100_000}{_zone(moment)}"
+
+
+def _clock_time(value: Any, day: str | None) -> str:
+    """``12:00:01.2``, with the date in front when it is not the run's creation day."""
+    moment = _parse_time(value)
+    if moment is None:
+        return str(value) if value else "…"
+    text = moment.strftime("%H:%M:%S.") + str(moment.microsecond // 100_000)
+    if day is not None and moment.strftime("%Y-%m-%d") != day:
+        text = moment.strftime("%m-%d ") + text
+    return text
+
+
+def _compact(value: Any, width: int = VALUE_WIDTH) -> str:
+    text = json.dumps(value, separators=(", ", ": "), default=str, ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _status(value: Any) -> Text:
+    text = str(value) if value is not None else "—"
+    return Text(text, style=_STATUS_STYLE.get(text, ""))
+
+
+def _error_line(error: Any) -> str:
+    if not isinstance(error, dict):
+        return str(error)
+    line = f"{error.get('type', 'error')}: {error.get('message', '')}"
+    if error.get("data") is not None:
+        line += f" {_compact(error['data'], 40)}"
+    return line
+
+
+class _RunRenderer:
+    """One rendering of one run view; remembers the release last shown, so a change of release stands out."""
+
+    def __init__(self, view: dict[str, Any], console: Console) -> None:
+        self.view = view
+        self.console = console
+        created = _parse_time(view.get("created_at"))
+        self.day = created.strftime("%Y-%m-%d") if created else None
+        self.last_release: str | None = None
+
+    def time(self, value: Any) -> str:
+        return _clock_time(value, self.day)
+
+    def indented(self, renderable: Any, indent: int) -> None:
+        self.console.print(Padding(renderable, (0, 0, 0, indent), expand=False))
+
+    def render(self) -> None:
+        self.header()
+        self.blockers()
+        self.steps()
+        self.unwind()
+        self.result()
+
+    def header(self) -> None:
+        view, console = self.view, self.console
+        outcome = view.get("outcome")
+        console.print(Text.assemble(("Run ", "bold"), (str(view.get("id")), "bold"), f"  {view.get('function_id')}"))
+        if view.get("app_id"):
+            console.print(Text(f"app {view['app_id']}", style="dim"))
+        console.print(Text(str(view.get("summary", "")), style=_SUMMARY_STYLE.get(outcome, "bold")))
+        console.print(
+            Text.assemble(
+                "phase ",
+                (str(view.get("phase")), "bold"),
+                " · outcome ",
+                (str(outcome or "—"), "bold"),
+                " · recovery ",
+                (str(view.get("recovery") or "—"), "bold"),
+            )
+        )
+        deadline = view.get("deadline") or {}
+        if deadline.get("at"):
+            source = deadline.get("source") or ""
+            console.print(Text(f"deadline {_full_time(deadline['at'])} ({_DEADLINE_SOURCE.get(source, source)})"))
+        else:
+            console.print(Text("no deadline"))
+        times = f"created {_full_time(view.get('created_at'))}"
+        if view.get("finished_at"):
+            times += f" · finished {_full_time(view['finished_at'])}"
+        console.print(Text(times))
+        stop = view.get("stop_intent")
+        if isinstance(stop, dict):
+            reason = f": {stop['reason']}" if stop.get("reason") else ""
+            console.print(
+                Text(f"stop requested: {stop.get('kind', 'stop')} at {self.time(stop.get('at'))}{reason}", "yellow")
+            )
+        if view.get("input") is not None:
+            console.print(Text(f"input {_compact(view['input'])}", style="dim"))
+
+    def blockers(self) -> None:
+        blockers = self.view.get("blockers") or []
+        if not blockers:
+            return
+        console = self.console
+        console.print()
+        console.print(Text(f" BLOCKED ({len(blockers)}) ", style="bold red reverse"))
+        for blocker in blockers:
+            console.print(
+                Text.assemble(
+                    ("  ✖ ", "bold red"),
+                    (f"{blocker.get('type', 'blocker')}: ", "bold red"),
+                    (str(blocker.get("message", "")), "bold"),
+                )
+            )
+            for key, label in (("first", "first call"), ("duplicate", "duplicate call")):
+                occurrence = blocker.get(key)
+                if isinstance(occurrence, dict) and (occurrence.get("location") or occurrence.get("name")):
+                    name = f"  {occurrence['name']}" if occurrence.get("name") else ""
+                    self.indented(Text(f"{label} at {occurrence.get('location') or '?'}{name}"), 6)
+            seen = []
+            if (blocker.get("count") or 1) > 1:
+                seen.append(f"seen {blocker['count']} times")
+            if blocker.get("last_seen_at"):
+                seen.append(f"last seen {self.time(blocker['last_seen_at'])}")
+            if seen:
+                self.indented(Text(", ".join(seen), style="dim"), 6)
+            self.indented(Text(self.remedy(blocker), style="yellow"), 6)
+
+    def remedy(self, blocker: dict[str, Any]) -> str:
+        run_id = self.view.get("id")
+        if blocker.get("type") == "duplicate_step_id":
+            return f"give one of the calls another step id and sync the app (or: ryusen rediscover {run_id})"
+        if blocker.get("type") == "unknown_outcome" and blocker.get("phase") and blocker.get("generation"):
+            return (
+                f"once you know what happened: ryusen resolve {run_id} {blocker.get('step_id')} "
+                f"--phase {blocker['phase']} --generation {blocker['generation']} "
+                "(--succeed JSON | --fail MESSAGE | --retry)"
+            )
+        return "see `ryusen resolve --help`"
+
+    def attempts(self, attempts: list[dict[str, Any]]) -> None:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(min_width=15, no_wrap=True)
+        table.add_column(min_width=9, no_wrap=True)
+        table.add_column(min_width=23, no_wrap=True)
+        table.add_column(overflow="fold")
+        for attempt in attempts:
+            status = attempt.get("status")
+            if attempt.get("authorized_at"):
+                times = f"{self.time(attempt['authorized_at'])} → {self.time(attempt.get('settled_at'))}"
+            else:
+                times = f"queued {self.time(attempt.get('queued_at'))}"
+            notes: list[str] = []
+            if attempt.get("error"):
+                notes.append(_error_line(attempt["error"]))
+            if attempt.get("detail"):
+                notes.append(str(attempt["detail"]))
+            if status in ("queued", "retry_authorized") and attempt.get("not_before"):
+                notes.append(f"not before {self.time(attempt['not_before'])}")
+            if attempt.get("redeliveries"):
+                notes.append(f"redelivered {attempt['redeliveries']} times")
+            for submission in attempt.get("stale_submissions") or []:
+                notes.append(f"stale result ignored ({submission.get('reason', 'stale')})")
+            release = attempt.get("release_id")
+            if release and release != self.last_release:
+                notes.append(f"release {release}")
+                self.last_release = release
+            table.add_row(
+                f"{attempt.get('phase', '?')} #{attempt.get('generation', '?')}",
+                _status(status),
+                times,
+                Text("  ".join(notes)),
+            )
+        self.indented(table, 7)
+
+    def steps(self) -> None:
+        steps = self.view.get("steps") or []
+        console = self.console
+        console.print()
+        console.print(Text(f"Steps ({len(steps)}, in discovery order)", style="bold underline"))
+        if not steps:
+            console.print(Text("  no steps yet", style="dim"))
+        for number, step in enumerate(steps, 1):
+            line = Text.assemble(f"{number:>3}. ", (str(step.get("id")), "bold"), "  ", _status(step.get("status")))
+            if step.get("location"):
+                line.append(f"  {step['location']}")
+            if step.get("name") and step["name"] != step.get("id"):
+                line.append(f"  {step['name']}", style="dim")
+            if step.get("has_compensation"):
+                line.append("  ↺ has compensation", style="dim")
+            console.print(line)
+            forward = [a for a in step.get("attempts") or [] if a.get("phase") != "compensation"]
+            if forward:
+                self.attempts(forward)
+            if step.get("status") == "completed" and step.get("result") is not None:
+                self.indented(Text(f"result {_compact(step['result'])}", style="dim"), 7)
+            elif step.get("error") and not forward:
+                self.indented(Text(_error_line(step["error"]), style="red"), 7)
+
+    def unwind(self) -> None:
+        view, console = self.view, self.console
+        unwind = view.get("unwind") or []
+        if view.get("outcome") in (None, "completed") and not unwind:
+            return
+        console.print()
+        console.print(Text("Unwind (reverse completion order)", style="bold underline"))
+        if not unwind:
+            words = "nothing to compensate" if view.get("recovery") == "not_required" else "not planned yet"
+            console.print(Text(f"  {words}", style="dim"))
+            return
+        steps = {s.get("id"): s for s in view.get("steps") or []}
+        for number, entry in enumerate(unwind, 1):
+            step = steps.get(entry.get("step_id"), {})
+            compensation = step.get("compensation") or {}
+            line = Text.assemble(
+                f"{number:>3}. ", (str(entry.get("step_id")), "bold"), "  ", _status(entry.get("status"))
+            )
+            if compensation.get("result") is not None:
+                line.append(f"  → {_compact(compensation['result'], 48)}", style="dim")
+            console.print(line)
+            attempts = [a for a in step.get("attempts") or [] if a.get("phase") == "compensation"]
+            if attempts:
+                self.attempts(attempts)
+            elif compensation.get("error"):
+                self.indented(Text(_error_line(compensation["error"]), style="red"), 7)
+
+    def result(self) -> None:
+        view, console = self.view, self.console
+        error = view.get("error")
+        if isinstance(error, dict):
+            console.print()
+            console.print(
+                Text.assemble(("Error  ", "bold red"), f"{error.get('type', 'error')}: {error.get('message', '')}")
+            )
+            if error.get("data") is not None:
+                self.indented(Text(f"data {_compact(error['data'], 90)}", style="dim"), 7)
+        elif view.get("outcome") == "completed":
+            console.print()
+            console.print(Text("Output", style="bold"))
+            console.print(Text(json.dumps(view.get("output"), indent=2, default=str, ensure_ascii=False)))
+
+
+def render_run(view: dict[str, Any], *, console: Console) -> None:
+    """Draw a run view (``GET /v1/runs/{id}``): header, blockers, step timeline, unwind, then output or error."""
+    _RunRenderer(view, console).render()
+
+
+def render_runs(runs: list[dict[str, Any]], *, console: Console) -> None:
+    """A table of run summaries (``GET /v1/runs``); the summary already says the phase."""
+    table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 2, 0, 0))
+    table.add_column("RUN", no_wrap=True)
+    table.add_column("FUNCTION")
+    table.add_column("SUMMARY", min_width=12)
+    table.add_column("STEPS", justify="right", no_wrap=True)
+    table.add_column("CREATED")
+    for run in runs:
+        created = _parse_time(run.get("created_at"))
+        summary = Text(str(run.get("summary", "")), style=_SUMMARY_STYLE.get(run.get("outcome"), ""))
+        if run.get("blocked") and "blocked" not in summary.plain:
+            summary.append(" (blocked)", style="bold red")
+        table.add_row(
+            str(run.get("id")),
+            str(run.get("function_id")),
+            summary,
+            str(run.get("steps", "")),
+            created.strftime("%Y-%m-%d %H:%M") if created else str(run.get("created_at", "")),
+        )
+    console.print(table)
+
+
+# --- commands --------------------------------------------------------------------------------------------------------
+
+
+def parse_json(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """An option's JSON value; invalid JSON is a usage error, before any request is made."""
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc}): {value!r}", ctx=ctx, param=param) from None
+
+
+def _console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPE_WIDTH
+    return console
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str, ensure_ascii=False))
+
+
+def _api(ctx: click.Context) -> Api:
+    api = ctx.find_object(Api)
+    assert api is not None, "the ryusen group sets the Api"
+    return api
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--server",
+    envvar="RYUSEN_URL",
+    default=DEFAULT_SERVER,
+    show_default=True,
+    metavar="URL",
+    help="The Ryusen server API (env RYUSEN_URL). Not on loopback: requests are signed with SigV4.",
+)
+@click.pass_context
+def cli(ctx: click.Context, server: str) -> None:
+    """Ryusen: durable workflows for plain Python functions."""
+    ctx.obj = Api(server.rstrip("/"))
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_DEV_PORT, show_default=True)
+@click.argument("apps", nargs=-1, metavar="[APP]...")
+def dev(port: int, apps: tuple[str, ...]) -> None:
+    """Run Ryusen locally: the server API, the engine, the development UI, and each APP.
+
+    APP is `path/to/file.py:app` or `package.module:app`.
+    """
+    try:
+        from ryusen_server.local.dev import run_dev
+
+        status = run_dev(port=port, apps=list(apps))
+    except ModuleNotFoundError as exc:  # moto and watchfiles are imported when the stack starts
+        if not exc.name or exc.name.split(".")[0] in ("ryusen", "ryusen_server"):
+            raise
+        raise CliError(
+            f"`ryusen dev` needs the local extra (module {exc.name!r} is missing): pip install 'ryusen[local]'"
+        ) from None
+    sys.exit(status)
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--app", "app_id", metavar="APP_ID", help="The app id (default: read from the endpoint's manifest).")
+@click.pass_obj
+def sync(api: Api, url: str, app_id: str | None) -> None:
+    """Record a release of the app served at URL (and wake its blocked runs)."""
+    if app_id is None:
+        app_id = str(api.manifest(url)["app_id"])
+    release = api.sync(app_id, url)
+    functions = ", ".join(str(f.get("id")) for f in release.get("functions") or []) or "none"
+    signed = "" if release.get("signed", True) else " (unsigned: the app has no signing key)"
+    click.echo(
+        f"synced app {release.get('app_id', app_id)}: release {release.get('release_id')} "
+        f"(build {release.get('build_id')}){signed}\nfunctions: {functions}"
+    )
+
+
+@cli.command()
+@click.argument("function_id", metavar="FUNCTION")
+@click.option("--input", "input_", callback=parse_json, required=True, metavar="JSON", help="The run's input, as JSON.")
+@click.option("--idempotency-key", metavar="KEY", help="Starting again with the same key returns the same run.")
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), metavar="SECONDS", help="The run's timeout."
+)
+@click.option("--wait", is_flag=True, help="Wait for the run to finish (or to block), then show it.")
+@click.option(
+    "--wait-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --wait: give up waiting after this long (exit 2).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run view as JSON.")
+@click.pass_obj
+def run(
+    api: Api,
+    function_id: str,
+    input_: Any,
+    idempotency_key: str | None,
+    timeout_s: float | None,
+    wait: bool,
+    wait_timeout: float,
+    as_json: bool,
+) -> None:
+    """Start a run of FUNCTION. With --wait, exit 0 only if it completes."""
+    body: dict[str, Any] = {"input": input_}
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    status, view = api.start(function_id, body)
+    run_id = str(view["id"])
+    if not wait:
+        if as_json:
+            _echo_json(view)
+        else:
+            how = "started" if status == 201 else "existing run for this idempotency key:"
+            click.echo(f"{how} {run_id} ({function_id}): {view.get('summary', view.get('phase'))}")
+            click.echo(f"follow it with: ryusen show {run_id}")
+        return
+    err = Console(stderr=True, highlight=False)
+    try:
+        if err.is_terminal:
+            with err.status(f"waiting for {run_id}…"):
+                view, finished = wait_for_run(api, run_id, timeout_s=wait_timeout)
+        else:
+            view, finished = wait_for_run(api, run_id, timeout_s=wait_timeout)
+    except WaitTimeoutError as timeout:
+        _show(timeout.view, as_json)
+        raise WaitAbandonedError(
+            f"run {run_id} did not finish within {wait_timeout:g} s (it goes on; see `ryusen show {run_id}`)"
+        ) from None
+    _show(view, as_json)
+    if not finished:
+        raise CliError(f"run {run_id} is blocked and nothing is moving; waiting stopped (see the blockers above)")
+    if view.get("outcome") != "completed":
+        sys.exit(1)
+
+
+def _show(view: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _echo_json(view)
+    else:
+        render_run(view, console=_console())
+
+
+@cli.command()
+@click.option("--function", "function_id", metavar="FUNCTION", help="Only runs of this function.")
+@click.option("--phase", type=click.Choice(PHASES))
+@click.option("--outcome", type=click.Choice(OUTCOMES))
+@click.option("--limit", type=click.IntRange(1, 200), default=20, show_default=True)
+@click.option("--cursor", metavar="CURSOR", help="The next page, from a previous listing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the response as JSON.")
+@click.pass_obj
+def runs(
+    api: Api,
+    function_id: str | None,
+    phase: str | None,
+    outcome: str | None,
+    limit: int,
+    cursor: str | None,
+    as_json: bool,
+) -> None:
+    """List runs, newest first."""
+    page = api.runs(function_id=function_id, phase=phase, outcome=outcome, limit=limit, cursor=cursor)
+    if as_json:
+        _echo_json(page)
+        return
+    listed = page.get("runs") or []
+    if not listed:
+        click.echo("no runs")
+    else:
+        render_runs(listed, console=_console())
+    if page.get("cursor"):
+        click.echo(f"more: ryusen runs --limit {limit} --cursor {page['cursor']}")
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print the run view as JSON.")
+@click.pass_obj
+def show(api: Api, run_id: str, as_json: bool) -> None:
+    """Show a run: status, blockers, step timeline, unwind, result."""
+    _show(api.run(run_id), as_json)
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--reason", help="Recorded with the stop intent.")
+@click.pass_obj
+def cancel(api: Api, run_id: str, reason: str | None) -> None:
+    """Cancel a run (it settles, then compensates)."""
+    view = api.cancel(run_id, reason)
+    click.echo(f"cancel requested for {run_id}: {view.get('summary', '')}")
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.pass_obj
+def rediscover(api: Api, run_id: str) -> None:
+    """Retry discovery of a run blocked by a duplicate step id."""
+    view = api.rediscover(run_id)
+    click.echo(f"rediscovery queued for {run_id}: {view.get('summary', '')}")
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("step_id", metavar="STEP")
+@click.option("--phase", type=click.Choice(["forward", "compensation"]), required=True)
+@click.option("--generation", type=click.IntRange(min=1), required=True, metavar="G")
+@click.option(
+    "--succeed", "result", callback=parse_json, metavar="JSON", help="Declare the attempt succeeded with this result."
+)
+@click.option("--fail", "message", metavar="MESSAGE", help="Declare the attempt failed.")
+@click.option("--retry", is_flag=True, help="Authorize another attempt (only if the callback is safe to run twice).")
+@click.pass_context
+def resolve(
+    ctx: click.Context,
+    run_id: str,
+    step_id: str,
+    phase: str,
+    generation: int,
+    result: Any,
+    message: str | None,
+    retry: bool,
+) -> None:
+    """Resolve an attempt whose outcome is Unknown.
+
+    Exactly one of --succeed JSON, --fail MESSAGE or --retry.
+    """
+    succeed = ctx.get_parameter_source("result") is click.core.ParameterSource.COMMANDLINE
+    chosen = [
+        name for name, given in (("--succeed", succeed), ("--fail", message is not None), ("--retry", retry)) if given
+    ]
+    if len(chosen) != 1:
+        _usage(
+            ctx,
+            "give exactly one of --succeed JSON, --fail MESSAGE, --retry"
+            + (f" (got {' '.join(chosen)})" if chosen else ""),
+        )
+    if succeed:
+        body: dict[str, Any] = {"action": "succeed", "result": result}
+    elif message is not None:
+        body = {"action": "fail", "error": {"type": "declared_failure", "message": message}}
+    else:
+        body = {"action": "retry"}
+    view = _api(ctx).resolve(run_id, step_id, phase, generation, body)
+    click.echo(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}")
+
+
+def _usage(ctx: click.Context, message: str) -> NoReturn:
+    raise click.UsageError(message, ctx)
+
+
+def main() -> None:
+    cli(prog_name="ryusen")
+
+
+__all__ = ["Api", "cli", "main", "make_client", "render_run", "render_runs", "wait_for_run"]
