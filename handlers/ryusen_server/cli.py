@@ -86,10 +86,14 @@ class SigV4(httpx.Auth):
     requires_request_body = True
 
     def __init__(self, server: str) -> None:
+        import botocore.exceptions
         import botocore.session
 
-        session = botocore.session.get_session()
-        credentials = session.get_credentials()
+        try:
+            session = botocore.session.get_session()
+            credentials = session.get_credentials()
+        except botocore.exceptions.BotoCoreError as exc:
+            raise CliError(f"cannot load AWS credentials to sign requests to {server}: {exc}") from None
         if credentials is None:
             raise CliError(
                 f"no AWS credentials found to sign requests to {server} "
@@ -104,9 +108,14 @@ class SigV4(httpx.Auth):
         if (request.url.scheme, request.url.host, request.url.port) == self.origin:
             from botocore.auth import SigV4Auth
             from botocore.awsrequest import AWSRequest
+            from botocore.exceptions import BotoCoreError
 
             signed = AWSRequest(method=request.method, url=str(request.url), data=request.content)
-            SigV4Auth(self.credentials.get_frozen_credentials(), SIGV4_SERVICE, self.region).add_auth(signed)
+            try:  # refreshable credentials (SSO, assumed roles) refresh here
+                frozen = self.credentials.get_frozen_credentials()
+            except BotoCoreError as exc:
+                raise CliError(f"cannot refresh AWS credentials: {exc}") from None
+            SigV4Auth(frozen, SIGV4_SERVICE, self.region).add_auth(signed)
             for name in ("Authorization", "X-Amz-Date", "X-Amz-Security-Token"):
                 if name in signed.headers:
                     request.headers[name] = signed.headers[name]
@@ -157,6 +166,10 @@ class Api:
             self._client = make_client(self.server)
         return self._client
 
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
     def request(
         self, method: str, url: str, *, body: Any = None, params: dict[str, Any] | None = None
     ) -> tuple[int, Any]:
@@ -165,13 +178,14 @@ class Api:
                 method, url, json=body, params={k: v for k, v in (params or {}).items() if v is not None}
             )
         except httpx.ConnectError:
-            target = url if url.startswith(("http://", "https://")) else self.server
+            if url.startswith(("http://", "https://")):  # not the server: an app's endpoint
+                raise CliError(f"cannot connect to {url}") from None
             hint = (
                 " (is `ryusen dev` running? start it, or point --server / RYUSEN_URL at a deployed API)"
-                if is_loopback(target)
+                if is_loopback(self.server)
                 else ""
             )
-            raise CliError(f"cannot connect to {target}{hint}") from None
+            raise CliError(f"cannot connect to {self.server}{hint}") from None
         except httpx.HTTPError as exc:
             raise CliError(f"{method} {url} failed: {exc}") from None
         if response.status_code >= 400:
@@ -276,8 +290,10 @@ _DEADLINE_SOURCE = {
     "deployment_default": "the deployment default",
 }
 VALUE_WIDTH = 72
+"""Results and inputs are shown on one line, cut to this many characters (``show --json`` has them whole)."""
 PIPE_WIDTH = 100
 """The width of output that is not going to a terminal (rich would assume 80)."""
+ATTEMPT_INDENT = 5
 
 
 def _parse_time(value: Any) -> datetime | None:
@@ -407,6 +423,8 @@ class _RunRenderer:
                     (str(blocker.get("message", "")), "bold"),
                 )
             )
+            if blocker.get("detail"):
+                self.indented(Text(f"cause: {blocker['detail']}"), 6)
             for key, label in (("first", "first call"), ("duplicate", "duplicate call")):
                 occurrence = blocker.get(key)
                 if isinstance(occurrence, dict) and (occurrence.get("location") or occurrence.get("name")):
@@ -419,19 +437,25 @@ class _RunRenderer:
                 seen.append(f"last seen {self.time(blocker['last_seen_at'])}")
             if seen:
                 self.indented(Text(", ".join(seen), style="dim"), 6)
-            self.indented(Text(self.remedy(blocker), style="yellow"), 6)
+            for line in self.remedy(blocker):
+                self.indented(Text(line, style="yellow"), 6)
 
-    def remedy(self, blocker: dict[str, Any]) -> str:
+    def remedy(self, blocker: dict[str, Any]) -> list[str]:
+        """What an operator can do about a blocker (each command on a line of its own, to copy)."""
         run_id = self.view.get("id")
         if blocker.get("type") == "duplicate_step_id":
-            return f"give one of the calls another step id and sync the app (or: ryusen rediscover {run_id})"
+            return [
+                "give one of the calls another step id and sync the app; the run wakes (or retry it:)",
+                f"  ryusen rediscover {run_id}",
+            ]
         if blocker.get("type") == "unknown_outcome" and blocker.get("phase") and blocker.get("generation"):
-            return (
-                f"once you know what happened: ryusen resolve {run_id} {blocker.get('step_id')} "
-                f"--phase {blocker['phase']} --generation {blocker['generation']} "
-                "(--succeed JSON | --fail MESSAGE | --retry)"
-            )
-        return "see `ryusen resolve --help`"
+            return [
+                "once you know what the attempt did, resolve it:",
+                f"  ryusen resolve {run_id} {blocker.get('step_id')} "
+                f"--phase {blocker['phase']} --generation {blocker['generation']}",
+                "    (--succeed RESULT_JSON | --fail MESSAGE | --retry)",
+            ]
+        return ["see: ryusen resolve --help"]
 
     def attempts(self, attempts: list[dict[str, Any]]) -> None:
         table = Table.grid(padding=(0, 2))
@@ -445,28 +469,31 @@ class _RunRenderer:
                 times = f"{self.time(attempt['authorized_at'])} → {self.time(attempt.get('settled_at'))}"
             else:
                 times = f"queued {self.time(attempt.get('queued_at'))}"
-            notes: list[str] = []
+            what: list[str] = []  # what happened, on the attempt's line
             if attempt.get("error"):
-                notes.append(_error_line(attempt["error"]))
+                what.append(_error_line(attempt["error"]))
             if attempt.get("detail"):
-                notes.append(str(attempt["detail"]))
+                what.append(str(attempt["detail"]))
             if status in ("queued", "retry_authorized") and attempt.get("not_before"):
-                notes.append(f"not before {self.time(attempt['not_before'])}")
+                what.append(f"not before {self.time(attempt['not_before'])}")
+            notes: list[str] = []  # the circumstances, on a line of their own
             if attempt.get("redeliveries"):
-                notes.append(f"redelivered {attempt['redeliveries']} times")
+                count = attempt["redeliveries"]
+                notes.append("redelivered once" if count == 1 else f"redelivered {count} times")
             for submission in attempt.get("stale_submissions") or []:
                 notes.append(f"stale result ignored ({submission.get('reason', 'stale')})")
             release = attempt.get("release_id")
             if release and release != self.last_release:
                 notes.append(f"release {release}")
                 self.last_release = release
-            table.add_row(
-                f"{attempt.get('phase', '?')} #{attempt.get('generation', '?')}",
-                _status(status),
-                times,
-                Text("  ".join(notes)),
-            )
-        self.indented(table, 7)
+            label = f"{attempt.get('phase', '?')} #{attempt.get('generation', '?')}"
+            if what:
+                table.add_row(label, _status(status), times, Text("; ".join(what)))
+                if notes:
+                    table.add_row("", "", "", Text(" · ".join(notes), style="dim"))
+            else:
+                table.add_row(label, _status(status), times, Text(" · ".join(notes), style="dim"))
+        self.indented(table, ATTEMPT_INDENT)
 
     def steps(self) -> None:
         steps = self.view.get("steps") or []
@@ -488,9 +515,9 @@ class _RunRenderer:
             if forward:
                 self.attempts(forward)
             if step.get("status") == "completed" and step.get("result") is not None:
-                self.indented(Text(f"result {_compact(step['result'])}", style="dim"), 7)
+                self.indented(Text(f"result {_compact(step['result'])}", style="dim"), ATTEMPT_INDENT)
             elif step.get("error") and not forward:
-                self.indented(Text(_error_line(step["error"]), style="red"), 7)
+                self.indented(Text(_error_line(step["error"]), style="red"), ATTEMPT_INDENT)
 
     def unwind(self) -> None:
         view, console = self.view, self.console
@@ -517,7 +544,7 @@ class _RunRenderer:
             if attempts:
                 self.attempts(attempts)
             elif compensation.get("error"):
-                self.indented(Text(_error_line(compensation["error"]), style="red"), 7)
+                self.indented(Text(_error_line(compensation["error"]), style="red"), ATTEMPT_INDENT)
 
     def result(self) -> None:
         view, console = self.view, self.console
@@ -528,7 +555,7 @@ class _RunRenderer:
                 Text.assemble(("Error  ", "bold red"), f"{error.get('type', 'error')}: {error.get('message', '')}")
             )
             if error.get("data") is not None:
-                self.indented(Text(f"data {_compact(error['data'], 90)}", style="dim"), 7)
+                self.indented(Text(f"data {_compact(error['data'], 90)}", style="dim"), ATTEMPT_INDENT)
         elif view.get("outcome") == "completed":
             console.print()
             console.print(Text("Output", style="bold"))
@@ -605,7 +632,11 @@ def _api(ctx: click.Context) -> Api:
 @click.pass_context
 def cli(ctx: click.Context, server: str) -> None:
     """Ryusen: durable workflows for plain Python functions."""
-    ctx.obj = Api(server.rstrip("/"))
+    if not server.startswith(("http://", "https://")) or not urlsplit(server).hostname:
+        raise click.BadParameter(f"{server!r} is not an http:// or https:// URL", ctx=ctx, param_hint="'--server'")
+    api = Api(server.rstrip("/"))
+    ctx.obj = api
+    ctx.call_on_close(api.close)
 
 
 @cli.command()

@@ -385,7 +385,21 @@ class WorkflowEnvironment:
         return RunView(run_view(self._peek(run_id)))
 
     def advance(self, delta: timedelta) -> None:
+        """Move the virtual clock; nothing is delivered until the next ``step_once``/``drive``."""
         self.clock.advance(delta)
+
+    def expire_leases(self) -> None:
+        """Move the clock past the lease of every authorized attempt (after ``faults.crash_before_invoke``)."""
+        leases = [
+            attempt.lease_expires_at
+            for message in self.queue.pending()
+            if (state := self.store.peek(message.task.run_id)) is not None
+            for step in state.steps
+            for attempt in step.attempts
+            if attempt.status.value == "authorized" and attempt.lease_expires_at is not None
+        ]
+        if leases:
+            self.clock.advance_to(max(leases) + timedelta(seconds=1))
 
     # ---- operator actions ---------------------------------------------------------------
 

@@ -1,0 +1,800 @@
+"""The ``ryusen`` command line against a fake server API (httpx.MockTransport), and ``render_run`` on run views."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.abc import MetaPathFinder
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner, Result
+from rich.console import Console
+
+from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server import cli
+from tests.stack import DevStack, launch
+
+SERVER = "http://127.0.0.1:8700"
+APP_URL = "http://127.0.0.1:9123/"
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+@dataclass
+class Seen:
+    method: str
+    url: httpx.URL
+    body: Any
+    headers: httpx.Headers
+
+    @property
+    def path(self) -> str:
+        return self.url.raw_path.decode().split("?")[0]
+
+    @property
+    def query(self) -> dict[str, str]:
+        return dict(self.url.params)
+
+
+@dataclass
+class FakeServer:
+    """Routes ``(method, absolute url without query)`` to queued responses; records every request."""
+
+    routes: dict[tuple[str, str], list[Handler | httpx.Response]] = field(default_factory=dict)
+    requests: list[Seen] = field(default_factory=list)
+
+    def on(self, method: str, path: str, *responses: Handler | httpx.Response | Any, status: int = 200) -> None:
+        url = path if path.startswith("http") else SERVER + path
+        queued = self.routes.setdefault((method, url), [])
+        for response in responses:
+            if isinstance(response, httpx.Response) or callable(response):
+                queued.append(response)
+            else:
+                queued.append(httpx.Response(status, json=response))
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append(Seen(request.method, request.url, body, request.headers))
+        url = str(request.url.copy_with(query=None))
+        queued = self.routes.get((request.method, url))
+        if not queued:
+            return httpx.Response(
+                404, json={"error": {"code": "route_not_found", "message": f"no route {request.method} {url}"}}
+            )
+        response = queued.pop(0) if len(queued) > 1 else queued[0]
+        return response(request) if callable(response) else response
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # output that is not a terminal renders 100 columns wide
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    fake = FakeServer()
+    real = cli.make_client
+    monkeypatch.setattr(cli, "make_client", lambda url: real(url, transport=httpx.MockTransport(fake.handle)))
+    monkeypatch.delenv("RYUSEN_URL", raising=False)
+    return fake
+
+
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+    sleeps: list[float] = field(default_factory=list)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(round(seconds, 3))
+        self.now += seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(cli, "sleep", fake.sleep)
+    monkeypatch.setattr(cli, "clock", fake)
+    return fake
+
+
+def ryusen(*args: str, env: dict[str, str] | None = None) -> Result:
+    return CliRunner().invoke(cli.cli, list(args), env=env, prog_name="ryusen")
+
+
+def error(code: str, message: str, status: int) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"code": code, "message": message}})
+
+
+# --- run views built by hand -------------------------------------------------------------------------------------
+
+
+def attempt(phase: str, generation: int, status: str, at: str, until: str | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "generation": generation,
+        "operation_id": f"op_{phase[:4]}_{generation}",
+        "status": status,
+        "queued_at": f"2030-01-01T12:00:{at}+00:00",
+        "not_before": None,
+        "authorized_at": f"2030-01-01T12:00:{at}+00:00",
+        "settled_at": f"2030-01-01T12:00:{until}+00:00" if until else None,
+        "release_id": "shop-abc",
+        "build_id": "b1",
+        "error": None,
+        "detail": None,
+        "redeliveries": 0,
+        "stale_submissions": [],
+        **extra,
+    }
+
+
+def step(step_id: str, status: str, location: str, attempts: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": step_id,
+        "name": None,
+        "location": location,
+        "status": status,
+        "has_compensation": True,
+        "result": None,
+        "error": None,
+        "completed_seq": None,
+        "compensation": {"status": "none", "result": None, "error": None},
+        "attempts": attempts,
+        **extra,
+    }
+
+
+def run_view(**overrides: Any) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "id": "run_1",
+        "app_id": "shop",
+        "function_id": "checkout",
+        "phase": "running",
+        "outcome": None,
+        "recovery": None,
+        "summary": "running",
+        "input": {"sku": "lamp", "amount": 30},
+        "output": None,
+        "error": None,
+        "created_at": "2030-01-01T12:00:00+00:00",
+        "finished_at": None,
+        "deadline": {"at": "2030-01-01T13:00:00+00:00", "source": "function"},
+        "stop_intent": None,
+        "blockers": [],
+        "steps": [],
+        "unwind": [],
+    }
+    view.update(overrides)
+    return view
+
+
+def saga_view() -> dict[str, Any]:
+    """A failed checkout whose unwind is blocked on an Unknown compensation attempt."""
+    connection = {"type": "ConnectionError", "message": "card network timed out", "data": None}
+    declined = {"type": "NonRetryableError", "message": "card declined", "data": {"decline_code": "stolen"}}
+    return run_view(
+        phase="compensating",
+        outcome="failed",
+        recovery="compensating",
+        summary="failed, compensating (blocked: unknown outcome of reserve-stock compensation #1)",
+        error={"type": "StepFailed", "message": "step 'charge-card' failed: card declined", "data": None},
+        blockers=[
+            {
+                "type": "unknown_outcome",
+                "step_id": "reserve-stock",
+                "phase": "compensation",
+                "generation": 1,
+                "message": "unknown outcome of reserve-stock compensation #1",
+                "detail": "no response within 30 s",
+                "count": 3,
+                "first_seen_at": "2030-01-01T12:00:04.100000+00:00",
+                "last_seen_at": "2030-01-01T12:00:09.300000+00:00",
+            }
+        ],
+        steps=[
+            step(
+                "reserve-stock",
+                "completed",
+                "shop.py:12",
+                [
+                    attempt("forward", 1, "succeeded", "01.2", "01.5"),
+                    attempt("compensation", 1, "unknown", "04.0", None, detail="no response within 30 s"),
+                ],
+                result={"hold": "h_77"},
+                completed_seq=1,
+                compensation={"status": "unknown", "result": None, "error": None},
+            ),
+            step(
+                "book-shipping",
+                "completed",
+                "shop.py:14",
+                [
+                    attempt("forward", 1, "succeeded", "01.6", "01.7"),
+                    attempt("compensation", 1, "failed", "03.0", "03.1", error=connection),
+                    attempt("compensation", 2, "succeeded", "03.6", "03.8", release_id="shop-def"),
+                ],
+                result={"label": "L9"},
+                completed_seq=2,
+                compensation={"status": "compensated", "result": {"voided": "L9"}, "error": None},
+            ),
+            step(
+                "charge-card",
+                "failed",
+                "shop.py:15",
+                [
+                    attempt("forward", 1, "failed", "01.8", "02.0", error=connection),
+                    attempt("forward", 2, "failed", "02.4", "02.9", error=declined, redeliveries=1),
+                ],
+                error=declined,
+            ),
+        ],
+        unwind=[
+            {"step_id": "book-shipping", "status": "compensated"},
+            {"step_id": "reserve-stock", "status": "unknown"},
+        ],
+    )
+
+
+def rendered(view: dict[str, Any], width: int = 100) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
+    cli.render_run(view, console=console)
+    return console.export_text()
+
+
+# --- requests and output ----------------------------------------------------------------------------------------
+
+
+def test_sync_reads_the_app_id_from_the_manifest_then_puts_the_release(server: FakeServer) -> None:
+    server.on("GET", APP_URL, {"app_id": "shop", "release_id": "shop-abc", "build_id": "b1", "functions": []})
+    server.on(
+        "PUT",
+        "/v1/apps/shop",
+        {
+            "app_id": "shop",
+            "release_id": "shop-abc",
+            "build_id": "b1",
+            "functions": [{"id": "checkout"}],
+            "signed": True,
+        },
+    )
+    result = ryusen("sync", APP_URL)
+    assert result.exit_code == 0, result.output
+    assert [(r.method, str(r.url)) for r in server.requests] == [("GET", APP_URL), ("PUT", SERVER + "/v1/apps/shop")]
+    assert server.requests[1].body == {"url": APP_URL}
+    assert "synced app shop: release shop-abc" in result.stdout and "checkout" in result.stdout
+
+
+def test_sync_with_app_skips_the_manifest(server: FakeServer) -> None:
+    server.on("PUT", "/v1/apps/shop", {"app_id": "shop", "release_id": "r2", "build_id": "b2", "functions": []})
+    result = ryusen("sync", APP_URL, "--app", "shop")
+    assert result.exit_code == 0, result.output
+    assert [(r.method, r.path, r.body) for r in server.requests] == [("PUT", "/v1/apps/shop", {"url": APP_URL})]
+
+
+def test_sync_explains_an_endpoint_that_serves_no_manifest(server: FakeServer) -> None:
+    server.on("GET", APP_URL, httpx.Response(200, text="<html>hello</html>"))
+    result = ryusen("sync", APP_URL)
+    assert result.exit_code == 1
+    assert "--app" in result.stderr
+    assert all(r.method == "GET" for r in server.requests)
+
+
+def test_run_posts_the_input_key_and_timeout(server: FakeServer) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    result = ryusen(
+        "run", "checkout", "--input", '{"sku": "lamp", "qty": 1}', "--idempotency-key", "order-7", "--timeout", "90"
+    )
+    assert result.exit_code == 0, result.output
+    [request] = server.requests
+    assert (request.method, request.path) == ("POST", "/v1/functions/checkout/runs")
+    assert request.body == {"input": {"sku": "lamp", "qty": 1}, "idempotency_key": "order-7", "timeout_s": 90.0}
+    assert "started run_1" in result.stdout and "ryusen show run_1" in result.stdout
+
+
+def test_run_sends_only_the_input_when_nothing_else_is_given(server: FakeServer) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=200)
+    result = ryusen("run", "checkout", "--input", "null")
+    assert result.exit_code == 0, result.output
+    assert server.requests[0].body == {"input": None}
+    assert "existing run" in result.stdout  # 200: the idempotency key named an existing run
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "checkout", "--input", "{sku: lamp}"],
+        ["run", "checkout", "--input", ""],
+        ["run", "checkout"],
+        ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--succeed", "{oops"],
+        ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1"],
+        ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--retry", "--fail", "x"],
+        ["resolve", "run_1", "charge", "--phase", "sideways", "--generation", "1", "--retry"],
+        ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "0", "--retry"],
+        ["runs", "--phase", "done"],
+    ],
+)
+def test_bad_arguments_are_usage_errors_and_send_nothing(server: FakeServer, args: list[str]) -> None:
+    result = ryusen(*args)
+    assert result.exit_code == 2, result.output
+    assert server.requests == []
+
+
+def test_bad_input_json_says_what_is_wrong(server: FakeServer) -> None:
+    result = ryusen("run", "checkout", "--input", "{sku: lamp}")
+    assert result.exit_code == 2
+    assert "--input" in result.stderr and "not valid JSON" in result.stderr
+
+
+def test_run_wait_polls_until_finished_with_a_growing_interval(server: FakeServer, clock: FakeClock) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    finished = run_view(
+        phase="finished",
+        outcome="completed",
+        summary="completed",
+        finished_at="2030-01-01T12:00:03+00:00",
+        output={"charge": "ch_1"},
+    )
+    running = [run_view(steps=[step("reserve-stock", "running", "shop.py:12", [])]) for _ in range(5)]
+    server.on("GET", "/v1/runs/run_1", run_view(), *running, finished)
+    result = ryusen("run", "checkout", "--input", "{}", "--wait")
+    assert result.exit_code == 0, result.output
+    polls = [r for r in server.requests if r.method == "GET"]
+    assert len(polls) == 7
+    assert clock.sleeps[0] == 0.2 and clock.sleeps == sorted(clock.sleeps) and max(clock.sleeps) == 1.0
+    assert "completed" in result.stdout and "ch_1" in result.stdout
+
+
+def test_run_wait_exits_1_when_the_run_does_not_complete(server: FakeServer, clock: FakeClock) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    failed = run_view(
+        phase="finished",
+        outcome="failed",
+        recovery="not_required",
+        summary="failed, compensation not required",
+        error={"type": "ValueError", "message": "no such sku", "data": None},
+    )
+    server.on("GET", "/v1/runs/run_1", failed)
+    result = ryusen("run", "checkout", "--input", "{}", "--wait")
+    assert result.exit_code == 1
+    assert "failed, compensation not required" in result.stdout and "ValueError: no such sku" in result.stdout
+
+
+def test_run_wait_stops_when_a_blocked_run_does_not_move(server: FakeServer, clock: FakeClock) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    server.on("GET", "/v1/runs/run_1", run_view(), saga_view())
+    result = ryusen("run", "checkout", "--input", "{}", "--wait", "--wait-timeout", "600")
+    assert result.exit_code == 1
+    assert "BLOCKED" in result.stdout and "blocked" in result.stderr
+    assert clock.now - 1000.0 < 10  # stopped soon after the run stopped moving, not at --wait-timeout
+
+
+def test_run_wait_gives_up_at_the_wait_timeout_with_exit_2(server: FakeServer, clock: FakeClock) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    server.on("GET", "/v1/runs/run_1", run_view())
+    result = ryusen("run", "checkout", "--input", "{}", "--wait", "--wait-timeout", "5")
+    assert result.exit_code == 2
+    assert "did not finish within 5 s" in result.stderr
+    assert 5.0 <= clock.now - 1000.0 < 6.5
+
+
+def test_runs_lists_a_table_with_the_filters_as_query(server: FakeServer) -> None:
+    summaries = [
+        {
+            "id": "run_b",
+            "function_id": "checkout",
+            "phase": "finished",
+            "outcome": "failed",
+            "recovery": "compensated",
+            "summary": "failed, fully compensated",
+            "created_at": "2030-01-01T12:01:00+00:00",
+            "finished_at": "2030-01-01T12:01:05+00:00",
+            "steps": 3,
+            "blocked": False,
+        },
+        {
+            "id": "run_a",
+            "function_id": "checkout",
+            "phase": "settling",
+            "outcome": "cancelled",
+            "recovery": None,
+            "summary": "cancelled, settling",
+            "created_at": "2030-01-01T12:00:00+00:00",
+            "finished_at": None,
+            "steps": 2,
+            "blocked": True,
+        },
+    ]
+    server.on("GET", "/v1/runs", {"runs": summaries, "cursor": "c2"})
+    result = ryusen("runs", "--function", "checkout", "--phase", "finished", "--outcome", "failed", "--limit", "5")
+    assert result.exit_code == 0, result.output
+    assert server.requests[0].query == {
+        "function_id": "checkout",
+        "phase": "finished",
+        "outcome": "failed",
+        "limit": "5",
+    }
+    lines = result.stdout.splitlines()
+    assert "RUN" in lines[0] and "SUMMARY" in lines[0]
+    assert any("run_b" in line and "failed, fully compensated" in line for line in lines)
+    assert any("run_a" in line and "(blocked)" in line for line in lines)
+    assert "--cursor c2" in result.stdout
+    assert max(len(line) for line in lines) <= 100
+
+
+def test_runs_says_when_there_are_none(server: FakeServer) -> None:
+    server.on("GET", "/v1/runs", {"runs": [], "cursor": None})
+    result = ryusen("runs")
+    assert result.exit_code == 0
+    assert server.requests[0].query == {"limit": "20"}
+    assert "no runs" in result.stdout
+
+
+def test_show_renders_the_timeline_and_json_prints_the_view(server: FakeServer) -> None:
+    server.on("GET", "/v1/runs/run_1", saga_view())
+    result = ryusen("show", "run_1")
+    assert result.exit_code == 0, result.output
+    assert "BLOCKED" in result.stdout and "\x1b[" not in result.stdout  # no colour when not a terminal
+    result = ryusen("show", "run_1", "--json")
+    assert json.loads(result.stdout) == saga_view()
+
+
+def test_cancel_posts_the_stop_intent(server: FakeServer) -> None:
+    server.on("POST", "/v1/runs/run_1/cancel", run_view(summary="cancelled, settling"), status=202)
+    result = ryusen("cancel", "run_1")
+    assert result.exit_code == 0, result.output
+    assert [(r.method, r.path, r.body) for r in server.requests] == [("POST", "/v1/runs/run_1/cancel", None)]
+    assert "cancelled, settling" in result.stdout
+    ryusen("cancel", "run_1", "--reason", "customer asked")
+    assert server.requests[1].body == {"reason": "customer asked"}
+
+
+def test_rediscover_posts(server: FakeServer) -> None:
+    server.on("POST", "/v1/runs/run_1/rediscover", run_view(), status=202)
+    result = ryusen("rediscover", "run_1")
+    assert result.exit_code == 0, result.output
+    assert [(r.method, r.path) for r in server.requests] == [("POST", "/v1/runs/run_1/rediscover")]
+
+
+@pytest.mark.parametrize(
+    ("action", "body"),
+    [
+        (["--succeed", '{"charge_id": "ch_1"}'], {"action": "succeed", "result": {"charge_id": "ch_1"}}),
+        (["--succeed", "null"], {"action": "succeed", "result": None}),
+        (
+            ["--fail", "the bank never saw it"],
+            {"action": "fail", "error": {"type": "declared_failure", "message": "the bank never saw it"}},
+        ),
+        (["--retry"], {"action": "retry"}),
+    ],
+)
+def test_resolve_posts_the_action(server: FakeServer, action: list[str], body: dict[str, Any]) -> None:
+    path = "/v1/runs/run_1/steps/charge-card/compensation/2/resolve"
+    server.on("POST", path, run_view())
+    result = ryusen("resolve", "run_1", "charge-card", "--phase", "compensation", "--generation", "2", *action)
+    assert result.exit_code == 0, result.output
+    assert [(r.method, r.path, r.body) for r in server.requests] == [("POST", path, body)]
+
+
+def test_path_segments_are_quoted(server: FakeServer) -> None:
+    result = ryusen("resolve", "run_1", "a/b c", "--phase", "forward", "--generation", "1", "--retry")
+    assert result.exit_code == 1
+    assert server.requests[0].path == "/v1/runs/run_1/steps/a%2Fb%20c/forward/1/resolve"
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+def test_a_404_prints_the_code_and_message(server: FakeServer) -> None:
+    server.on("GET", "/v1/runs/nope", error("not_found", "no run 'nope'", 404))
+    result = ryusen("show", "nope")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "error: not_found: no run 'nope'"
+    assert result.stdout == ""
+
+
+def test_a_409_prints_the_reason(server: FakeServer) -> None:
+    path = "/v1/runs/run_1/steps/charge-card/forward/1/resolve"
+    server.on("POST", path, error("generation_settled", "generation 1 is already succeeded; nothing to resolve", 409))
+    result = ryusen("resolve", "run_1", "charge-card", "--phase", "forward", "--generation", "1", "--retry")
+    assert result.exit_code == 1
+    assert "error: generation_settled: generation 1 is already succeeded" in result.stderr
+
+
+def test_an_error_that_is_not_the_api_shape_still_says_something(server: FakeServer) -> None:
+    server.on("GET", "/v1/runs/run_1", httpx.Response(502, text="Bad Gateway"))
+    server.on("GET", "/v1/runs/run_2", httpx.Response(403, json={"message": "Missing Authentication Token"}))
+    assert ryusen("show", "run_1").stderr.strip() == "error: HTTP 502: Bad Gateway"
+    assert ryusen("show", "run_2").stderr.strip() == "error: HTTP 403: Missing Authentication Token"
+
+
+def test_connection_refused_hints_at_ryusen_dev(server: FakeServer) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    server.on("GET", "/v1/runs", refuse)
+    result = ryusen("runs")
+    assert result.exit_code == 1
+    assert "cannot connect to http://127.0.0.1:8700" in result.stderr and "ryusen dev" in result.stderr
+
+
+def test_a_server_that_is_not_a_url_is_a_usage_error(server: FakeServer) -> None:
+    result = ryusen("--server", "127.0.0.1:8700", "runs")
+    assert result.exit_code == 2 and "--server" in result.stderr
+    assert server.requests == []
+
+
+def test_sync_cannot_reach_the_app(server: FakeServer) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    server.on("GET", APP_URL, refuse)
+    result = ryusen("sync", APP_URL)
+    assert result.exit_code == 1
+    assert f"cannot read the manifest at {APP_URL}: cannot connect to {APP_URL}" in result.stderr
+    assert "ryusen dev" not in result.stderr
+
+
+def test_the_server_comes_from_the_option_or_ryusen_url(server: FakeServer) -> None:
+    server.on("GET", "http://127.0.0.1:9999/v1/runs/run_1", run_view())
+    assert ryusen("--server", "http://127.0.0.1:9999", "show", "run_1").exit_code == 0
+    assert ryusen("show", "run_1", env={"RYUSEN_URL": "http://127.0.0.1:9999/"}).exit_code == 0
+    assert [str(r.url) for r in server.requests] == ["http://127.0.0.1:9999/v1/runs/run_1"] * 2
+
+
+# --- signing -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+def test_a_deployed_server_is_called_with_sigv4(server: FakeServer, aws_credentials: None) -> None:
+    api = "https://abc123.execute-api.eu-west-1.amazonaws.com/prod"
+    server.on("GET", APP_URL, {"app_id": "shop"})
+    server.on("PUT", api + "/v1/apps/shop", {"app_id": "shop", "release_id": "r", "build_id": "b", "functions": []})
+    result = ryusen("--server", api, "sync", APP_URL)
+    assert result.exit_code == 0, result.output
+    manifest, put = server.requests
+    assert put.path == "/prod/v1/apps/shop"
+    authorization = put.headers["authorization"]
+    assert authorization.startswith("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/")
+    assert "/eu-west-1/execute-api/aws4_request" in authorization
+    assert "SignedHeaders=host;x-amz-date;x-amz-security-token" in authorization
+    assert put.headers["x-amz-security-token"] == "session-token" and "x-amz-date" in put.headers
+    assert "authorization" not in manifest.headers  # the app's endpoint is another origin: never signed
+
+
+def test_the_region_falls_back_to_the_api_hostname(
+    server: FakeServer, aws_credentials: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    api = "https://abc123.execute-api.ap-south-1.amazonaws.com"
+    server.on("GET", api + "/v1/runs/run_1", run_view())
+    assert ryusen("--server", api, "show", "run_1").exit_code == 0
+    assert "/ap-south-1/execute-api/" in server.requests[0].headers["authorization"]
+
+
+def test_a_loopback_server_is_called_unsigned(server: FakeServer, aws_credentials: None) -> None:
+    for url in ("http://127.0.0.1:8700", "http://localhost:8700", "http://[::1]:8700"):
+        server.on("GET", url + "/v1/runs/run_1", run_view())
+        assert ryusen("--server", url, "show", "run_1").exit_code == 0
+    assert [r.headers.get("authorization") for r in server.requests] == [None, None, None]
+
+
+def test_missing_aws_credentials_are_a_clear_error(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    result = ryusen("--server", "https://api.example.com", "show", "run_1")
+    assert result.exit_code == 1
+    assert "no AWS credentials" in result.stderr
+    assert server.requests == []
+
+
+# --- ryusen dev ----------------------------------------------------------------------------------------------------
+
+
+def test_dev_delegates_to_run_dev(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ryusen_server.local import dev
+
+    calls: list[dict[str, Any]] = []
+
+    def run_dev(**kwargs: Any) -> int:
+        calls.append(kwargs)
+        return 0
+
+    monkeypatch.setattr(dev, "run_dev", run_dev)
+    assert ryusen("dev", "examples/shop.py:app", "pkg.mod:app").exit_code == 0
+    assert ryusen("dev", "--port", "9001").exit_code == 0
+    assert calls == [{"port": 8700, "apps": ["examples/shop.py:app", "pkg.mod:app"]}, {"port": 9001, "apps": []}]
+
+
+def test_dev_without_the_local_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoMoto(MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+            if name == "ryusen_server.local.dev":
+                raise ModuleNotFoundError("No module named 'moto'", name="moto")
+
+    import ryusen_server.local
+
+    monkeypatch.delitem(sys.modules, "ryusen_server.local.dev", raising=False)
+    monkeypatch.delattr(ryusen_server.local, "dev", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [NoMoto(), *sys.meta_path])
+    result = ryusen("dev")
+    assert result.exit_code == 1
+    assert "pip install 'ryusen[local]'" in result.stderr
+
+
+def test_dev_reports_the_local_extra_missing_when_the_stack_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ryusen_server.local import dev
+
+    def run_dev(**kwargs: Any) -> int:
+        raise ModuleNotFoundError("No module named 'watchfiles'", name="watchfiles")
+
+    monkeypatch.setattr(dev, "run_dev", run_dev)
+    result = ryusen("dev")
+    assert result.exit_code == 1
+    assert "'watchfiles'" in result.stderr and "pip install 'ryusen[local]'" in result.stderr
+
+
+# --- render_run ----------------------------------------------------------------------------------------------------
+
+
+def test_render_run_shows_header_blocker_timeline_unwind_and_error() -> None:
+    text = rendered(saga_view())
+    lines = text.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 100
+    # header
+    assert "run_1" in lines[0] and "checkout" in lines[0]
+    assert "failed, compensating (blocked: unknown outcome of reserve-stock compensation #1)" in text
+    assert "phase compensating · outcome failed · recovery compensating" in text
+    assert "deadline 2030-01-01 13:00:00.0 UTC (the function's timeout)" in text
+    assert 'input {"sku": "lamp", "amount": 30}' in text
+    # the blocker, with what to do about it
+    assert "BLOCKED (1)" in text
+    assert "unknown_outcome: unknown outcome of reserve-stock compensation #1" in text
+    assert "cause: no response within 30 s" in text
+    assert "seen 3 times, last seen 12:00:09.3" in text
+    assert "ryusen resolve run_1 reserve-stock --phase compensation --generation 1" in text
+    # steps in discovery order, forward attempts under each
+    steps_at = text.index("Steps (3")
+    unwind_at = text.index("Unwind")
+    steps, unwind = text[steps_at:unwind_at], text[unwind_at:]
+    assert steps.index("reserve-stock") < steps.index("book-shipping") < steps.index("charge-card")
+    assert "shop.py:15" in steps
+    charge = [line for line in steps.splitlines() if line.strip().startswith("forward #")][-2:]
+    assert "failed" in charge[0] and "12:00:01.8 → 12:00:02.0" in charge[0]
+    assert "ConnectionError: card network timed out" in charge[0]
+    assert "forward #2" in charge[1] and "NonRetryableError: card declined" in charge[1]
+    assert "redelivered once" in steps[steps.index("forward #2") :]
+    assert "release shop-abc" in steps
+    assert 'result {"hold": "h_77"}' in steps
+    assert "compensation #" not in steps  # compensation attempts belong to the unwind
+    # the unwind in unwind order, with compensation status and attempts
+    assert unwind.index("book-shipping") < unwind.index("reserve-stock")
+    assert "compensated" in unwind and '→ {"voided": "L9"}' in unwind
+    assert "compensation #1  failed" in unwind and "compensation #2  succeeded" in unwind
+    assert "release shop-def" in unwind  # the release changed between attempts
+    assert "12:00:04.0 → …" in unwind and "no response within 30 s" in unwind
+    # the error last
+    assert lines[-1].startswith("Error") and "StepFailed: step 'charge-card' failed: card declined" in lines[-1]
+
+
+def test_render_run_shows_duplicate_step_id_locations_and_a_completed_output() -> None:
+    blocked = run_view(
+        summary="running (blocked: step id 'charge' is used twice)",
+        blockers=[
+            {
+                "type": "duplicate_step_id",
+                "step_id": "charge",
+                "message": "step id 'charge' is used twice",
+                "count": 1,
+                "first": {"location": "shop.py:12", "name": "charge_card"},
+                "duplicate": {"location": "shop.py:20", "name": "charge_fee"},
+                "first_seen_at": "2030-01-01T12:00:01+00:00",
+                "last_seen_at": "2030-01-01T12:00:01+00:00",
+            }
+        ],
+        deadline={"at": None, "source": "none"},
+    )
+    text = rendered(blocked)
+    assert "duplicate_step_id: step id 'charge' is used twice" in text
+    assert "first call at shop.py:12  charge_card" in text and "duplicate call at shop.py:20  charge_fee" in text
+    assert "ryusen rediscover run_1" in text and "no deadline" in text
+    assert "Unwind" not in text  # nothing decided yet
+    completed = run_view(
+        phase="finished",
+        outcome="completed",
+        summary="completed",
+        output={"charge": {"charge_id": "ch_1"}},
+        steps=[step("charge", "completed", "shop.py:12", [attempt("forward", 1, "succeeded", "01.0", "01.4")])],
+    )
+    text = rendered(completed)
+    assert "Output" in text and '"charge_id": "ch_1"' in text and "Unwind" not in text
+
+
+def test_render_run_of_a_view_the_engine_made() -> None:
+    """The field names render_run reads are the ones view.run_view writes."""
+    app = Ryusen("shop")
+    tries = iter([ConnectionError("card network timed out")])
+
+    def charge(amount: int) -> dict[str, Any]:
+        for failure in tries:
+            raise failure
+        raise NonRetryableError("card declined")
+
+    @app.function("checkout")
+    def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
+        hold = step.run("reserve-stock", lambda: {"hold": "h1"}, compensate=lambda r: {"released": r["hold"]})
+        step.run("book-shipping", lambda: {"label": "L9"}, compensate=lambda r: {"voided": r["label"]})
+        step.run("charge-card", charge, order["amount"], retry=RetryPolicy(max_attempts=3))
+        return hold
+
+    env = WorkflowEnvironment(app)
+    env.faults.lose_result("reserve-stock", phase="compensation")
+    view = env.run("checkout", {"sku": "lamp", "amount": 30}).raw
+    assert view["blockers"], view["summary"]
+    text = rendered(view)
+    assert "BLOCKED (1)" in text and "--phase compensation --generation 1" in text
+    assert "ConnectionError: card network timed out" in text and "card declined" in text
+    unwind = text[text.index("Unwind") :]
+    assert unwind.index("book-shipping") < unwind.index("reserve-stock")
+    assert "compensation #1  unknown" in unwind
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 100
+
+
+def test_the_run_view_fits_an_80_column_terminal_too() -> None:
+    assert max(len(line.rstrip()) for line in rendered(saga_view(), width=80).splitlines()) <= 80
+
+
+# --- over the real `ryusen dev` stack -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
+    yield from launch(tmp_path_factory.mktemp("dev"))
+
+
+def test_the_commands_over_ryusen_dev(stack: DevStack) -> None:
+    """The real client against the real server: requests, run views and errors as the API makes them."""
+    server = ["--server", stack.url]
+    saga = ryusen(*server, "run", "saga", "--input", '{"tag": "cli-saga"}', "--wait", "--wait-timeout", "120")
+    assert saga.exit_code == 1, saga.output
+    assert "failed, fully compensated" in saga.stdout and "Unwind" in saga.stdout
+    assert "RuntimeError: order rejected after shipping" in saga.stdout
+
+    blocked = ryusen(*server, "run", "dup", "--input", '{"tag": "cli-dup"}', "--wait", "--wait-timeout", "120")
+    assert blocked.exit_code == 1, blocked.output
+    assert "duplicate_step_id" in blocked.stdout and "blocked" in blocked.stderr
+    run_id = blocked.stdout.split()[1]
+
+    listing = ryusen(*server, "runs", "--function", "dup")
+    assert listing.exit_code == 0 and run_id in listing.stdout
+    view = json.loads(ryusen(*server, "show", run_id, "--json").stdout)
+    assert view["id"] == run_id and view["blockers"][0]["type"] == "duplicate_step_id"
+    assert ryusen(*server, "rediscover", run_id).exit_code == 0
+    assert ryusen(*server, "cancel", run_id).exit_code == 0
+    refused = ryusen(*server, "resolve", run_id, "charge", "--phase", "forward", "--generation", "7", "--retry")
+    assert refused.exit_code == 1 and refused.stderr.startswith("error: ")
+    missing = ryusen(*server, "show", "run_missing")
+    assert missing.exit_code == 1 and missing.stderr.startswith("error: not_found: ")
