@@ -25,6 +25,7 @@ from ryusen._internal.app import Ryusen
 from ryusen._internal.wire import Manifest, Phase, TaskKind, TaskRequest
 
 try:
+    from ryusen_server.aws.store import DynamoStore, create_table
     from ryusen_server.core.events import EngineSettings, Resolve
     from ryusen_server.core.model import RunState, TaskRef
     from ryusen_server.core.view import run_view
@@ -210,10 +211,20 @@ class WorkflowEnvironment:
         default_run_timeout: timedelta | None = None,
         max_run_timeout: timedelta | None = None,
         start: datetime = EPOCH,
+        store: str = "memory",
     ) -> None:
+        """``store="moto"`` keeps runs in Ryusen's DynamoDB store on an in-process moto
+        (slower; close the environment, or use it as a context manager, to stop moto)."""
         self.clock = VirtualClock(start)
         self.counter = RequestCounter()
-        self.store = MemoryStore(self.counter)
+        self._mock: Any = None
+        self.store: MemoryStore | DynamoStore
+        if store == "memory":
+            self.store = MemoryStore(self.counter)
+        elif store == "moto":
+            self.store = self._moto_store()
+        else:
+            raise ValueError(f"store must be 'memory' or 'moto', not {store!r}")
         self.queue = MemoryQueue(self.clock, counter=self.counter)
         self.timers = MemoryTimers(self.clock, counter=self.counter)
         self.invoker = InProcessInvoker(self.counter)
@@ -236,6 +247,32 @@ class WorkflowEnvironment:
         self._apps: dict[str, Ryusen] = {}
         for app in apps:
             self.sync(app)
+
+    def _moto_store(self) -> DynamoStore:
+        import os
+
+        import boto3
+        from moto import mock_aws
+
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            os.environ.setdefault(name, "testing")
+        self._mock = mock_aws()
+        self._mock.start()
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        create_table(client, "ryusen-testing")
+        return DynamoStore(client, "ryusen-testing", self.counter)
+
+    def close(self) -> None:
+        """Stop the in-process moto of ``store="moto"`` (a no-op for the memory store)."""
+        if self._mock is not None:
+            self._mock.stop()
+            self._mock = None
+
+    def __enter__(self) -> WorkflowEnvironment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- apps --------------------------------------------------------------------
 

@@ -243,3 +243,13 @@ def test_compensation_has_its_own_attempt_timeout() -> None:
 
     assert window(forward) == timedelta(seconds=5)
     assert window(compensation) == timedelta(minutes=2)
+
+
+@pytest.mark.rfd("C1", "C6")
+def test_the_same_saga_on_the_dynamodb_store_in_moto() -> None:
+    log: list[tuple[str, Any]] = []
+    with WorkflowEnvironment(saga(log), store="moto") as env:
+        run = env.run("trip")
+        assert run.summary == "failed, fully compensated"
+        assert [name for name, _ in log] == ["undo-car", "undo-hotel", "undo-flight"]
+        assert env.counter.counts["dynamodb.write"] > 0 and "store.write" not in env.counter.counts

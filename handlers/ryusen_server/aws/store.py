@@ -189,6 +189,11 @@ class DynamoStore:
         item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
         return _decode_run(item) if item else None
 
+    def peek(self, run_id: str) -> RunState | None:
+        """Read without counting a request (test harness and benchmark bookkeeping)."""
+        item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
+        return _decode_run(item) if item else None
+
     def create(self, state: RunState) -> None:
         run = _run_item(state)
         if state.idempotency_key is None:
