@@ -427,6 +427,9 @@ def run_dev(*, port: int = DEFAULT_PORT, apps: list[str] | None = None) -> int:
         print(f"ryusen dev: {exc}", file=sys.stderr)
         stack.stop()
         return 1
+    except BaseException:
+        stack.stop()  # never leave a half-started stack behind
+        raise
     stopped = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
