@@ -18,7 +18,7 @@ tr.run{cursor:pointer} tr.run:hover{background:#f0f4ff} tr.sel{background:#e4ecf
 .explain{color:#4a5564;font-size:13px;margin:6px 0 10px} code{font-size:12px} .att{color:#4a5564;font-size:12.5px}
 pre{background:#f3f4f6;padding:6px;border-radius:4px;white-space:pre-wrap;margin:4px 0}
 </style></head><body>
-<header><h1>Ryusen dev</h1><span id="fns"></span></header>
+<header><h1>Ryusen dev</h1><span id="fns"></span><b id="notice" style="color:#ffd27a"></b></header>
 <main><section><h3>Runs</h3><table id="runs"><tbody></tbody></table></section>
 <section id="detail"><p class="explain">Select a run to see its steps, attempts and unwind.</p></section></main>
 <script>
@@ -32,6 +32,26 @@ const EXPLAIN = {
   finished: "The run is finished. Its outcome says why execution ended; its recovery says what became of the unwind."
 };
 async function j(url){ const r = await fetch(url); return r.json(); }
+async function act(path, body){
+  const r = await fetch(path, {method: "POST", headers: {"content-type": "application/json"}, body: JSON.stringify(body||{})});
+  const out = await r.json();
+  document.getElementById("notice").textContent = r.ok ? "" : `${out.error.code}: ${out.error.message}`;
+  refresh();
+}
+function resolveUnknown(run, b, action){
+  let body = {action};
+  if (action === "succeed") {
+    const text = prompt(`Result of ${b.step_id} (JSON), as the external system recorded it:`, "{}");
+    if (text === null) return;
+    try { body.result = JSON.parse(text); } catch (e) { alert("not JSON: " + e); return; }
+  }
+  if (action === "fail") {
+    const message = prompt(`Why is ${b.step_id} declared failed?`, "it did not happen");
+    if (message === null) return;
+    body.error = {type: "declared_failure", message};
+  }
+  act(`/v1/runs/${encodeURIComponent(run)}/steps/${encodeURIComponent(b.step_id)}/${b.phase}/${b.generation}/resolve`, body);
+}
 async function refresh(){
   const fns = await j("/v1/functions");
   document.getElementById("fns").textContent = fns.functions.map(f => `${f.app_id}/${f.id} @ ${f.release.release_id}`).join("   ");
@@ -51,10 +71,18 @@ function attempts(list){
 }
 function renderRun(r){
   if (r.error && r.error.code) { document.getElementById("detail").innerHTML = `<p>${esc(r.error.message)}</p>`; return; }
-  const blockers = r.blockers.map(b => `<div class="blocker"><b>${esc(b.type)}</b> on <code>${esc(b.step_id)}</code>: ${esc(b.message)}
-     ${b.count>1?` (seen ${b.count} times)`:""}<br><span class="explain">${b.type==="duplicate_step_id"
-     ? "Forward work is blocked, not failed. Fix the code and save: the new release wakes this run, or use Rediscover."
-     : "Ryusen cannot know whether this effect happened. A late result or an operator resolution settles it."}</span></div>`).join("");
+  window.currentBlockers = r.blockers;
+  const blockers = r.blockers.map((b, i) => `<div class="blocker"><b>${esc(b.type)}</b> on <code>${esc(b.step_id)}</code>: ${esc(b.message)}
+     ${b.count>1?` (seen ${b.count} times)`:""}${b.detail?`<br><span class="att">${esc(b.detail)}</span>`:""}
+     ${b.first?`<br><span class="att">first at ${esc(b.first.location)} (${esc(b.first.name)}), again at ${esc(b.duplicate.location)} (${esc(b.duplicate.name)})</span>`:""}
+     <br><span class="explain">${b.type==="duplicate_step_id"
+     ? "Forward work is blocked, not failed, and nothing is compensated. Fix the code and save: the new release wakes this run. Or rediscover now."
+     : "Ryusen cannot know whether this effect happened, so it neither retries nor compensates past it. A late result settles it; or decide:"}</span><br>
+     ${b.type==="duplicate_step_id"
+       ? `<button onclick="act('/v1/runs/${esc(r.id)}/rediscover')">Rediscover</button>`
+       : `<button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'succeed')">It succeeded…</button>
+          <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'fail')">It failed…</button>
+          <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'retry')">Retry (same operation id)</button>`}</div>`).join("");
   const steps = r.steps.map(s => `<tr><td><code>${esc(s.id)}</code><br><span class="att">${esc(s.name||"")} ${esc(s.location||"")}</span></td>
      <td>${badge(s.status)} ${s.has_compensation?"":'<span class="att">no compensator declared</span>'}
      ${s.result!==null?`<pre>${esc(JSON.stringify(s.result))}</pre>`:""}${s.error?`<div class="att">${esc(s.error.type)}: ${esc(s.error.message)}</div>`:""}
@@ -62,7 +90,9 @@ function renderRun(r){
   const unwind = r.unwind.map(u => `<li><code>${esc(u.step_id)}</code> ${badge(u.status)}</li>`).join("");
   document.getElementById("detail").innerHTML = `<h3>${esc(r.function_id)} <code>${esc(r.id)}</code></h3>
     <p>${badge(r.phase)} outcome ${badge(r.outcome)} recovery ${badge(r.recovery)} — <b>${esc(r.summary)}</b></p>
-    <p class="explain">${EXPLAIN[r.phase]||""}</p>
+    <p class="explain">${r.blockers.length ? "The run is blocked: see below." : (EXPLAIN[r.phase]||"")}</p>
+    ${r.phase!=="finished" && !r.stop_intent && !r.outcome ? `<button onclick="act('/v1/runs/${esc(r.id)}/cancel')">Cancel run</button>` : ""}
+
     <p class="att">deadline: ${esc(r.deadline.at||"none")} (source ${esc(r.deadline.source)}) · created ${esc(r.created_at)}
       ${r.stop_intent?` · stop intent: ${esc(r.stop_intent.kind)} at ${esc(r.stop_intent.at)}`:""}</p>
     ${blockers}
