@@ -316,3 +316,22 @@ def test_same_idempotency_key_returns_the_same_run() -> None:
     other = env.start("pay", {"amount": 5}, idempotency_key="order-8")
     assert first == again != other
     assert len(env.store.list_runs().runs) == 2
+
+
+@pytest.mark.rfd("O4")
+def test_a_send_that_fails_after_its_write_is_repaired_when_the_message_returns() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(payments(calls))
+    original = env.queue.send
+    failures = {"left": 1}
+
+    def flaky_send(task: Any, delay_s: float = 0.0) -> None:
+        if task.kind.value == "discover" and task.seq == 2 and failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("SQS unavailable")  # the write that queued discovery #2 has committed
+        original(task, delay_s)
+
+    env.queue.send = flaky_send  # type: ignore[method-assign]
+    run = env.run("pay", {"amount": 5})
+    assert failures["left"] == 0
+    assert run.outcome == "completed" and calls == Counter({"charge": 1, "receipt": 1})

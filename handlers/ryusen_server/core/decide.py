@@ -286,6 +286,7 @@ class _Transition:
     def discovery_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
         d = self.s.discovery
         if d is None or d.seq != task.seq or self.s.phase is RunPhase.FINISHED:
+            self.reemit_stalled()
             return self.ignore(f"discovery #{task.seq} is no longer current")
         if d.status is AttemptStatus.AUTHORIZED:
             assert d.lease_expires_at is not None
@@ -319,6 +320,7 @@ class _Transition:
         step = self.s.step(task.step_id)
         attempt = step.attempt(phase, task.generation) if step else None
         if step is None or attempt is None or attempt is not step.current(phase):
+            self.reemit_stalled()
             return self.ignore(f"{task.describe()} is not the current generation")
         if attempt.status is AttemptStatus.AUTHORIZED:
             assert attempt.lease_expires_at is not None
@@ -327,6 +329,7 @@ class _Transition:
                 return self.ignore(f"{task.describe()} is in flight")
             return self.outcome_lost(step, attempt, "the attempt's lease expired with no result")
         if attempt.status is not AttemptStatus.QUEUED:
+            self.reemit_stalled()
             return self.ignore(f"{task.describe()} is already {attempt.status}")
         if phase is Phase.FORWARD and self.stopping:
             self.settle(attempt, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization")
@@ -352,6 +355,39 @@ class _Transition:
             step.compensation_status = CompensationStatus.RUNNING
         self.touch()
         self.commands.append(InvokeTask(task=task))
+
+    def reemit_stalled(self) -> None:
+        """A stale message came back: re-send queued tasks whose own message looks lost.
+
+        The commands of a decision are sent after its write commits; if a send
+        fails, the message that caused the decision is not deleted and comes
+        back here, already settled. Any task still queued well past its due
+        time then gets its message again (a duplicate is harmless: delivery is
+        idempotent). A queued task that is not yet overdue keeps this message
+        around until it would be (one more receive), so the repair does not
+        depend on the queue's visibility timeout.
+        """
+        s = self.s
+        if s.phase is RunPhase.FINISHED:
+            return
+        grace = timedelta(seconds=self.settings.stalled_task_s)
+        queued: list[tuple[TaskRef, datetime]] = []
+        d = s.discovery
+        if d is not None and d.status is AttemptStatus.QUEUED:
+            queued.append(
+                (TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=d.seq), (d.not_before or d.queued_at) + grace)
+            )
+        for step in s.steps:
+            for phase, kind in ((Phase.FORWARD, TaskKind.FORWARD), (Phase.COMPENSATION, TaskKind.COMPENSATE)):
+                a = step.current(phase)
+                if a is not None and a.status is AttemptStatus.QUEUED:
+                    task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation)
+                    queued.append((task, (a.not_before or a.queued_at) + grace))
+        overdue = [task for task, at in queued if at <= self.now]
+        self.commands.extend(EnqueueTask(task=task) for task in overdue)
+        pending = [at for _, at in queued if at > self.now]
+        if pending and not overdue:
+            self.commands.append(RedeliverLater(delay_s=(min(pending) - self.now).total_seconds()))
 
     def invocation_failed(self, event: InvocationFailed) -> None:
         task = event.task

@@ -29,6 +29,8 @@ class EngineSettings:
     """How long past an attempt's response window a late result is waited for before the lease expires."""
     probe_initial_s: float = 60.0
     probe_max_s: float = 3600.0
+    stalled_task_s: float = 60.0
+    """A task still queued this long past its due time has probably lost its message (see reemit_stalled)."""
     redelivery_initial_s: float = 1.0
     redelivery_max_s: float = 60.0
 
