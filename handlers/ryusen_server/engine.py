@@ -174,6 +174,7 @@ class Engine:
         if idempotency_key is not None:
             existing = self._run_for_key(function_id, idempotency_key)
             if existing is not None:
+                self._resend_first_discovery(existing)
                 return existing, False
         deadline_at, source = self._deadline(function_id, timeout_s, manifest.timeout_s)
         now = self.clock()
@@ -202,6 +203,13 @@ class Engine:
         self._emit("decided", (None, decision))
         self._send(decision)
         return decision.state, True
+
+    def _resend_first_discovery(self, state: RunState) -> None:
+        """A retried start may follow a start whose queue send failed after the run was written:
+        if discovery #1 is still queued, send it again (a duplicate delivery is harmless)."""
+        d = state.discovery
+        if d is not None and d.seq == 1 and d.status.value == "queued":
+            self.queue.send(TaskRef(run_id=state.id, kind=TaskKind.DISCOVER, seq=1))
 
     def _run_for_key(self, function_id: str, key: str) -> RunState | None:
         run_id = self.store.run_for_idempotency_key(function_id, key)
