@@ -184,3 +184,39 @@ def test_no_pinning_each_task_uses_the_newest_release_and_records_it() -> None:
     assert run.attempts("b")[0]["release_id"] == "r2" and run.attempts("b")[0]["build_id"] == "build-r2"
     # metadata only: the run itself carries no release affinity
     assert "release_id" not in run.raw
+
+
+@pytest.mark.rfd("D5", "R1", "C8")
+def test_a_release_without_the_function_blocks_runs_instead_of_failing_them() -> None:
+    undone: list[str] = []
+
+    def with_function(release: str) -> Ryusen:
+        app = Ryusen("moving", release_id=release, build_id=release)
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            step.run("a", lambda: "A", compensate=lambda r: undone.append(f"a@{release}"))
+            step.run("b", lambda: "B")
+            return "done"
+
+        return app
+
+    without = Ryusen("moving", release_id="r2", build_id="r2")
+
+    @without.function("other")
+    def other(data: Any, step: Step) -> Any:
+        return None
+
+    env = WorkflowEnvironment(with_function("r1"))
+    run_id = env.start("wf")
+    env.drive(until=lambda: bool(env.get(run_id).steps) and env.get(run_id).step("a")["status"] == "completed")
+    env.sync(without)  # the function is removed from the app
+    run = env.wait(run_id)
+    assert run.outcome is None and run.phase == "running"  # blocked, not failed
+    [blocker] = run.blockers
+    assert blocker["type"] == "function_not_found" and "wf" in blocker["message"]
+    assert undone == []
+    env.sync(with_function("r3"))  # it comes back: the release wakes the run
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.blockers == []
+    assert run.attempts("b")[-1]["release_id"] == "r3"

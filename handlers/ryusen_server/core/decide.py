@@ -38,6 +38,7 @@ from ryusen._internal.wire import (
     ErrorInfo,
     FunctionCompleted,
     FunctionFailed,
+    FunctionNotFound,
     Phase,
     RetryPolicyWire,
     StepReached,
@@ -67,6 +68,7 @@ from .events import (
     WakeRequested,
 )
 from .model import (
+    DEFINITION_BLOCKERS,
     LIVE_ATTEMPT,
     Attempt,
     AttemptStatus,
@@ -259,9 +261,13 @@ class _Transition:
         if len(kept) != len(self.s.blockers):
             self.s.blockers = kept
             self.touch()
-        if kind is BlockerType.DUPLICATE_STEP_ID and not self.s.blocked_by_definition:
+        if kind in DEFINITION_BLOCKERS and not self.s.blocked_by_definition:
             self.s.probe_interval_s = None
             self.s.probe_due_at = None
+
+    def clear_definition_blockers(self) -> None:
+        for kind in DEFINITION_BLOCKERS:
+            self.clear_blockers(kind)
 
     def redelivery_delay(self, redeliveries: int) -> float:
         return min(
@@ -470,7 +476,7 @@ class _Transition:
             self.ignore("discovery discarded: a stop intent exists")
             return self.evaluate_recovery()
         if isinstance(response, StepReached):
-            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            self.clear_definition_blockers()
             plan = response.step
             step = s.step(plan.id)
             if step is None:
@@ -486,18 +492,51 @@ class _Transition:
             step.status = StepStatus.PENDING
             self.queue_attempt(step, Phase.FORWARD)
         elif isinstance(response, FunctionCompleted):
-            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            self.clear_definition_blockers()
             s.output = response.output
             s.outcome = Outcome.COMPLETED
             self.finish(None)
         elif isinstance(response, FunctionFailed):
-            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            self.clear_definition_blockers()
             s.error = response.error
             s.outcome = Outcome.FAILED  # F7: the adapter's response decides the outcome
             s.recovery = Recovery.PENDING
             self.evaluate_recovery()
         elif isinstance(response, ConflictFound):
             self.definition_conflict(response.conflict)
+        elif isinstance(response, FunctionNotFound):
+            self.function_not_found(response.detail)
+
+    def function_not_found(self, detail: str) -> None:
+        """Current code lacks the function: block (recoverable by a new release), never fail or skip."""
+        s = self.s
+        existing = [b for b in s.blockers if b.type is BlockerType.FUNCTION_NOT_FOUND]
+        if existing:
+            existing[0].count += 1
+            existing[0].last_seen_at = self.now
+        else:
+            s.blockers.append(
+                Blocker(
+                    type=BlockerType.FUNCTION_NOT_FOUND,
+                    message=f"the endpoint's current code has no function {s.function_id!r}",
+                    detail=detail,
+                    first_seen_at=self.now,
+                    last_seen_at=self.now,
+                )
+            )
+        self.schedule_probe()
+
+    def schedule_probe(self) -> None:
+        s = self.s
+        interval = (
+            self.settings.probe_initial_s
+            if s.probe_interval_s is None
+            else min(self.settings.probe_max_s, s.probe_interval_s * 2)
+        )
+        s.probe_interval_s = interval
+        s.probe_due_at = self.now + timedelta(seconds=interval)
+        self.commands.append(ScheduleTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.PROBE, at=s.probe_due_at)))
+        self.touch()
 
     def definition_conflict(self, conflict: DuplicateStepConflict) -> None:
         s = self.s
@@ -524,15 +563,7 @@ class _Transition:
                     last_seen_at=self.now,
                 )
             )
-        interval = (
-            self.settings.probe_initial_s
-            if s.probe_interval_s is None
-            else min(self.settings.probe_max_s, s.probe_interval_s * 2)
-        )
-        s.probe_interval_s = interval
-        s.probe_due_at = self.now + timedelta(seconds=interval)
-        self.commands.append(ScheduleTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.PROBE, at=s.probe_due_at)))
-        self.touch()
+        self.schedule_probe()
 
     def wake(self, event: WakeRequested) -> None:
         s = self.s
@@ -548,7 +579,7 @@ class _Transition:
             current = step.current(Phase.COMPENSATION) if step else None
             if step is None or (current is not None and current.status in LIVE_ATTEMPT):
                 return self.ignore("compensation already in progress")
-            self.clear_blockers(BlockerType.DUPLICATE_STEP_ID)
+            self.clear_definition_blockers()
             self.queue_attempt(step, Phase.COMPENSATION)
             return None
         if s.discovery is not None:
@@ -622,13 +653,16 @@ class _Transition:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
             return self.queue_discovery()
-        if isinstance(response, ConflictFound):
-            self.settle(attempt, AttemptStatus.FENCED, detail="duplicate_step_id before the target was reached")
+        if isinstance(response, ConflictFound | FunctionNotFound):
+            what = "duplicate_step_id" if isinstance(response, ConflictFound) else "function_not_found"
+            self.settle(attempt, AttemptStatus.FENCED, detail=f"{what}: the callback did not run")
             step.status = StepStatus.PENDING
             if self.stopping:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
-            return self.definition_conflict(response.conflict)
+            if isinstance(response, ConflictFound):
+                return self.definition_conflict(response.conflict)
+            return self.function_not_found(response.detail)
         raise IllegalEventError(f"unexpected response {response!r}")
 
     def attempt_failed(self, step: StepState, attempt: Attempt, error: ErrorInfo, detail: str | None = None) -> None:
@@ -685,6 +719,10 @@ class _Transition:
             self.settle(attempt, AttemptStatus.FENCED, detail="duplicate_step_id before the target was reached")
             step.compensation_status = CompensationStatus.PENDING
             return self.definition_conflict(response.conflict)
+        if isinstance(response, FunctionNotFound):
+            self.settle(attempt, AttemptStatus.FENCED, detail="function_not_found: the compensator did not run")
+            step.compensation_status = CompensationStatus.PENDING
+            return self.function_not_found(response.detail)
         raise IllegalEventError(f"unexpected response {response!r}")
 
     # ---- recovery -------------------------------------------------------------------

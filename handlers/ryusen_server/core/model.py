@@ -78,7 +78,12 @@ LIVE_ATTEMPT = frozenset({AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED, Attemp
 
 class BlockerType(StrEnum):
     DUPLICATE_STEP_ID = "duplicate_step_id"
+    FUNCTION_NOT_FOUND = "function_not_found"
     UNKNOWN_OUTCOME = "unknown_outcome"
+
+
+DEFINITION_BLOCKERS = frozenset({BlockerType.DUPLICATE_STEP_ID, BlockerType.FUNCTION_NOT_FOUND})
+"""Blockers that current code can repair: a release sync, the probe or an operator rediscovers."""
 
 
 class StopKind(StrEnum):
@@ -173,7 +178,7 @@ class Occurrence(_State):
 
 class Blocker(_State):
     type: BlockerType
-    step_id: str
+    step_id: str | None = None
     phase: Phase | None = None
     generation: int | None = None
     first: Occurrence | None = None
@@ -233,7 +238,7 @@ class RunState(_State):
 
     @property
     def blocked_by_definition(self) -> bool:
-        return any(b.type is BlockerType.DUPLICATE_STEP_ID for b in self.blockers)
+        return any(b.type in DEFINITION_BLOCKERS for b in self.blockers)
 
 
 class TaskRef(BaseModel):

@@ -33,6 +33,7 @@ from .wire import (
     FunctionCompleted,
     FunctionFailed,
     FunctionManifest,
+    FunctionNotFound,
     LateResult,
     Manifest,
     TargetNotFound,
@@ -187,9 +188,7 @@ class Ryusen:
 
     def _not_found(self, request: TaskRequest) -> TaskResponse:
         detail = f"app {self.app_id!r} has no function {request.function_id!r}"
-        if request.kind is TaskKind.DISCOVER:
-            return _respond(request, FunctionFailed(error=ErrorInfo(type="function_not_found", message=detail)))
-        return _respond(request, TargetNotFound(detail=detail))
+        return _respond(request, FunctionNotFound(detail=detail))
 
     # ---- the HTTP handler --------------------------------------------------
 

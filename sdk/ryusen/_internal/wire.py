@@ -136,8 +136,15 @@ class ConflictFound(_Wire):
     conflict: DuplicateStepConflict
 
 
+class FunctionNotFound(_Wire):
+    """The endpoint's current code has no such function (it was removed or renamed)."""
+
+    type: Literal["function_not_found"] = "function_not_found"
+    detail: str = ""
+
+
 DiscoveryResponse = Annotated[
-    StepReached | FunctionCompleted | FunctionFailed | ConflictFound, Field(discriminator="type")
+    StepReached | FunctionCompleted | FunctionFailed | ConflictFound | FunctionNotFound, Field(discriminator="type")
 ]
 
 
@@ -159,7 +166,7 @@ class TargetNotFound(_Wire):
 
 
 AttemptResponse = Annotated[
-    CallbackSucceeded | CallbackFailed | TargetNotFound | ConflictFound, Field(discriminator="type")
+    CallbackSucceeded | CallbackFailed | TargetNotFound | ConflictFound | FunctionNotFound, Field(discriminator="type")
 ]
 
 
