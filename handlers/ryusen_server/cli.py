@@ -448,6 +448,11 @@ class _RunRenderer:
                 "give one of the calls another step id and sync the app; the run wakes (or retry it:)",
                 f"  ryusen rediscover {run_id}",
             ]
+        if blocker.get("type") == "function_not_found":
+            return [
+                "sync a release whose code has the function again; the run wakes (or retry it:)",
+                f"  ryusen rediscover {run_id}",
+            ]
         if blocker.get("type") == "unknown_outcome" and blocker.get("phase") and blocker.get("generation"):
             return [
                 "once you know what the attempt did, resolve it:",

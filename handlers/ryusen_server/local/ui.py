@@ -75,10 +75,10 @@ function renderRun(r){
   const blockers = r.blockers.map((b, i) => `<div class="blocker"><b>${esc(b.type)}</b> on <code>${esc(b.step_id)}</code>: ${esc(b.message)}
      ${b.count>1?` (seen ${b.count} times)`:""}${b.detail?`<br><span class="att">${esc(b.detail)}</span>`:""}
      ${b.first?`<br><span class="att">first at ${esc(b.first.location)} (${esc(b.first.name)}), again at ${esc(b.duplicate.location)} (${esc(b.duplicate.name)})</span>`:""}
-     <br><span class="explain">${b.type==="duplicate_step_id"
+     <br><span class="explain">${b.type!=="unknown_outcome"
      ? "Forward work is blocked, not failed, and nothing is compensated. Fix the code and save: the new release wakes this run. Or rediscover now."
      : "Ryusen cannot know whether this effect happened, so it neither retries nor compensates past it. A late result settles it; or decide:"}</span><br>
-     ${b.type==="duplicate_step_id"
+     ${b.type!=="unknown_outcome"
        ? `<button onclick="act('/v1/runs/${esc(r.id)}/rediscover')">Rediscover</button>`
        : `<button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'succeed')">It succeeded…</button>
           <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'fail')">It failed…</button>
