@@ -177,3 +177,15 @@ def test_cancel_while_an_effect_is_in_flight_over_http(stack: DevStack) -> None:
     assert [u["step_id"] for u in run["unwind"]] == ["slow", "first"]
     assert stack.invocations(f"{t}:after") == 0
     assert stack.invocations(f"{t}:undo-slow") == 1 and stack.invocations(f"{t}:undo-first") == 1
+
+
+@pytest.mark.rfd("S11", "S12", "S13")
+def test_run_deadline_fires_through_the_local_scheduler_and_compensates(stack: DevStack) -> None:
+    t = tag()
+    started = stack.start("slow", {"tag": t, "sleep_s": 3}, timeout_s=1.5)
+    assert started["deadline"]["source"] == "run_request" and started["deadline"]["at"]
+    run = stack.wait_finished(started["id"])
+    assert run["outcome"] == "timed_out" and run["stop_intent"]["kind"] == "timeout"
+    assert run["summary"] == "timed out, fully compensated"  # the in-flight step settled, then both were undone
+    assert stack.invocations(f"{t}:after") == 0
+    assert stack.invocations(f"{t}:undo-slow") == 1 and stack.invocations(f"{t}:undo-first") == 1
