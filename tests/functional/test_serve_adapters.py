@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+
 from ryusen import Ryusen, Step
 from ryusen._internal.signing import SIGNATURE_HEADER, sign, verify
 from ryusen._internal.wire import TaskKind, TaskRequest
