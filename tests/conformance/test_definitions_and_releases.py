@@ -220,3 +220,15 @@ def test_a_release_without_the_function_blocks_runs_instead_of_failing_them() ->
     run = env.wait(run_id)
     assert run.outcome == "completed" and run.blockers == []
     assert run.attempts("b")[-1]["release_id"] == "r3"
+
+
+@pytest.mark.rfd("D1", "S10")
+def test_cancelling_a_run_blocked_by_a_duplicate_id_clears_the_blocker() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(release_a(calls))
+    run_id = env.start("invoice")
+    assert env.wait(run_id).blockers
+    env.cancel(run_id)
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and run.blockers == []
+    assert env.engine.get_run(run_id).probe_due_at is None

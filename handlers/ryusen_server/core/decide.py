@@ -275,6 +275,7 @@ class _Transition:
         )
 
     def finish(self, recovery: Recovery | None) -> None:
+        self.clear_definition_blockers()  # nothing is left for current code to repair
         self.s.phase = RunPhase.FINISHED
         self.s.recovery = recovery
         self.s.finished_at = self.now
@@ -800,6 +801,7 @@ class _Transition:
         s.stop_intent = StopIntent(kind=kind, at=self.now, reason=event.reason)
         s.outcome = Outcome.CANCELLED if kind is StopKind.CANCEL else Outcome.TIMED_OUT
         self.touch()
+        self.clear_definition_blockers()  # they blocked forward work, which the stop ends
         if s.discovery is not None and s.discovery.status is AttemptStatus.QUEUED:
             s.discovery = None  # S3: fenced before start authorization
         elif s.discovery is not None:
