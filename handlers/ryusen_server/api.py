@@ -1,6 +1,7 @@
 """The server API (contract 2) as a Powertools REST resolver over the engine.
 
-Routes parse and validate at the edge (pydantic models, extra fields refused)
+Routes parse and validate at the edge (Powertools' parser over pydantic models,
+extra fields refused)
 and translate the engine's errors into ``{"error": {"code", "message"}}`` with
 a 4xx status. Nothing is written unless the request is valid.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
+from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ryusen._internal.wire import ErrorInfo, Manifest, Phase
@@ -85,7 +87,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             raise MalformedJsonError(f"request body is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise InvalidRequestError("request body must be a JSON object")
-        return model.model_validate(data)
+        return parse(event=data, model=model)
 
     @api.exception_handler(ServerError)  # type: ignore[untyped-decorator]
     def server_error(exc: ServerError) -> Response[str]:

@@ -7,10 +7,11 @@ the Lambda handlers; locally the same ``Engine.deliver`` and
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from .core.model import TaskRef, TimerRef
 from .engine import Engine
@@ -55,17 +56,38 @@ def fire_due(engine: Engine, due: Callable[[], list[TimerRef]]) -> int:
     return fired
 
 
-def process_body(engine: Engine, body: str) -> tuple[bool, float]:
-    """One dispatch-queue message, as the dispatch Lambda and ``ryusen dev`` both handle it.
+class TimerMessage(BaseModel):
+    """What an EventBridge Scheduler schedule puts on the dispatch queue when a timer is due."""
 
-    The queue carries task messages (a TaskRef) and, from EventBridge
-    Scheduler, timer messages (``{"timer": TimerRef}``). Returns (done,
-    redeliver_after_s): a message that is not done stays on the queue as the
-    lease timer of an attempt in flight.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    timer: TimerRef
+
+
+DispatchMessage = TaskRef | TimerMessage
+"""One dispatch-queue message: a task (discovery pass or attempt) or a due timer."""
+
+_DISPATCH_MESSAGE: TypeAdapter[DispatchMessage] = TypeAdapter(DispatchMessage)
+
+
+def parse_dispatch_body(body: str | bytes) -> DispatchMessage:
+    """A dispatch message from its JSON body; raises pydantic's ValidationError for anything else."""
+    return _DISPATCH_MESSAGE.validate_json(body)
+
+
+def process_message(engine: Engine, message: DispatchMessage) -> tuple[bool, float]:
+    """One parsed dispatch-queue message, as the dispatch Lambda and ``ryusen dev`` both handle it.
+
+    Returns (done, redeliver_after_s): a task message that is not done stays on
+    the queue as the lease timer of an attempt in flight.
     """
-    data = json.loads(body)
-    if isinstance(data, dict) and "timer" in data:
-        engine.fire_timer(TimerRef.model_validate(data["timer"]))
+    if isinstance(message, TimerMessage):
+        engine.fire_timer(message.timer)
         return True, 0.0
-    delivered = engine.deliver(TaskRef.model_validate(data))
+    delivered = engine.deliver(message)
     return delivered.done, delivered.redeliver_after_s
+
+
+def process_body(engine: Engine, body: str) -> tuple[bool, float]:
+    """:func:`process_message` for a raw message body (the local dispatch loop)."""
+    return process_message(engine, parse_dispatch_body(body))

@@ -155,3 +155,28 @@ def test_scheduler_timer_event_fires_the_deadline(aws: dict[str, str], app_url: 
     _, after = api("GET", f"/v1/runs/{run['id']}")
     assert after["outcome"] == "timed_out" and after["recovery"] == "not_required"
     assert after["deadline"]["source"] == "run_request"
+
+
+def test_a_poison_record_fails_alone_and_changes_no_run(aws: dict[str, str], app_url: str) -> None:
+    api("PUT", "/v1/apps/shop", {"url": app_url})
+    _, run = api("POST", "/v1/functions/checkout/runs", {"input": {"sku": "a"}})
+    sqs = boto3.client("sqs")
+    [message] = sqs.receive_message(QueueUrl=aws["RYUSEN_QUEUE_URL"]).get("Messages", [])
+    batch = event("sqs_dispatch_batch.json")
+    good = {**batch["Records"][0], "messageId": "good", "receiptHandle": message["ReceiptHandle"]}
+    good["body"] = message["Body"]
+    poison = [
+        {**good, "messageId": "not-json", "body": "{not json"},
+        {**good, "messageId": "wrong-shape", "body": json.dumps({"run_id": run["id"], "kind": "explode"})},
+        {**good, "messageId": "extra-field", "body": json.dumps({**json.loads(message["Body"]), "x": 1})},
+    ]
+    batch["Records"] = [*poison, good]
+    result = dispatch_lambda.handler(batch, Context())  # type: ignore[arg-type]
+    assert sorted(f["itemIdentifier"] for f in result["batchItemFailures"]) == [
+        "extra-field",
+        "not-json",
+        "wrong-shape",
+    ]
+    # the good record in the same batch was handled: discovery #1 ran and scheduled the step attempt
+    _, after = api("GET", f"/v1/runs/{run['id']}")
+    assert [s["id"] for s in after["steps"]] == ["reserve"]

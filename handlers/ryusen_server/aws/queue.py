@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from ..core.model import TaskRef, TimerRef
 from ..ports import RequestCounter
+from ..runtime import TimerMessage, parse_dispatch_body
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs.client import SQSClient
@@ -65,10 +66,8 @@ class SqsMessage:
 
 def parse_body(body: str) -> TaskRef | TimerRef:
     """A dispatch message's body: a TaskRef, or ``{"timer": TimerRef}``. Raises ValueError if neither."""
-    data = json.loads(body)
-    if isinstance(data, dict) and "timer" in data:
-        return TimerRef.model_validate(data["timer"])
-    return TaskRef.model_validate(data)
+    message = parse_dispatch_body(body)
+    return message.timer if isinstance(message, TimerMessage) else message
 
 
 class SqsQueue:
