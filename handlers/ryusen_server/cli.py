@@ -487,6 +487,8 @@ class _RunRenderer:
                 notes.append("redelivered once" if count == 1 else f"redelivered {count} times")
             for submission in attempt.get("stale_submissions") or []:
                 notes.append(f"stale result ignored ({submission.get('reason', 'stale')})")
+            if dropped := attempt.get("stale_submissions_dropped"):
+                notes.append(f"{dropped} more stale result(s) ignored, not recorded")
             release = attempt.get("release_id")
             if release and release != self.last_release:
                 notes.append(f"release {release}")

@@ -8,7 +8,6 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
 from ryusen._internal.wire import (
-    MAX_VALUE_BYTES,
     LateResult,
     Manifest,
     MemoEntry,
@@ -29,6 +27,7 @@ from ryusen._internal.wire import (
     TaskKind,
     TaskRequest,
     TaskResponse,
+    value_size,
 )
 
 from .core.decide import decide
@@ -81,7 +80,6 @@ class ServerSettings:
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
     max_run_timeout_s: float | None = None
-    max_value_bytes: int = MAX_VALUE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +163,9 @@ class Engine:
         manifest = release.function(function_id) if release else None
         if release is None or manifest is None:
             raise NotFoundError(f"no synced release declares function {function_id!r}", function_id=function_id)
-        size = len(json.dumps(input, separators=(",", ":")).encode())
-        if size > self.settings.max_value_bytes:
-            raise PayloadTooLargeError(
-                f"run input is {size} bytes serialized; the limit is {self.settings.max_value_bytes}",
-                limit=self.settings.max_value_bytes,
-            )
+        limit = self.settings.engine.max_value_bytes
+        if (size := value_size(input)) > limit:
+            raise PayloadTooLargeError(f"run input is {size} bytes serialized; the limit is {limit}", limit=limit)
         if idempotency_key is not None:
             existing = self._run_for_key(function_id, idempotency_key)
             if existing is not None:
@@ -256,9 +251,15 @@ class Engine:
         return decision
 
     def resolve(self, run_id: str, event: Resolve) -> Decision:
+        limit = self.settings.engine.max_value_bytes
+        if event.action == "succeed" and (size := value_size(event.result)) > limit:
+            raise PayloadTooLargeError(f"result is {size} bytes serialized; the limit is {limit}", limit=limit)
         decision = self.apply(run_id, event)
         if decision.rejection is not None:
-            raise ConflictError(decision.rejection.message, code=decision.rejection.code)
+            rejection = decision.rejection
+            if rejection.code in ("step_not_found", "attempt_not_found"):
+                raise NotFoundError(rejection.message, code=rejection.code)
+            raise ConflictError(rejection.message, code=rejection.code)
         return decision
 
     # ---- releases ---------------------------------------------------------------------

@@ -348,3 +348,52 @@ def test_async_callback_in_a_sync_workflow_fails_at_once() -> None:
     run = make_env(app).run("wf")
     assert len(run.attempts("a")) == 1
     assert "needs an async workflow function" in run.output
+
+
+@pytest.mark.rfd("F12")
+def test_the_server_enforces_value_limits_itself_and_bounds_the_whole_run() -> None:
+    """The engine does not trust the endpoint to check sizes: its own limits decide."""
+    from ryusen.testing import EngineSettings
+
+    app = Ryusen("f12-server")
+    undone: list[str] = []
+
+    @app.function("wf")
+    def wf(size: int, step: Step) -> Any:
+        for i in range(5):
+            step.run(f"s{i}", lambda: "x" * size, compensate=lambda r, i=i: undone.append(f"s{i}"))
+        return "done"
+
+    # per value: the endpoint's own limit is 256 KiB; the server's is set lower here
+    env = WorkflowEnvironment(app, settings=EngineSettings(max_value_bytes=1000, max_run_bytes=10**9))
+    run = env.run("wf", 2000)
+    assert run.outcome == "failed"
+    assert run.step("s0")["error"]["type"] == "result_too_large"
+    assert len(run.attempts("s0")) == 1  # non-retryable, though the callback succeeded
+    assert run.step("s0").get("result") is None
+    # the whole run: input plus accepted results; the third 2000-byte result would pass 5000
+    undone.clear()
+    env = WorkflowEnvironment(app, settings=EngineSettings(max_value_bytes=10**6, max_run_bytes=5000))
+    run = env.run("wf", 2000)
+    assert run.outcome == "failed" and run.recovery == "compensated"
+    assert [s["status"] for s in run.steps[:3]] == ["completed", "completed", "failed"]
+    error = run.step("s2")["error"]
+    assert error["type"] == "run_too_large" and "5000" in error["message"]
+    assert undone == ["s1", "s0"]  # the accepted steps are compensated in reverse
+
+
+@pytest.mark.rfd("F12")
+def test_an_oversized_error_is_cut_and_says_so() -> None:
+    app = Ryusen("f12-error")
+
+    @app.function("wf")
+    def wf(_: Any, step: Step) -> Any:
+        def explode() -> None:
+            raise NonRetryableError("boom " + "e" * (400 * 1024))
+
+        return step.run("explode", explode)
+
+    run = make_env(app).run("wf")
+    error = run.step("explode")["error"]
+    assert error["type"] == "NonRetryableError" and error["message"].startswith("boom eee")
+    assert len(error["message"]) < 10_000 and "error cut: it was" in error["message"]

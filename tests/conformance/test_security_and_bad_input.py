@@ -229,10 +229,12 @@ def test_bad_requests_get_structured_4xx_and_change_nothing(
         ('{"action": "retry", "result": 1}', "s/forward/1", 422, "invalid_request"),
         ('{"action": "retry"}', "s/sideways/1", 422, "invalid_request"),
         ('{"action": "retry"}', "s/forward/zero", 422, "invalid_request"),
-        ('{"action": "retry"}', "nope/forward/1", 409, "step_not_found"),
-        ('{"action": "retry"}', "s/forward/9", 409, "attempt_not_found"),
+        ('{"action": "retry"}', "nope/forward/1", 404, "step_not_found"),
+        ('{"action": "retry"}', "s/forward/9", 404, "attempt_not_found"),
         ('{"action": "succeed", "result": 2}', "s/forward/1", 409, "generation_settled"),
+        ('{"action": "retry"}', "s/compensation/1", 404, "attempt_not_found"),
         ("{oops", "s/forward/1", 400, "malformed_json"),
+        (json.dumps({"action": "succeed", "result": "x" * 300_000}), "s/forward/1", 413, "payload_too_large"),
     ],
 )
 def test_invalid_resolutions_are_refused_and_change_nothing(

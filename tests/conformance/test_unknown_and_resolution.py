@@ -13,7 +13,7 @@ import ryusen
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
-from ryusen_server.ports import ConflictError
+from ryusen_server.ports import ConflictError, NotFoundError
 
 SHORT = EngineSettings(attempt_timeout_s=30, lease_grace_s=10)
 
@@ -163,7 +163,7 @@ def test_resolution_of_a_non_current_generation_is_refused() -> None:
     with pytest.raises(ConflictError) as stale:
         env.resolve(run_id, "charge", generation=1, action="succeed", result={"charged": 1})
     assert stale.value.details["code"] == "generation_settled"
-    with pytest.raises(ConflictError) as missing:
+    with pytest.raises(NotFoundError) as missing:
         env.resolve(run_id, "charge", generation=7, action="retry")
     assert missing.value.details["code"] == "attempt_not_found"
 
@@ -335,3 +335,26 @@ def test_a_send_that_fails_after_its_write_is_repaired_when_the_message_returns(
     run = env.run("pay", {"amount": 5})
     assert failures["left"] == 0
     assert run.outcome == "completed" and calls == Counter({"charge": 1, "receipt": 1})
+
+
+@pytest.mark.rfd("U7")
+def test_repeated_stale_submissions_are_kept_bounded_and_change_nothing() -> None:
+    """A late submitter that repeats itself cannot grow the run's record without bound."""
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(payments(calls), settings=EngineSettings(stale_submissions_kept=3))
+    env.faults.lose_result("charge")
+    run_id = env.start("pay", {"amount": 5})
+    env.drive()
+    [held] = env.faults.held
+    env.resolve(run_id, "charge", generation=1, action="retry")
+    done = env.wait(run_id)
+    before = done.raw
+    for _ in range(7):
+        env.engine.submit_late_result(held.body, held.headers)
+    after = env.get(run_id)
+    [first, second] = after.attempts("charge")
+    assert first["status"] == "retry_authorized" and second["status"] == "succeeded"
+    assert len(first["stale_submissions"]) == 3 and first["stale_submissions_dropped"] == 4
+    assert {s["reason"] for s in first["stale_submissions"]} == {"a newer generation exists"}
+    assert after.step("charge")["result"] == before["steps"][0]["result"]  # the accepted result is untouched
+    assert after.outcome == "completed"

@@ -25,6 +25,7 @@ order (``compensating``) until the unwind is ``compensated`` or stops
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -44,6 +45,7 @@ from ryusen._internal.wire import (
     StepReached,
     TargetNotFound,
     TaskKind,
+    value_size,
 )
 
 from .events import (
@@ -189,6 +191,7 @@ class _Transition:
             deadline_at=event.deadline_at,
             deadline_source=event.deadline_source,
             version=1,
+            run_bytes=value_size(event.input),
         )
         self._state = state
         self.queue_discovery()
@@ -252,7 +255,7 @@ class _Transition:
     ) -> None:
         attempt.status = status
         attempt.settled_at = self.now
-        attempt.error = error
+        attempt.error = error.bounded(self.settings.max_value_bytes) if error is not None else None
         attempt.detail = detail
         self.touch()
 
@@ -492,6 +495,18 @@ class _Transition:
             step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
             step.status = StepStatus.PENDING
             self.queue_attempt(step, Phase.FORWARD)
+        elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
+            limit := self.settings.max_value_bytes
+        ):
+            self.clear_definition_blockers()
+            s.error = ErrorInfo(
+                type="output_too_large",
+                message=f"output is {size} bytes serialized; the limit is {limit}",
+                retryable=False,
+            )
+            s.outcome = Outcome.FAILED
+            s.recovery = Recovery.PENDING
+            self.evaluate_recovery()
         elif isinstance(response, FunctionCompleted):
             self.clear_definition_blockers()
             s.output = response.output
@@ -499,7 +514,7 @@ class _Transition:
             self.finish(None)
         elif isinstance(response, FunctionFailed):
             self.clear_definition_blockers()
-            s.error = response.error
+            s.error = response.error.bounded(self.settings.max_value_bytes)
             s.outcome = Outcome.FAILED  # F7: the adapter's response decides the outcome
             s.recovery = Recovery.PENDING
             self.evaluate_recovery()
@@ -605,18 +620,57 @@ class _Transition:
                 if attempt is not step.current(event.phase)
                 else f"the generation is already {attempt.status}"
             )
-            attempt.stale_submissions.append(
-                StaleSubmission(
-                    received_at=self.now,
-                    source=event.source,
-                    outcome=event.response.model_dump(mode="json"),
-                    reason=reason,
-                )
-            )
+            self.record_stale(attempt, event, reason)
             self.touch()
             return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
         self.clear_blockers_for(step, attempt)
         self.apply_outcome(step, attempt, event.response)
+
+    def record_stale(self, attempt: Attempt, event: AttemptReported, reason: str) -> None:
+        """A diagnostic of a submission that changed nothing; bounded so a run's record stays bounded."""
+        if len(attempt.stale_submissions) >= self.settings.stale_submissions_kept:
+            attempt.stale_submissions_dropped += 1
+            return
+        outcome = event.response.model_dump(mode="json")
+        if "result" in outcome and (size := value_size(outcome["result"])) > self.settings.stale_result_kept_bytes:
+            digest = hashlib.sha256(json.dumps(outcome["result"], separators=(",", ":")).encode()).hexdigest()
+            outcome["result"] = {"not_kept": f"a result of {size} bytes", "sha256": digest}
+        if isinstance(error := outcome.get("error"), dict):
+            outcome["error"] = (
+                ErrorInfo.model_validate(error).bounded(self.settings.stale_result_kept_bytes).model_dump()
+            )
+        attempt.stale_submissions.append(
+            StaleSubmission(received_at=self.now, source=event.source, outcome=outcome, reason=reason)
+        )
+
+    def oversized_result(self, result: Any) -> ErrorInfo | None:
+        """Why an accepted result cannot be recorded (decisions 6.11), or None when it can."""
+        size = value_size(result)
+        if size > self.settings.max_value_bytes:
+            return ErrorInfo(
+                type="result_too_large",
+                message=f"result is {size} bytes serialized; the limit is {self.settings.max_value_bytes}",
+                retryable=False,
+            )
+        if self.s.run_bytes + size > self.settings.max_run_bytes:
+            return ErrorInfo(
+                type="run_too_large",
+                message=(
+                    f"recording this {size}-byte result would take the run's input and results to"
+                    f" {self.s.run_bytes + size} bytes; the limit is {self.settings.max_run_bytes}"
+                ),
+                retryable=False,
+            )
+        return None
+
+    def oversized_compensation_result(self, result: Any) -> ErrorInfo | None:
+        if (size := value_size(result)) > self.settings.max_value_bytes:
+            return ErrorInfo(
+                type="result_too_large",
+                message=f"compensation result is {size} bytes serialized; the limit is {self.settings.max_value_bytes}",
+                retryable=False,
+            )
+        return None
 
     def clear_blockers_for(self, step: StepState, attempt: Attempt) -> None:
         if attempt.status is AttemptStatus.UNKNOWN:
@@ -636,7 +690,10 @@ class _Transition:
     def forward_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         s = self.s
         if isinstance(response, CallbackSucceeded):
+            if (too_large := self.oversized_result(response.result)) is not None:
+                return self.attempt_failed(step, attempt, too_large)
             self.settle(attempt, AttemptStatus.SUCCEEDED)
+            s.run_bytes += value_size(response.result)
             step.status = StepStatus.COMPLETED
             step.result = response.result
             step.error = None
@@ -667,6 +724,7 @@ class _Transition:
         raise IllegalEventError(f"unexpected response {response!r}")
 
     def attempt_failed(self, step: StepState, attempt: Attempt, error: ErrorInfo, detail: str | None = None) -> None:
+        error = error.bounded(self.settings.max_value_bytes)
         self.settle(attempt, AttemptStatus.FAILED, error=error, detail=detail)
         policy = self.policy(step, attempt.phase)
         failures = sum(1 for a in step.attempts if a.phase is attempt.phase and a.status in (AttemptStatus.FAILED,))
@@ -704,6 +762,8 @@ class _Transition:
 
     def compensation_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         if isinstance(response, CallbackSucceeded):
+            if (too_large := self.oversized_compensation_result(response.result)) is not None:
+                return self.attempt_failed(step, attempt, too_large)
             self.settle(attempt, AttemptStatus.SUCCEEDED)
             step.compensation_status = CompensationStatus.COMPENSATED
             step.compensation_result = response.result
@@ -857,6 +917,14 @@ class _Transition:
                 self.set_unwind_status(step.id, CompensationStatus.PENDING)
             self.queue_attempt(step, event.phase)
             return None
+        if event.action == "succeed":
+            too_large = (
+                self.oversized_result(event.result)
+                if event.phase is Phase.FORWARD
+                else self.oversized_compensation_result(event.result)
+            )
+            if too_large is not None:
+                return self.reject(too_large.type, too_large.message)
         self.clear_blockers_for(step, attempt)
         if event.action == "succeed":
             self.apply_outcome(step, attempt, CallbackSucceeded(result=event.result))

@@ -7,7 +7,14 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from ryusen._internal.wire import AttemptResponse, DiscoveryResponse, ErrorInfo, Phase, RetryPolicyWire
+from ryusen._internal.wire import (
+    MAX_VALUE_BYTES,
+    AttemptResponse,
+    DiscoveryResponse,
+    ErrorInfo,
+    Phase,
+    RetryPolicyWire,
+)
 
 from .model import DeadlineSource, RunState, TaskRef, TimerRef
 
@@ -33,6 +40,14 @@ class EngineSettings:
     """A task still queued this long past its due time has probably lost its message (see reemit_stalled)."""
     redelivery_initial_s: float = 1.0
     redelivery_max_s: float = 60.0
+    max_value_bytes: int = MAX_VALUE_BYTES
+    """Each JSON value: run input, step result, error, run output (decisions 6.11)."""
+    max_run_bytes: int = 4 * 1024 * 1024
+    """The run input and its accepted step results together: what every task request replays."""
+    stale_submissions_kept: int = 20
+    """Stale submissions recorded per attempt; later ones are only counted."""
+    stale_result_kept_bytes: int = 4 * 1024
+    """A stale submission's result is kept when at most this big; otherwise its size and digest."""
 
 
 # ---- events ------------------------------------------------------------------

@@ -126,6 +126,8 @@ class Attempt(_State):
     detail: str | None = None
     redeliveries: int = 0
     stale_submissions: list[StaleSubmission] = Field(default_factory=list)
+    stale_submissions_dropped: int = 0
+    """Stale submissions past the kept number: counted, not recorded."""
 
 
 class StepState(_State):
@@ -229,6 +231,8 @@ class RunState(_State):
     probe_due_at: datetime | None = None
     discoveries: int = 0
     """How many discovery passes reported (diagnostics)."""
+    run_bytes: int = 0
+    """Serialized size of the input and every accepted step result (bounded by ``max_run_bytes``)."""
 
     def step(self, step_id: str) -> StepState | None:
         for step in self.steps:

@@ -62,6 +62,7 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
         "detail": attempt.detail,
         "redeliveries": attempt.redeliveries,
         "stale_submissions": [s.model_dump(mode="json") for s in attempt.stale_submissions],
+        "stale_submissions_dropped": attempt.stale_submissions_dropped,
     }
 
 

@@ -129,9 +129,9 @@ def error_info(exc: BaseException, *, retryable: bool = True) -> ErrorInfo:
             message=str(exc),
             data={"step_id": exc.step_id, "error_type": exc.error_type, "data": exc.data},
             retryable=retryable,
-        )
+        ).bounded()
     data = getattr(exc, "data", None) if isinstance(exc, NonRetryableError) else None
-    return ErrorInfo(type=type(exc).__name__, message=str(exc), data=_jsonable(data), retryable=retryable)
+    return ErrorInfo(type=type(exc).__name__, message=str(exc), data=_jsonable(data), retryable=retryable).bounded()
 
 
 def _jsonable(value: Any) -> Any:
@@ -148,10 +148,10 @@ def check_value(value: Any, what: str) -> tuple[Any, ErrorInfo | None]:
         encoded = json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         return None, ErrorInfo(type="not_json_serializable", message=f"{what} is not JSON: {exc}", retryable=False)
-    if len(encoded.encode()) > MAX_VALUE_BYTES:
+    if (size := len(encoded.encode())) > MAX_VALUE_BYTES:
         return None, ErrorInfo(
             type=f"{what}_too_large",
-            message=f"{what} is {len(encoded.encode())} bytes serialized; the limit is {MAX_VALUE_BYTES}",
+            message=f"{what} is {size} bytes serialized; the limit is {MAX_VALUE_BYTES}",
             retryable=False,
         )
     return json.loads(encoded), None

@@ -16,6 +16,7 @@ A task request asks the endpoint to do one of three things:
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 PROTOCOL_VERSION = "1"
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
+ERROR_MESSAGE_KEPT = 8 * 1024
+"""How much of an oversized error's message is kept (the rest is cut, and the error says so)."""
+
+
+def value_size(value: Any) -> int:
+    """A JSON value's size as the limits count it: compact ``json.dumps``, UTF-8 bytes."""
+    return len(json.dumps(value, separators=(",", ":")).encode())
 
 
 class _Wire(BaseModel):
@@ -48,6 +56,26 @@ class ErrorInfo(_Wire):
     message: str
     data: Any = None
     retryable: bool = True
+
+    def bounded(self, limit: int = MAX_VALUE_BYTES) -> ErrorInfo:
+        """This error, or, when it is over ``limit`` serialized, a copy that says what was cut.
+
+        The type and retryability are kept; ``data`` is dropped and the message
+        cut to its first :data:`ERROR_MESSAGE_KEPT` characters, followed by a
+        note with the original size, so nothing is lost without a trace.
+
+        >>> big = ErrorInfo(type="ValueError", message="x" * 300_000)
+        >>> cut = big.bounded()
+        >>> cut.type, len(cut.message) < 9000, "was 300" in cut.message
+        ('ValueError', True, True)
+        """
+        size = value_size(self.model_dump(mode="json"))
+        if size <= limit:
+            return self
+        note = f" [error cut: it was {size} bytes serialized, over the {limit}-byte limit; data dropped]"
+        return ErrorInfo(
+            type=self.type[:256], message=self.message[:ERROR_MESSAGE_KEPT] + note, data=None, retryable=self.retryable
+        )
 
 
 class OperationInfo(_Wire):
