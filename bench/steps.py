@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/steps.py            # 20- and 100-step runs, ryusen.testing and the ryusen dev stack
     .venv/bin/python bench/steps.py --quick    # 20 steps only
+    .venv/bin/python bench/steps.py --quick --result-bytes 100000   # each result 100 KB, incompressible
 
 For each environment and run length it prints, per step: invocations of the
 user endpoint, store (DynamoDB) reads and writes, SQS requests and Scheduler
@@ -26,18 +27,23 @@ from typing import Any
 import httpx
 
 APP_SOURCE = """
+import base64
+import random
+
 from ryusen import Ryusen, Step
 
 app = Ryusen("bench")
 
-def work(i: int) -> dict:
-    return {"i": i, "payload": "x" * 64}
+def work(i: int, size: int | None) -> dict:
+    if size is None:
+        return {"i": i, "payload": "x" * 64}
+    return {"i": i, "payload": base64.b64encode(random.Random(i).randbytes(size * 3 // 4)).decode()}
 
 @app.function("straight")
 def straight(data: dict, step: Step) -> dict:
     total = 0
     for i in range(data["steps"]):
-        total += step.run(f"step-{i}", work, i)["i"]
+        total += step.run(f"step-{i}", work, i, data.get("result_bytes"))["i"]
     return {"total": total}
 """
 
@@ -80,7 +86,7 @@ def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], m
     )
 
 
-def bench_testing(steps: int) -> None:
+def bench_testing(steps: int, result_bytes: int | None) -> None:
     from ryusen.testing import WorkflowEnvironment
 
     namespace: dict[str, Any] = {}
@@ -88,14 +94,14 @@ def bench_testing(steps: int) -> None:
     env = WorkflowEnvironment(namespace["app"])
     env.counter.reset()
     started = time.perf_counter()
-    run = env.run("straight", {"steps": steps})
+    run = env.run("straight", {"steps": steps, "result_bytes": result_bytes})
     wall = time.perf_counter() - started
     assert run.outcome == "completed", run.summary
     # virtual time does not move between steps here, so latency is wall time per step
     report("ryusen.testing", steps, dict(env.counter.counts), dict(env.counter.bytes_sent), wall * 1000 / steps, wall)
 
 
-def bench_dev(steps_list: list[int]) -> None:
+def bench_dev(steps_list: list[int], result_bytes: int | None) -> None:
     from ryusen_server.local.dev import DevStack, free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +125,9 @@ def bench_dev(steps_list: list[int]) -> None:
                 finished.clear()
                 stack.counter.reset()
                 started = time.perf_counter()
-                run_id = client.post("/v1/functions/straight/runs", json={"input": {"steps": steps}}).json()["id"]
+                run_id = client.post(
+                    "/v1/functions/straight/runs", json={"input": {"steps": steps, "result_bytes": result_bytes}}
+                ).json()["id"]
                 assert finished.wait(600), "run did not finish"
                 wall = time.perf_counter() - started
                 counts = dict(stack.counter.counts)
@@ -135,12 +143,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 steps only")
     parser.add_argument("--no-dev", action="store_true", help="skip the ryusen dev stack")
+    parser.add_argument(
+        "--result-bytes",
+        type=int,
+        default=None,
+        help="each step returns this many incompressible bytes",
+    )
     args = parser.parse_args()
     lengths = [20] if args.quick else [20, 100]
     for steps in lengths:
-        bench_testing(steps)
+        bench_testing(steps, args.result_bytes)
     if not args.no_dev:
-        bench_dev(lengths)
+        bench_dev(lengths, args.result_bytes)
     return 0
 
 

@@ -130,8 +130,9 @@ class Engine:
             if decision.changed:
                 try:
                     self.store.save(decision.state, expected_version=state.version)
-                except VersionConflictError:
-                    continue  # someone moved first: decide again on what they wrote
+                except VersionConflictError as conflict:
+                    known = conflict.current  # someone moved first: decide again on what they wrote
+                    continue
             self._emit("decided", (event, decision))
             self._send(decision)
             return decision

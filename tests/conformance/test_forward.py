@@ -383,6 +383,36 @@ def test_the_server_enforces_value_limits_itself_and_bounds_the_whole_run() -> N
 
 
 @pytest.mark.rfd("F12")
+def test_results_that_outgrow_a_dynamodb_item_are_kept_whole_on_the_dynamodb_store() -> None:
+    """Six 200 KiB results that zlib cannot shrink: 1.2 MB of run, three times DynamoDB's item limit."""
+    import base64
+    import hashlib
+    import random
+
+    app = Ryusen("f12-large-run")
+    digests: list[str] = []
+    undone: list[str] = []
+
+    def blob(i: int) -> str:
+        text = base64.b64encode(random.Random(i).randbytes(150 * 1024)).decode()
+        digests.append(hashlib.sha256(text.encode()).hexdigest())
+        return text
+
+    @app.function("wf")
+    def wf(n: int, step: Step) -> Any:
+        for i in range(n):
+            step.run(f"s{i}", blob, i, compensate=lambda r: undone.append(hashlib.sha256(r.encode()).hexdigest()))
+        raise RuntimeError("fail after the last step, so every recorded result is handed back")
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        run = env.run("wf", 6)
+        assert run.summary == "failed, fully compensated"
+        assert len(digests) == 6  # each callback ran once: every result was accepted and replayed from the store
+        assert undone == digests[::-1]  # each compensator got its step's recorded result, whole
+        assert all(len(run.step(f"s{i}")["result"]) == 200 * 1024 for i in range(6))
+
+
+@pytest.mark.rfd("F12")
 def test_an_oversized_error_is_cut_and_says_so() -> None:
     app = Ryusen("f12-error")
 

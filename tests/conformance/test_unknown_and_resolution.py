@@ -287,9 +287,10 @@ def test_duplicate_messages_never_duplicate_acceptance_or_settlement() -> None:
 
 
 @pytest.mark.rfd("O4")
-def test_concurrent_handlers_on_one_message_authorize_once() -> None:
+@pytest.mark.parametrize("store", ["memory", "moto"])
+def test_concurrent_handlers_on_one_message_authorize_once(store: str) -> None:
     calls: Counter[str] = Counter()
-    env = WorkflowEnvironment(payments(calls))
+    env = WorkflowEnvironment(payments(calls), store=store)
     run_id = env.start("pay", {"amount": 5})
     env.drive(until=lambda: bool(env.get(run_id).steps))
     [task] = list(env.pending_tasks())
@@ -306,6 +307,7 @@ def test_concurrent_handlers_on_one_message_authorize_once() -> None:
         t.join()
     assert calls["charge"] == 1
     assert [a["status"] for a in env.get(run_id).attempts("charge")] == ["succeeded"]
+    env.close()
 
 
 @pytest.mark.rfd("O4")

@@ -6,6 +6,8 @@ written the way the engine writes it: ``save(new, expected_version=old.version)`
 
 from __future__ import annotations
 
+import base64
+import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import pytest
 from moto import mock_aws
 
 from ryusen._internal.wire import (
+    CallbackSucceeded,
     ConflictFound,
     DiscoveryResponse,
     DuplicateStepConflict,
@@ -24,10 +27,14 @@ from ryusen._internal.wire import (
     FunctionFailed,
     FunctionManifest,
     Occurrence,
+    Phase,
+    StepPlan,
+    StepReached,
 )
 from ryusen_server.aws.store import DynamoStore, create_table
 from ryusen_server.core.decide import decide
 from ryusen_server.core.events import (
+    AttemptReported,
     DiscoveryReported,
     EngineSettings,
     Event,
@@ -86,12 +93,22 @@ class Runs:
     store: RunStore
 
     def start(
-        self, run_id: str, *, function_id: str = "checkout", at: datetime = T0, key: str | None = None
+        self,
+        run_id: str,
+        *,
+        function_id: str = "checkout",
+        at: datetime = T0,
+        key: str | None = None,
+        input: object = None,
     ) -> RunState:
         decision = decide(
             None,
             StartRun(
-                run_id=run_id, app_id="shop", function_id=function_id, input={"sku": "A1", "n": 2}, idempotency_key=key
+                run_id=run_id,
+                app_id="shop",
+                function_id=function_id,
+                input={"sku": "A1", "n": 2} if input is None else input,
+                idempotency_key=key,
             ),
             now=at,
             settings=SETTINGS,
@@ -113,6 +130,14 @@ class Runs:
             state, TaskDelivered(task=TaskRef(run_id=state.id, kind="discover", seq=seq), release=RELEASE_REF)
         )
         return self.apply(state, DiscoveryReported(seq=seq, response=response))
+
+    def run_step(self, state: RunState, step_id: str, result: object) -> RunState:
+        """Discovery reaches ``step_id``; its forward attempt is delivered and succeeds with ``result``."""
+        state = self.discover(state, StepReached(step=StepPlan(id=step_id, has_compensation=True)))
+        task = TaskRef(run_id=state.id, kind="forward", step_id=step_id, generation=1)
+        state = self.apply(state, TaskDelivered(task=task, release=RELEASE_REF))
+        response = CallbackSucceeded(result=result)
+        return self.apply(state, AttemptReported(step_id=step_id, phase=Phase.FORWARD, generation=1, response=response))
 
     def complete(self, state: RunState) -> RunState:
         return self.discover(state, FunctionCompleted(output={"ok": True}))
@@ -143,6 +168,11 @@ def ids(states: list[RunState]) -> list[str]:
     return [s.id for s in states]
 
 
+def incompressible(seed: int, size: int = 200 * 1024) -> str:
+    """JSON text that zlib cannot shrink: random bytes in base64."""
+    return base64.b64encode(random.Random(seed).randbytes(size * 3 // 4)).decode()
+
+
 # ---- create / get / save ------------------------------------------------------------
 
 
@@ -157,6 +187,17 @@ def test_every_transition_round_trips(store: RunStore, runs: Runs) -> None:
     assert store.get("run_1") == state and state.blocked_by_definition
     state = runs.unblock(state)
     assert store.get("run_1") == state and state.outcome == "completed"
+
+
+def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs: Runs) -> None:
+    """Each value may be 256 KiB and a run's input and results 4 MiB: far past DynamoDB's 400 KB item."""
+    state = runs.start("run_big", input={"blob": incompressible(0)})
+    for i in range(1, 6):
+        state = runs.run_step(state, f"s{i}", {"blob": incompressible(i)})
+    state = runs.fail(state)  # the unwind starts: the compensation tasks carry the recorded results
+    assert state.run_bytes > 1_000_000 and state.recovery == "compensating"
+    assert store.get("run_big") == state
+    assert store.list_runs().runs == [state]
 
 
 def test_create_with_a_taken_run_id_is_refused(store: RunStore, runs: Runs) -> None:
@@ -460,6 +501,38 @@ def test_dynamo_one_request_per_store_call_on_the_step_path(dynamo: DynamoStore)
     with pytest.raises(VersionConflictError):
         dynamo.save(started, expected_version=started.version)
     assert dynamo.counter.counts == {"dynamodb.write": 1}  # the current run comes back in the error
+
+
+def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> None:
+    runs = Runs(dynamo)
+    state = runs.run_step(runs.start("run_big"), "reserve", {"blob": incompressible(1)})
+    dynamo.counter.reset()
+    state = runs.run_step(state, "charge", {"ok": True})
+    # three transitions, each one small conditional write: the 200 KiB result is not written again
+    assert dynamo.counter.counts == {"dynamodb.write": 4}
+    assert dynamo.counter.bytes_sent["dynamodb.write"] < 4 * 1024
+    dynamo.counter.reset()
+    state = runs.run_step(state, "ship", {"label": incompressible(2, 8 * 1024)})
+    # the transition that accepts a large result writes its value item first: one more request
+    assert dynamo.counter.counts == {"dynamodb.write": 5}
+    # another process (nothing cached) reads the run item and its large values: two requests
+    cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
+    assert cold.get("run_big") == state
+    assert cold.counter.counts == {"dynamodb.read": 2}
+    assert cold.get("run_big") == state
+    assert cold.counter.counts == {"dynamodb.read": 3}  # the values are immutable: cached
+
+
+def test_dynamo_a_lost_race_returns_the_current_run_with_its_large_values(dynamo: DynamoStore) -> None:
+    runs = Runs(dynamo)
+    started = runs.start("run_big", input={"blob": incompressible(0)})
+    current = runs.run_step(started, "reserve", {"blob": incompressible(1)})
+    cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
+    stale = decide(started, StopRequested(kind="cancel"), now=T0, settings=SETTINGS).state
+    with pytest.raises(VersionConflictError) as exc:
+        cold.save(stale, expected_version=started.version)
+    assert exc.value.current == current
+    assert dynamo.get("run_big") == current
 
 
 def test_dynamo_rejects_a_forged_cursor(dynamo: DynamoStore) -> None:

@@ -6,8 +6,11 @@ Theory of operation. Every item has a string ``pk`` and ``sk``:
 pk                             sk           what
 =============================  ===========  ==========================================
 ``RUN#{run_id}``               ``RUN``      the run: ``version`` (N), ``body`` (B,
-                                            zlib of ``RunState.model_dump_json()``),
-                                            and index attributes (below)
+                                            zlib of the run's JSON, large values
+                                            left out), and index attributes (below)
+``RUN#{run_id}``               ``VAL#{sha256}``
+                                            one large value of the run (``value``,
+                                            B, zlib of its JSON), content-addressed
 ``IDEM#{function_id}#{key}``   ``IDEM#{function_id}``
                                             an idempotency key: ``run_id`` of its run
 ``FN#{function_id}``           ``RELEASE``  the newest release declaring the function
@@ -33,9 +36,29 @@ two GSIs read them:
   attribute written only while the run has a duplicate-step-id blocker (a
   sparse index, keys only).
 
+Large values. A JSON value of the run (its input, output and error, a step's
+result, error, compensation result and compensation error, an attempt's
+error, a stale submission's outcome) over :data:`OFFLOAD_BYTES` serialized is
+not kept in the body: the body records where it goes and the SHA-256 digest of
+its JSON, and the value is an item of its own keyed by that digest. So the run
+item stays small however large its values (each up to 256 KiB, a run's input
+and results up to 4 MiB together, far past DynamoDB's 400 KB item limit), and
+the per-step rewrite of the run item does not rewrite old results.
+
+A value item never changes (its key is its content), so it needs no fencing:
+new value items are written first (BatchWriteItem), then the run item with its
+conditional write. If that write loses a race, the value items stay and are
+simply found again when the winning or the next decision refers to them. A
+process remembers the values it has written or read (:class:`_ValueCache`), so
+a value is written once and, in a warm process, read once. Reading a run is a
+GetItem, plus one BatchGetItem when it refers to values this process has not
+seen. A run's value items share its partition, so whatever removes a run later
+finds them with one Query.
+
 Writes: ``create`` is a conditional Put (``attribute_not_exists(pk)``), or a
 transaction of that Put and the idempotency item's conditional Put when the
-run has a key; ``save`` is one Put conditioned on ``version = :expected``. A
+run has a key; ``save`` is one Put conditioned on ``version = :expected``
+(each after the new value items, if any). A
 failed condition becomes :class:`RunExistsError` or
 :class:`VersionConflictError` carrying the current item, read from the error
 itself (``ReturnValuesOnConditionCheckFailure=ALL_OLD``), never by a second
@@ -47,14 +70,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import logging
+import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
+import pydantic_core
 from botocore.exceptions import ClientError
 from pydantic import TypeAdapter
 
@@ -81,6 +109,10 @@ LIST_PARTITION = "RUNS"
 APPS_PARTITION = "APPS"
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
+OFFLOAD_BYTES = 1024
+"""A value over this many bytes serialized gets its own item (see the module docstring)."""
+VALUE_CACHE_BYTES = 64 * 1024 * 1024
+"""How many bytes of large values one process remembers."""
 
 _RELEASE = TypeAdapter(Release)
 _CURSOR_KEYS = frozenset({"pk", "sk", "list_pk", "list_sk"})
@@ -106,12 +138,107 @@ def _utc_iso(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _run_item(state: RunState) -> dict[str, AttributeValueTypeDef]:
+Path = list[str | int]
+
+
+def _value_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Path]]:
+    """Every place in a dumped run that holds a JSON value of unbounded size (the offload candidates)."""
+    for key in ("input", "output", "error"):
+        yield doc, key, [key]
+    for i, step in enumerate(doc.get("steps", [])):
+        for key in ("result", "compensation_result", "error", "compensation_error"):
+            yield step, key, ["steps", i, key]
+        for j, attempt in enumerate(step.get("attempts", [])):
+            yield attempt, "error", ["steps", i, "attempts", j, "error"]
+            for k, submission in enumerate(attempt.get("stale_submissions", [])):
+                yield submission, "outcome", ["steps", i, "attempts", j, "stale_submissions", k, "outcome"]
+
+
+def _value_key(run_id: str, digest: str) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": f"VAL#{digest}"}}
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    item: dict[str, AttributeValueTypeDef]
+    values: dict[str, bytes]
+    """The run's large values: digest to serialized JSON."""
+
+
+def _encode_run(state: RunState) -> _Encoded:
+    doc = state.model_dump(mode="json")
+    offloaded: list[tuple[Path, str]] = []
+    values: dict[str, bytes] = {}
+    for holder, key, path in _value_slots(doc):
+        value = holder.get(key)
+        if value is None:
+            continue
+        raw = pydantic_core.to_json(value)
+        if len(raw) <= OFFLOAD_BYTES:
+            continue
+        digest = hashlib.sha256(raw).hexdigest()
+        holder[key] = None
+        offloaded.append((path, digest))
+        values[digest] = raw
+    body = pydantic_core.to_json({"state": doc, "offloaded": offloaded})
+    return _Encoded(item=_run_item(state, zlib.compress(body)), values=values)
+
+
+def _split_body(item: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Path, str]]]:
+    """A run item's state (large values still out) and where each large value goes."""
+    loaded = pydantic_core.from_json(zlib.decompress(item["body"]["B"]))
+    return loaded["state"], [(path, digest) for path, digest in loaded["offloaded"]]
+
+
+def _place(doc: dict[str, Any], path: Path, value: Any) -> None:
+    target: Any = doc
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = value
+
+
+def _run_id_of(item: Mapping[str, Any]) -> str:
+    return str(item["pk"]["S"]).removeprefix("RUN#")
+
+
+class _ValueCache:
+    """Large values this process has written or read, by (run id, digest), least recently used out first.
+
+    A value item is immutable and never deleted while its run exists, so an
+    entry can never be stale: it both saves a read and proves the item exists.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._entries: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._bytes = 0
+        self._limit = limit_bytes
+        self._lock = threading.Lock()
+
+    def get(self, run_id: str, digest: str) -> bytes | None:
+        with self._lock:
+            raw = self._entries.get((run_id, digest))
+            if raw is not None:
+                self._entries.move_to_end((run_id, digest))
+            return raw
+
+    def put(self, run_id: str, digest: str, raw: bytes) -> None:
+        with self._lock:
+            if (run_id, digest) in self._entries:
+                self._entries.move_to_end((run_id, digest))
+                return
+            self._entries[(run_id, digest)] = raw
+            self._bytes += len(raw)
+            while self._bytes > self._limit and self._entries:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= len(dropped)
+
+
+def _run_item(state: RunState, body: bytes) -> dict[str, AttributeValueTypeDef]:
     created = _utc_iso(state.created_at)
     item: dict[str, AttributeValueTypeDef] = {
         **_run_key(state.id),
         "version": {"N": str(state.version)},
-        "body": {"B": zlib.compress(state.model_dump_json().encode())},
+        "body": {"B": body},
         "function_id": {"S": state.function_id},
         "phase": {"S": state.phase.value},
         "created_at": {"S": created},
@@ -123,10 +250,6 @@ def _run_item(state: RunState) -> dict[str, AttributeValueTypeDef]:
     if state.blocked_by_definition:
         item["blocked_fn"] = {"S": state.function_id}
     return item
-
-
-def _decode_run(item: Mapping[str, Any]) -> RunState:
-    return RunState.model_validate_json(zlib.decompress(item["body"]["B"]))
 
 
 def _item_bytes(item: Mapping[str, Any]) -> int:
@@ -180,6 +303,7 @@ class DynamoStore:
         self._client = client
         self.table_name = table_name
         self.counter = counter or RequestCounter()
+        self._values = _ValueCache(VALUE_CACHE_BYTES)
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -187,15 +311,17 @@ class DynamoStore:
         self.counter.add("dynamodb.read")
         # consistent: the engine decides on what it reads, then writes on that version
         item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
-        return _decode_run(item) if item else None
+        return self._decode([item])[0] if item else None
 
     def peek(self, run_id: str) -> RunState | None:
         """Read without counting a request (test harness and benchmark bookkeeping)."""
         item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
-        return _decode_run(item) if item else None
+        return self._decode([item], count=False)[0] if item else None
 
     def create(self, state: RunState) -> None:
-        run = _run_item(state)
+        encoded = _encode_run(state)
+        self._write_values(state.id, encoded.values)
+        run = encoded.item
         if state.idempotency_key is None:
             self._put_new_run(state, run)
         else:
@@ -271,7 +397,9 @@ class DynamoStore:
         return str(item["run_id"]["S"])
 
     def save(self, state: RunState, *, expected_version: int) -> None:
-        run = _run_item(state)
+        encoded = _encode_run(state)
+        self._write_values(state.id, encoded.values)
+        run = encoded.item
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
             self._client.put_item(
@@ -285,7 +413,7 @@ class DynamoStore:
             if _error_code(exc) == "ConditionalCheckFailedException":
                 # the stored run (if any) comes back in the error: no second read
                 current = cast("Mapping[str, Any]", exc.response).get("Item")
-                raise VersionConflictError(_decode_run(current) if current else None) from None
+                raise VersionConflictError(self._decode([current])[0] if current else None) from None
             if _is_item_too_large(exc):
                 raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
             raise
@@ -344,14 +472,14 @@ class DynamoStore:
                 break
             page_size = min(page_size * 2, 1000)  # a selective filter: read more per request
         page = matches[:limit]
-        ids = [str(item["pk"]["S"]).removeprefix("RUN#") for item in page]
+        ids = [_run_id_of(item) for item in page]
         runs = self._get_many(ids)
         next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
         return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor)
 
     def _get_many(self, run_ids: Sequence[str]) -> dict[str, RunState]:
         """Bodies of a page of runs, by id: BatchGetItem in chunks of 100, retrying unprocessed keys."""
-        found: dict[str, RunState] = {}
+        items: list[Mapping[str, Any]] = []
         for offset in range(0, len(run_ids), 100):
             keys = [_run_key(run_id) for run_id in run_ids[offset : offset + 100]]
             for attempt in range(_TRANSIENT_RETRIES + 1):
@@ -359,8 +487,7 @@ class DynamoStore:
                 response = self._client.batch_get_item(
                     RequestItems={self.table_name: {"Keys": keys, "ProjectionExpression": "pk, body"}}
                 )
-                for item in response.get("Responses", {}).get(self.table_name, []):
-                    found[str(item["pk"]["S"]).removeprefix("RUN#")] = _decode_run(item)
+                items.extend(response.get("Responses", {}).get(self.table_name, []))
                 unprocessed = response.get("UnprocessedKeys", {}).get(self.table_name)
                 if not unprocessed:
                     break
@@ -368,7 +495,78 @@ class DynamoStore:
                 if attempt == _TRANSIENT_RETRIES:
                     raise RuntimeError(f"DynamoDB left {len(keys)} keys unprocessed after {attempt} retries")
                 time.sleep(0.02 * 2**attempt)
+        return {state.id: state for state in self._decode(items)}
+
+    # ---- large values (see the module docstring) ---------------------------------------
+
+    def _write_values(self, run_id: str, values: Mapping[str, bytes]) -> None:
+        """Write the value items this process does not know to exist yet (BatchWriteItem, 25 a request)."""
+        new = {digest: raw for digest, raw in values.items() if self._values.get(run_id, digest) is None}
+        if not new:
+            return
+        items: list[dict[str, AttributeValueTypeDef]] = [
+            {**_value_key(run_id, digest), "value": {"B": zlib.compress(raw)}} for digest, raw in new.items()
+        ]
+        self._batch_write(items)
+        for digest, raw in new.items():
+            self._values.put(run_id, digest, raw)
+
+    def _decode(self, items: Sequence[Mapping[str, Any]], *, count: bool = True) -> list[RunState]:
+        """Run items to runs, their large values put back (read in BatchGetItem requests where not cached)."""
+        split = [(_run_id_of(item), *_split_body(item)) for item in items]
+        values: dict[tuple[str, str], bytes] = {}
+        for run_id, _, offloaded in split:
+            for _, digest in offloaded:
+                if (raw := self._values.get(run_id, digest)) is not None:
+                    values[(run_id, digest)] = raw
+        wanted = {(run_id, digest) for run_id, _, offloaded in split for _, digest in offloaded} - values.keys()
+        values.update(self._read_values(sorted(wanted), count=count))
+        runs: list[RunState] = []
+        for run_id, doc, offloaded in split:
+            for path, digest in offloaded:
+                if (run_id, digest) not in values:
+                    raise RuntimeError(f"run {run_id}: its value item {digest} is missing")
+                _place(doc, path, pydantic_core.from_json(values[(run_id, digest)]))
+            runs.append(RunState.model_validate(doc))
+        return runs
+
+    def _read_values(self, wanted: Sequence[tuple[str, str]], *, count: bool) -> dict[tuple[str, str], bytes]:
+        found: dict[tuple[str, str], bytes] = {}
+        for offset in range(0, len(wanted), 100):
+            keys = [_value_key(run_id, digest) for run_id, digest in wanted[offset : offset + 100]]
+            for attempt in range(_TRANSIENT_RETRIES + 1):
+                if count:
+                    self.counter.add("dynamodb.read")
+                response = self._client.batch_get_item(
+                    RequestItems={self.table_name: {"Keys": keys, "ConsistentRead": True}}
+                )
+                for item in response.get("Responses", {}).get(self.table_name, []):
+                    run_id, digest = _run_id_of(item), str(item["sk"]["S"]).removeprefix("VAL#")
+                    raw = zlib.decompress(item["value"]["B"])
+                    found[(run_id, digest)] = raw
+                    self._values.put(run_id, digest, raw)
+                unprocessed = response.get("UnprocessedKeys", {}).get(self.table_name)
+                if not unprocessed:
+                    break
+                keys = list(unprocessed["Keys"])
+                if attempt == _TRANSIENT_RETRIES:
+                    raise RuntimeError(f"DynamoDB left {len(keys)} value keys unprocessed after {attempt} retries")
+                time.sleep(0.02 * 2**attempt)
         return found
+
+    def _batch_write(self, items: Sequence[dict[str, AttributeValueTypeDef]]) -> None:
+        """Unconditional Puts in BatchWriteItem requests of 25, retrying unprocessed items."""
+        for offset in range(0, len(items), 25):
+            requests: Any = [{"PutRequest": {"Item": item}} for item in items[offset : offset + 25]]
+            for attempt in range(_TRANSIENT_RETRIES + 1):
+                self.counter.add("dynamodb.write", sum(_item_bytes(r["PutRequest"]["Item"]) for r in requests))
+                response = self._client.batch_write_item(RequestItems={self.table_name: requests})
+                requests = response.get("UnprocessedItems", {}).get(self.table_name)
+                if not requests:
+                    break
+                if attempt == _TRANSIENT_RETRIES:
+                    raise RuntimeError(f"DynamoDB left {len(requests)} items unwritten after {attempt} retries")
+                time.sleep(0.02 * 2**attempt)
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]:
         run_ids: list[str] = []
@@ -381,7 +579,7 @@ class DynamoStore:
         while True:
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
-            run_ids.extend(str(item["pk"]["S"]).removeprefix("RUN#") for item in response.get("Items", []))
+            run_ids.extend(_run_id_of(item) for item in response.get("Items", []))
             start = response.get("LastEvaluatedKey")
             if not start:
                 return run_ids
@@ -397,18 +595,7 @@ class DynamoStore:
             for fn_id in dict.fromkeys(f.id for f in release.functions)
         ]
         keys.append({"pk": {"S": APPS_PARTITION}, "sk": {"S": f"APP#{release.app_id}"}})
-        items: list[dict[str, AttributeValueTypeDef]] = [{**key, "release": {"S": body}} for key in keys]
-        for offset in range(0, len(items), 25):
-            requests: Any = [{"PutRequest": {"Item": item}} for item in items[offset : offset + 25]]
-            for attempt in range(_TRANSIENT_RETRIES + 1):
-                self.counter.add("dynamodb.write", sum(_item_bytes(r["PutRequest"]["Item"]) for r in requests))
-                response = self._client.batch_write_item(RequestItems={self.table_name: requests})
-                requests = response.get("UnprocessedItems", {}).get(self.table_name)
-                if not requests:
-                    break
-                if attempt == _TRANSIENT_RETRIES:
-                    raise RuntimeError(f"DynamoDB left {len(requests)} release items unwritten")
-                time.sleep(0.02 * 2**attempt)
+        self._batch_write([{**key, "release": {"S": body}} for key in keys])
 
     def get_release(self, function_id: str) -> Release | None:
         self.counter.add("dynamodb.read")
