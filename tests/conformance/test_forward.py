@@ -412,6 +412,25 @@ def test_results_that_outgrow_a_dynamodb_item_are_kept_whole_on_the_dynamodb_sto
         assert all(len(run.step(f"s{i}")["result"]) == 200 * 1024 for i in range(6))
 
 
+def test_an_enormous_display_name_is_cut_and_says_so_and_the_run_goes_on() -> None:
+    """Names, locations and details are diagnostics: bounded with a note, never a reason to stall a run."""
+    import base64
+    import random
+
+    app = Ryusen("long-name")
+    name = base64.b64encode(random.Random(7).randbytes(600 * 1024)).decode()  # over DynamoDB's item limit alone
+
+    @app.function("wf")
+    def wf(_: Any, step: Step) -> Any:
+        return step.run("a", lambda: "ok", name=name)
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        run = env.run("wf")
+    assert run.outcome == "completed" and run.output == "ok"
+    shown = run.step("a")["name"]
+    assert shown.startswith(name[:1000]) and shown.endswith(f"[cut: it was {len(name)} characters]")
+
+
 @pytest.mark.rfd("F12")
 def test_an_oversized_error_is_cut_and_says_so() -> None:
     app = Ryusen("f12-error")

@@ -20,13 +20,36 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 PROTOCOL_VERSION = "1"
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
 """How much of an oversized error's message is kept (the rest is cut, and the error says so)."""
+
+
+DIAGNOSTIC_LIMIT = 2048
+DIAGNOSTIC_KEPT = 1024
+"""Display names, source locations and detail texts over the limit keep their first characters and say they were cut."""
+
+
+def _cut(text: str) -> str:
+    """Diagnostic text bounded to :data:`DIAGNOSTIC_LIMIT` characters, with a note when cut (never cut twice).
+
+    >>> _cut("short")
+    'short'
+    >>> cut = _cut("n" * 5000)
+    >>> len(cut) < 1100, cut.endswith("[cut: it was 5000 characters]"), _cut(cut) == cut
+    (True, True, True)
+    """
+    if len(text) <= DIAGNOSTIC_LIMIT:
+        return text
+    return f"{text[:DIAGNOSTIC_KEPT]} [cut: it was {len(text)} characters]"
+
+
+DiagnosticText = Annotated[str, AfterValidator(_cut)]
+"""Text shown to people (names, locations, details): never a reason to refuse a response, never unbounded."""
 
 
 def value_size(value: Any) -> int:
@@ -104,8 +127,8 @@ class StepPlan(_Wire):
     """What discovery learned about a step the function reached."""
 
     id: str = Field(min_length=1, max_length=256)
-    name: str | None = None
-    location: str | None = None
+    name: DiagnosticText | None = None
+    location: DiagnosticText | None = None
     has_compensation: bool = False
     retry: RetryPolicyWire | None = None
     compensate_retry: RetryPolicyWire | None = None
@@ -114,8 +137,8 @@ class StepPlan(_Wire):
 
 
 class Occurrence(_Wire):
-    location: str | None = None
-    name: str | None = None
+    location: DiagnosticText | None = None
+    name: DiagnosticText | None = None
 
 
 class DuplicateStepConflict(_Wire):
@@ -168,7 +191,7 @@ class FunctionNotFound(_Wire):
     """The endpoint's current code has no such function (it was removed or renamed)."""
 
     type: Literal["function_not_found"] = "function_not_found"
-    detail: str = ""
+    detail: DiagnosticText = ""
 
 
 DiscoveryResponse = Annotated[
@@ -190,7 +213,7 @@ class TargetNotFound(_Wire):
     """Current code does not reach the step, or (compensation) declares no compensator."""
 
     type: Literal["target_not_found"] = "target_not_found"
-    detail: str = ""
+    detail: DiagnosticText = ""
 
 
 AttemptResponse = Annotated[
