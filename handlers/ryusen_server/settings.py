@@ -28,6 +28,15 @@ def _float(env: Mapping[str, str], name: str, default: float | None) -> float | 
     return value
 
 
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"setting {name} must be a positive whole number, not {raw!r}")
+    return int(raw)
+
+
 def _req(env: Mapping[str, str], name: str, default: float) -> float:
     value = _float(env, name, default)
     assert value is not None
@@ -58,6 +67,7 @@ def engine_settings(env: Mapping[str, str] | None = None) -> EngineSettings:
         probe_max_s=_req(env, "RYUSEN_PROBE_MAX_S", base.probe_max_s),
         redelivery_initial_s=_req(env, "RYUSEN_REDELIVERY_INITIAL_S", base.redelivery_initial_s),
         redelivery_max_s=_req(env, "RYUSEN_REDELIVERY_MAX_S", base.redelivery_max_s),
+        max_steps=_count(env, "RYUSEN_MAX_STEPS", base.max_steps),
     )
 
 

@@ -412,6 +412,30 @@ def test_results_that_outgrow_a_dynamodb_item_are_kept_whole_on_the_dynamodb_sto
         assert all(len(run.step(f"s{i}")["result"]) == 200 * 1024 for i in range(6))
 
 
+@pytest.mark.rfd("F12")
+def test_a_run_that_reaches_more_steps_than_the_limit_fails_and_compensates() -> None:
+    from ryusen.testing import EngineSettings
+
+    app = Ryusen("f12-steps")
+    ran: list[str] = []
+    undone: list[str] = []
+
+    @app.function("wf")
+    def wf(n: int, step: Step) -> Any:
+        for i in range(n):
+            step.run(f"s{i}", lambda i=i: ran.append(f"s{i}"), compensate=lambda _, i=i: undone.append(f"s{i}"))
+        return "done"
+
+    env = WorkflowEnvironment(app, settings=EngineSettings(max_steps=3))
+    assert env.run("wf", 3).outcome == "completed"  # the limit itself is allowed
+    ran.clear()
+    run = env.run("wf", 5)
+    assert run.summary == "failed, fully compensated"
+    assert run.error["type"] == "too_many_steps" and "the limit is 3" in run.error["message"]
+    assert ran == ["s0", "s1", "s2"] and [s["id"] for s in run.steps] == ["s0", "s1", "s2"]  # s3 never ran
+    assert undone == ["s2", "s1", "s0"]
+
+
 def test_an_enormous_display_name_is_cut_and_says_so_and_the_run_goes_on() -> None:
     """Names, locations and details are diagnostics: bounded with a note, never a reason to stall a run."""
     import base64

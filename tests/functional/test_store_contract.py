@@ -200,6 +200,20 @@ def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs
     assert store.list_runs().runs == [state]
 
 
+def test_a_run_of_many_steps_with_results_just_under_the_offload_size_round_trips(store: RunStore) -> None:
+    """600 results of ~1 KB that zlib cannot shrink, each small enough to stay in a run body on its own."""
+    runs = Runs(MemoryStore())  # one real step, through the core; then 600 like it
+    one = runs.run_step(runs.start("run_many"), "s", {"v": "x"})
+    [step] = one.steps
+    steps = [
+        step.model_copy(update={"id": f"s{i:03d}", "result": {"v": incompressible(i, 1000)}}, deep=True)
+        for i in range(600)
+    ]
+    state = one.model_copy(update={"steps": steps})
+    store.create(state)
+    assert store.get("run_many") == state
+
+
 def test_create_with_a_taken_run_id_is_refused(store: RunStore, runs: Runs) -> None:
     first = runs.start("run_1")
     with pytest.raises(RunExistsError) as exc:

@@ -43,7 +43,11 @@ not kept in the body: the body records where it goes and the SHA-256 digest of
 its JSON, and the value is an item of its own keyed by that digest. So the run
 item stays small however large its values (each up to 256 KiB, a run's input
 and results up to 4 MiB together, far past DynamoDB's 400 KB item limit), and
-the per-step rewrite of the run item does not rewrite old results.
+the per-step rewrite of the run item does not rewrite old results. A run with
+many steps and many smaller values, whose compressed body would pass
+:data:`BODY_BUDGET_BYTES`, keeps only values up to :data:`SMALL_OFFLOAD_BYTES`
+in its body: with the engine's step limit, that keeps every run item under the
+item limit.
 
 A value item never changes (its key is its content), so it needs no fencing:
 new value items are written first (BatchWriteItem), then the run item with its
@@ -110,7 +114,10 @@ APPS_PARTITION = "APPS"
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
 OFFLOAD_BYTES = 1024
-"""A value over this many bytes serialized gets its own item (see the module docstring)."""
+"""A value over this many bytes serialized gets its own item (see the module docstring)..."""
+BODY_BUDGET_BYTES = 128 * 1024
+SMALL_OFFLOAD_BYTES = 128
+"""...and over this many, in a run whose body would otherwise pass the budget (compressed)."""
 VALUE_CACHE_BYTES = 64 * 1024 * 1024
 """How many bytes of large values one process remembers."""
 
@@ -166,6 +173,14 @@ class _Encoded:
 
 
 def _encode_run(state: RunState) -> _Encoded:
+    """The run item and its large values; a run whose body passes the budget keeps only small values in it."""
+    encoded = _encode_with(state, OFFLOAD_BYTES)
+    if len(encoded.item["body"]["B"]) > BODY_BUDGET_BYTES:
+        encoded = _encode_with(state, SMALL_OFFLOAD_BYTES)
+    return encoded
+
+
+def _encode_with(state: RunState, offload_bytes: int) -> _Encoded:
     doc = state.model_dump(mode="json")
     offloaded: list[tuple[Path, str]] = []
     values: dict[str, bytes] = {}
@@ -174,7 +189,7 @@ def _encode_run(state: RunState) -> _Encoded:
         if value is None:
             continue
         raw = pydantic_core.to_json(value)
-        if len(raw) <= OFFLOAD_BYTES:
+        if len(raw) <= offload_bytes:
             continue
         digest = hashlib.sha256(raw).hexdigest()
         holder[key] = None

@@ -42,6 +42,7 @@ from ryusen._internal.wire import (
     FunctionNotFound,
     Phase,
     RetryPolicyWire,
+    StepPlan,
     StepReached,
     TargetNotFound,
     TaskKind,
@@ -483,6 +484,8 @@ class _Transition:
             self.clear_definition_blockers()
             plan = response.step
             step = s.step(plan.id)
+            if step is None and len(s.steps) >= self.settings.max_steps:
+                return self.too_many_steps(plan)
             if step is None:
                 step = StepState(id=plan.id)
                 s.steps.append(step)
@@ -522,6 +525,23 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    def too_many_steps(self, plan: StepPlan) -> None:
+        """Discovery reached a step past ``max_steps``: the run fails, like an oversized output.
+
+        Every task replays every recorded step, so a run's steps are bounded; the step is not
+        recorded and never runs, and the steps the run completed are compensated. Work that needs
+        more steps belongs in several runs.
+        """
+        limit = self.settings.max_steps
+        self.s.error = ErrorInfo(
+            type="too_many_steps",
+            message=f"step {plan.id!r} would be step {limit + 1} of this run; the limit is {limit}",
+            retryable=False,
+        )
+        self.s.outcome = Outcome.FAILED
+        self.s.recovery = Recovery.PENDING
+        self.evaluate_recovery()
 
     def function_not_found(self, detail: str) -> None:
         """Current code lacks the function: block (recoverable by a new release), never fail or skip."""

@@ -44,6 +44,8 @@ class EngineSettings:
     """Each JSON value: run input, step result, error, run output (decisions 6.11)."""
     max_run_bytes: int = 4 * 1024 * 1024
     """The run input and its accepted step results together: what every task request replays."""
+    max_steps: int = 1000
+    """Distinct step ids one run may reach; a step past it fails at once (``too_many_steps``) without running."""
     stale_submissions_kept: int = 20
     """Stale submissions recorded per attempt; later ones are only counted."""
     stale_result_kept_bytes: int = 4 * 1024

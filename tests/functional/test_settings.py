@@ -1,0 +1,39 @@
+"""Deployment settings from the environment: defaults of decisions 6.8, and refusals of bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from ryusen_server.core.events import EngineSettings
+from ryusen_server.settings import engine_settings, server_settings
+
+
+def test_no_variables_give_the_documented_defaults() -> None:
+    assert engine_settings({}) == EngineSettings()
+    server = server_settings({})
+    assert server.default_run_timeout_s is None and server.max_run_timeout_s is None and server.signing_key is None
+
+
+def test_variables_override_their_settings() -> None:
+    settings = engine_settings(
+        {"RYUSEN_MAX_STEPS": "50", "RYUSEN_RETRY_MAX_ATTEMPTS": "2", "RYUSEN_ATTEMPT_TIMEOUT_S": "1.5"}
+    )
+    assert settings.max_steps == 50
+    assert settings.forward_retry.max_attempts == 2
+    assert settings.attempt_timeout_s == 1.5
+    assert server_settings({"RYUSEN_MAX_RUN_TIMEOUT_S": "3600"}).max_run_timeout_s == 3600
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("RYUSEN_MAX_STEPS", "0"),
+        ("RYUSEN_MAX_STEPS", "many"),
+        ("RYUSEN_MAX_STEPS", "2.5"),
+        ("RYUSEN_ATTEMPT_TIMEOUT_S", "-1"),
+        ("RYUSEN_ATTEMPT_TIMEOUT_S", "soon"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        engine_settings({name: value})
