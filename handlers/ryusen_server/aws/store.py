@@ -494,22 +494,7 @@ class DynamoStore:
 
     def _get_many(self, run_ids: Sequence[str]) -> dict[str, RunState]:
         """Bodies of a page of runs, by id: BatchGetItem in chunks of 100, retrying unprocessed keys."""
-        items: list[Mapping[str, Any]] = []
-        for offset in range(0, len(run_ids), 100):
-            keys = [_run_key(run_id) for run_id in run_ids[offset : offset + 100]]
-            for attempt in range(_TRANSIENT_RETRIES + 1):
-                self.counter.add("dynamodb.read")
-                response = self._client.batch_get_item(
-                    RequestItems={self.table_name: {"Keys": keys, "ProjectionExpression": "pk, body"}}
-                )
-                items.extend(response.get("Responses", {}).get(self.table_name, []))
-                unprocessed = response.get("UnprocessedKeys", {}).get(self.table_name)
-                if not unprocessed:
-                    break
-                keys = list(unprocessed["Keys"])
-                if attempt == _TRANSIENT_RETRIES:
-                    raise RuntimeError(f"DynamoDB left {len(keys)} keys unprocessed after {attempt} retries")
-                time.sleep(0.02 * 2**attempt)
+        items = self._batch_get([_run_key(run_id) for run_id in run_ids], projection="pk, body")
         return {state.id: state for state in self._decode(items)}
 
     # ---- large values (see the module docstring) ---------------------------------------
@@ -547,27 +532,41 @@ class DynamoStore:
 
     def _read_values(self, wanted: Sequence[tuple[str, str]], *, count: bool) -> dict[tuple[str, str], bytes]:
         found: dict[tuple[str, str], bytes] = {}
-        for offset in range(0, len(wanted), 100):
-            keys = [_value_key(run_id, digest) for run_id, digest in wanted[offset : offset + 100]]
+        keys = [_value_key(run_id, digest) for run_id, digest in wanted]
+        for item in self._batch_get(keys, consistent=True, count=count):
+            run_id, digest = _run_id_of(item), str(item["sk"]["S"]).removeprefix("VAL#")
+            raw = zlib.decompress(item["value"]["B"])
+            found[(run_id, digest)] = raw
+            self._values.put(run_id, digest, raw)
+        return found
+
+    def _batch_get(
+        self,
+        keys: Sequence[dict[str, AttributeValueTypeDef]],
+        *,
+        projection: str | None = None,
+        consistent: bool = False,
+        count: bool = True,
+    ) -> list[Mapping[str, Any]]:
+        """BatchGetItem in requests of 100 keys, retrying unprocessed keys."""
+        items: list[Mapping[str, Any]] = []
+        for offset in range(0, len(keys), 100):
+            request: Any = {"Keys": list(keys[offset : offset + 100]), "ConsistentRead": consistent}
+            if projection is not None:
+                request["ProjectionExpression"] = projection
             for attempt in range(_TRANSIENT_RETRIES + 1):
                 if count:
                     self.counter.add("dynamodb.read")
-                response = self._client.batch_get_item(
-                    RequestItems={self.table_name: {"Keys": keys, "ConsistentRead": True}}
-                )
-                for item in response.get("Responses", {}).get(self.table_name, []):
-                    run_id, digest = _run_id_of(item), str(item["sk"]["S"]).removeprefix("VAL#")
-                    raw = zlib.decompress(item["value"]["B"])
-                    found[(run_id, digest)] = raw
-                    self._values.put(run_id, digest, raw)
+                response = self._client.batch_get_item(RequestItems={self.table_name: request})
+                items.extend(response.get("Responses", {}).get(self.table_name, []))
                 unprocessed = response.get("UnprocessedKeys", {}).get(self.table_name)
                 if not unprocessed:
                     break
-                keys = list(unprocessed["Keys"])
+                request = {**request, "Keys": list(unprocessed["Keys"])}
                 if attempt == _TRANSIENT_RETRIES:
-                    raise RuntimeError(f"DynamoDB left {len(keys)} value keys unprocessed after {attempt} retries")
+                    raise RuntimeError(f"DynamoDB left {len(request['Keys'])} keys unprocessed after {attempt} retries")
                 time.sleep(0.02 * 2**attempt)
-        return found
+        return items
 
     def _batch_write(self, items: Sequence[dict[str, AttributeValueTypeDef]]) -> None:
         """Unconditional Puts in BatchWriteItem requests of 25, retrying unprocessed items."""
