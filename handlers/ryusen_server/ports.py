@@ -127,7 +127,9 @@ class RunStore(Protocol):
         outcome: str | None = None,
         limit: int = 50,
         cursor: str | None = None,
-    ) -> RunPage: ...
+    ) -> RunPage:
+        """Newest first. Runs read for a listing: a store may leave their large JSON values (input,
+        output, results, errors) out as None; read one run with :meth:`get` for all of it."""
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
 

@@ -45,9 +45,11 @@ from ryusen_server.core.events import (
     WakeRequested,
 )
 from ryusen_server.core.model import RunState, TaskRef
+from ryusen_server.core.view import run_summary_view
 from ryusen_server.memory import MemoryStore
 from ryusen_server.ports import (
     InvalidRequestError,
+    PayloadTooLargeError,
     Release,
     RequestCounter,
     RunExistsError,
@@ -197,7 +199,8 @@ def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs
     state = runs.fail(state)  # the unwind starts: the compensation tasks carry the recorded results
     assert state.run_bytes > 1_000_000 and state.recovery == "compensating"
     assert store.get("run_big") == state
-    assert store.list_runs().runs == [state]
+    [listed] = store.list_runs().runs  # a listing may leave large values out: what it shows is the same
+    assert run_summary_view(listed) == run_summary_view(state)
 
 
 def test_a_run_of_many_steps_with_results_just_under_the_offload_size_round_trips(store: RunStore) -> None:
@@ -522,7 +525,7 @@ def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> N
     state = runs.run_step(runs.start("run_big"), "reserve", {"blob": incompressible(1)})
     dynamo.counter.reset()
     state = runs.run_step(state, "charge", {"ok": True})
-    # three transitions, each one small conditional write: the 200 KiB result is not written again
+    # four transitions, each one small conditional write: the 200 KiB result is not written again
     assert dynamo.counter.counts == {"dynamodb.write": 4}
     assert dynamo.counter.bytes_sent["dynamodb.write"] < 4 * 1024
     dynamo.counter.reset()
@@ -535,6 +538,55 @@ def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> N
     assert cold.counter.counts == {"dynamodb.read": 2}
     assert cold.get("run_big") == state
     assert cold.counter.counts == {"dynamodb.read": 3}  # the values are immutable: cached
+
+
+def test_dynamo_a_listing_reads_no_large_values(dynamo: DynamoStore) -> None:
+    runs = Runs(dynamo)
+    state = runs.run_step(runs.start("run_big", input={"blob": incompressible(0)}), "reserve", {"b": incompressible(1)})
+    cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
+    [listed] = cold.list_runs().runs
+    assert cold.counter.counts == {"dynamodb.read": 2}  # the index page, then the bodies: no value items
+    assert listed.input is None and listed.steps[0].result is None
+    assert run_summary_view(listed) == run_summary_view(state)
+
+
+def test_dynamo_refuses_a_run_item_over_the_item_limit_before_writing_anything(dynamo: DynamoStore) -> None:
+    """Display names stay in the run item: 400 steps with 1.5 KB names that zlib cannot shrink."""
+    runs = Runs(MemoryStore())
+    one = runs.run_step(runs.start("run_wide"), "s", {"v": "x"})
+    [step] = one.steps
+    steps = [
+        step.model_copy(
+            update={"id": f"s{i:03d}", "name": incompressible(i, 1500), "result": {"big": incompressible(i)}}
+        )
+        for i in range(400)
+    ]
+    with pytest.raises(PayloadTooLargeError):
+        dynamo.create(one.model_copy(update={"steps": steps}))
+    assert dynamo.counter.counts == {}  # no value item was written for a run that cannot be
+    assert dynamo.get("run_wide") is None
+
+
+def test_dynamo_keeps_well_compressing_small_values_in_a_big_body_when_that_is_smaller(dynamo: DynamoStore) -> None:
+    """Past the body budget, small values move out only if that shrinks the body (a digest may cost more)."""
+    from ryusen_server.aws import store as dynamo_store
+
+    runs = Runs(MemoryStore())
+    one = runs.run_step(runs.start("run_mixed"), "s", {"v": "x"})
+    [step] = one.steps
+    steps = [
+        step.model_copy(
+            update={"id": f"s{i:03d}", "name": incompressible(i, 1000), "result": {"note": f"{i} " + "ok " * 150}}
+        )
+        for i in range(200)
+    ]
+    state = one.model_copy(update={"steps": steps})
+    first = dynamo_store._encode_with(state, dynamo_store.OFFLOAD_BYTES)
+    assert len(first.item["body"]["B"]) > dynamo_store.BODY_BUDGET_BYTES and not first.values
+    chosen = dynamo_store._encode_run(state)
+    assert chosen.values == {} and chosen.item["body"] == first.item["body"]
+    dynamo.create(state)
+    assert dynamo.get("run_mixed") == state
 
 
 def test_dynamo_a_lost_race_returns_the_current_run_with_its_large_values(dynamo: DynamoStore) -> None:

@@ -46,8 +46,13 @@ and results up to 4 MiB together, far past DynamoDB's 400 KB item limit), and
 the per-step rewrite of the run item does not rewrite old results. A run with
 many steps and many smaller values, whose compressed body would pass
 :data:`BODY_BUDGET_BYTES`, keeps only values up to :data:`SMALL_OFFLOAD_BYTES`
-in its body: with the engine's step limit, that keeps every run item under the
-item limit.
+in its body when that makes the body smaller. With the engine's step limit
+that keeps a run under the item limit unless it has thousands of attempts
+(docs/design/engine.md, "Known gaps"); a save past it is
+:class:`PayloadTooLargeError`, before any value item is written.
+
+A listing reads run bodies only: its runs carry None where large values were
+(the summary a list shows needs none of them).
 
 A value item never changes (its key is its content), so it needs no fencing:
 new value items are written first (BatchWriteItem), then the run item with its
@@ -113,6 +118,8 @@ LIST_PARTITION = "RUNS"
 APPS_PARTITION = "APPS"
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
+MAX_ITEM_BYTES = 400 * 1024
+"""DynamoDB's limit on an item (names and values)."""
 OFFLOAD_BYTES = 1024
 """A value over this many bytes serialized gets its own item (see the module docstring)..."""
 BODY_BUDGET_BYTES = 128 * 1024
@@ -173,10 +180,13 @@ class _Encoded:
 
 
 def _encode_run(state: RunState) -> _Encoded:
-    """The run item and its large values; a run whose body passes the budget keeps only small values in it."""
+    """The run item and its large values; a run whose body passes the budget keeps only small values in it,
+    when that makes the body smaller (a value that compresses well can cost less inline than its digest)."""
     encoded = _encode_with(state, OFFLOAD_BYTES)
     if len(encoded.item["body"]["B"]) > BODY_BUDGET_BYTES:
-        encoded = _encode_with(state, SMALL_OFFLOAD_BYTES)
+        smaller = _encode_with(state, SMALL_OFFLOAD_BYTES)
+        if len(smaller.item["body"]["B"]) < len(encoded.item["body"]["B"]):
+            return smaller
     return encoded
 
 
@@ -334,8 +344,7 @@ class DynamoStore:
         return self._decode([item], count=False)[0] if item else None
 
     def create(self, state: RunState) -> None:
-        encoded = _encode_run(state)
-        self._write_values(state.id, encoded.values)
+        encoded = self._encode(state)
         run = encoded.item
         if state.idempotency_key is None:
             self._put_new_run(state, run)
@@ -412,8 +421,7 @@ class DynamoStore:
         return str(item["run_id"]["S"])
 
     def save(self, state: RunState, *, expected_version: int) -> None:
-        encoded = _encode_run(state)
-        self._write_values(state.id, encoded.values)
+        encoded = self._encode(state)
         run = encoded.item
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
@@ -495,9 +503,18 @@ class DynamoStore:
     def _get_many(self, run_ids: Sequence[str]) -> dict[str, RunState]:
         """Bodies of a page of runs, by id: BatchGetItem in chunks of 100, retrying unprocessed keys."""
         items = self._batch_get([_run_key(run_id) for run_id in run_ids], projection="pk, body")
-        return {state.id: state for state in self._decode(items)}
+        return {state.id: state for state in self._decode(items, values=False)}
 
     # ---- large values (see the module docstring) ---------------------------------------
+
+    def _encode(self, state: RunState) -> _Encoded:
+        """Encode ``state`` and write its new value items; refuse a run item DynamoDB would refuse, first."""
+        encoded = _encode_run(state)
+        if (size := _item_bytes(encoded.item)) > MAX_ITEM_BYTES:
+            limit = MAX_ITEM_BYTES
+            raise PayloadTooLargeError(f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {limit}")
+        self._write_values(state.id, encoded.values)
+        return encoded
 
     def _write_values(self, run_id: str, values: Mapping[str, bytes]) -> None:
         """Write the value items this process does not know to exist yet (BatchWriteItem, 25 a request)."""
@@ -511,22 +528,25 @@ class DynamoStore:
         for digest, raw in new.items():
             self._values.put(run_id, digest, raw)
 
-    def _decode(self, items: Sequence[Mapping[str, Any]], *, count: bool = True) -> list[RunState]:
-        """Run items to runs, their large values put back (read in BatchGetItem requests where not cached)."""
+    def _decode(self, items: Sequence[Mapping[str, Any]], *, count: bool = True, values: bool = True) -> list[RunState]:
+        """Run items to runs, their large values put back (read in BatchGetItem requests where not cached),
+        or, with ``values=False`` (a listing), left out as None."""
         split = [(_run_id_of(item), *_split_body(item)) for item in items]
-        values: dict[tuple[str, str], bytes] = {}
+        if not values:
+            return [RunState.model_validate(doc) for _, doc, _ in split]
+        found: dict[tuple[str, str], bytes] = {}
         for run_id, _, offloaded in split:
             for _, digest in offloaded:
                 if (raw := self._values.get(run_id, digest)) is not None:
-                    values[(run_id, digest)] = raw
-        wanted = {(run_id, digest) for run_id, _, offloaded in split for _, digest in offloaded} - values.keys()
-        values.update(self._read_values(sorted(wanted), count=count))
+                    found[(run_id, digest)] = raw
+        wanted = {(run_id, digest) for run_id, _, offloaded in split for _, digest in offloaded} - found.keys()
+        found.update(self._read_values(sorted(wanted), count=count))
         runs: list[RunState] = []
         for run_id, doc, offloaded in split:
             for path, digest in offloaded:
-                if (run_id, digest) not in values:
+                if (run_id, digest) not in found:
                     raise RuntimeError(f"run {run_id}: its value item {digest} is missing")
-                _place(doc, path, pydantic_core.from_json(values[(run_id, digest)]))
+                _place(doc, path, pydantic_core.from_json(found[(run_id, digest)]))
             runs.append(RunState.model_validate(doc))
         return runs
 

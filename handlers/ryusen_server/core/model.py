@@ -105,7 +105,8 @@ class _State(BaseModel):
 class StaleSubmission(_State):
     received_at: datetime
     source: str
-    outcome: dict[str, Any]
+    outcome: dict[str, Any] | None = None
+    """What was submitted (None only in a run read for a listing, where large values are left out)."""
     reason: str
 
 
