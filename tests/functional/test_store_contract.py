@@ -9,9 +9,10 @@ from __future__ import annotations
 import base64
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import boto3
 import pytest
@@ -175,6 +176,16 @@ def incompressible(seed: int, size: int = 200 * 1024) -> str:
     return base64.b64encode(random.Random(seed).randbytes(size * 3 // 4)).decode()
 
 
+def run_of_many_steps(run_id: str, count: int, fields: Callable[[int], dict[str, Any]]) -> RunState:
+    """A run whose one step completed through the core, then ``count`` steps like it with ``fields(i)``
+    (copied, not driven: building a large run through ``decide`` step by step takes minutes)."""
+    runs = Runs(MemoryStore())
+    one = runs.run_step(runs.start(run_id), "s", {"v": "x"})
+    [step] = one.steps
+    steps = [step.model_copy(update={"id": f"s{i:03d}", **fields(i)}, deep=True) for i in range(count)]
+    return one.model_copy(update={"steps": steps})
+
+
 # ---- create / get / save ------------------------------------------------------------
 
 
@@ -205,14 +216,7 @@ def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs
 
 def test_a_run_of_many_steps_with_results_just_under_the_offload_size_round_trips(store: RunStore) -> None:
     """600 results of ~1 KB that zlib cannot shrink, each small enough to stay in a run body on its own."""
-    runs = Runs(MemoryStore())  # one real step, through the core; then 600 like it
-    one = runs.run_step(runs.start("run_many"), "s", {"v": "x"})
-    [step] = one.steps
-    steps = [
-        step.model_copy(update={"id": f"s{i:03d}", "result": {"v": incompressible(i, 1000)}}, deep=True)
-        for i in range(600)
-    ]
-    state = one.model_copy(update={"steps": steps})
+    state = run_of_many_steps("run_many", 600, lambda i: {"result": {"v": incompressible(i, 1000)}})
     store.create(state)
     assert store.get("run_many") == state
 
@@ -552,17 +556,11 @@ def test_dynamo_a_listing_reads_no_large_values(dynamo: DynamoStore) -> None:
 
 def test_dynamo_refuses_a_run_item_over_the_item_limit_before_writing_anything(dynamo: DynamoStore) -> None:
     """Display names stay in the run item: 400 steps with 1.5 KB names that zlib cannot shrink."""
-    runs = Runs(MemoryStore())
-    one = runs.run_step(runs.start("run_wide"), "s", {"v": "x"})
-    [step] = one.steps
-    steps = [
-        step.model_copy(
-            update={"id": f"s{i:03d}", "name": incompressible(i, 1500), "result": {"big": incompressible(i)}}
-        )
-        for i in range(400)
-    ]
+    state = run_of_many_steps(
+        "run_wide", 400, lambda i: {"name": incompressible(i, 1500), "result": {"big": incompressible(i)}}
+    )
     with pytest.raises(PayloadTooLargeError):
-        dynamo.create(one.model_copy(update={"steps": steps}))
+        dynamo.create(state)
     assert dynamo.counter.counts == {}  # no value item was written for a run that cannot be
     assert dynamo.get("run_wide") is None
 
@@ -571,16 +569,9 @@ def test_dynamo_keeps_well_compressing_small_values_in_a_big_body_when_that_is_s
     """Past the body budget, small values move out only if that shrinks the body (a digest may cost more)."""
     from ryusen_server.aws import store as dynamo_store
 
-    runs = Runs(MemoryStore())
-    one = runs.run_step(runs.start("run_mixed"), "s", {"v": "x"})
-    [step] = one.steps
-    steps = [
-        step.model_copy(
-            update={"id": f"s{i:03d}", "name": incompressible(i, 1000), "result": {"note": f"{i} " + "ok " * 150}}
-        )
-        for i in range(200)
-    ]
-    state = one.model_copy(update={"steps": steps})
+    state = run_of_many_steps(
+        "run_mixed", 200, lambda i: {"name": incompressible(i, 1000), "result": {"note": f"{i} " + "ok " * 150}}
+    )
     first = dynamo_store._encode_with(state, dynamo_store.OFFLOAD_BYTES)
     assert len(first.item["body"]["B"]) > dynamo_store.BODY_BUDGET_BYTES and not first.values
     chosen = dynamo_store._encode_run(state)

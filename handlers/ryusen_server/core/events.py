@@ -45,7 +45,7 @@ class EngineSettings:
     max_run_bytes: int = 4 * 1024 * 1024
     """The run input and its accepted step results together: what every task request replays."""
     max_steps: int = 1000
-    """Distinct step ids one run may reach; a step past it fails at once (``too_many_steps``) without running."""
+    """Distinct step ids one run may reach; discovery reaching one more fails the run (``too_many_steps``)."""
     stale_submissions_kept: int = 20
     """Stale submissions recorded per attempt; later ones are only counted."""
     stale_result_kept_bytes: int = 4 * 1024
