@@ -344,7 +344,7 @@ class DynamoStore:
         return self._decode([item], count=False)[0] if item else None
 
     def create(self, state: RunState) -> None:
-        encoded = self._encode(state)
+        encoded = self._write_values_and_encode(state)
         run = encoded.item
         if state.idempotency_key is None:
             self._put_new_run(state, run)
@@ -421,7 +421,7 @@ class DynamoStore:
         return str(item["run_id"]["S"])
 
     def save(self, state: RunState, *, expected_version: int) -> None:
-        encoded = self._encode(state)
+        encoded = self._write_values_and_encode(state)
         run = encoded.item
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
@@ -507,7 +507,7 @@ class DynamoStore:
 
     # ---- large values (see the module docstring) ---------------------------------------
 
-    def _encode(self, state: RunState) -> _Encoded:
+    def _write_values_and_encode(self, state: RunState) -> _Encoded:
         """Encode ``state`` and write its new value items; refuse a run item DynamoDB would refuse, first."""
         encoded = _encode_run(state)
         if (size := _item_bytes(encoded.item)) > MAX_ITEM_BYTES:
