@@ -29,6 +29,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from .core.model import DEFINITION_BLOCKERS
+
 DEFAULT_SERVER = "http://127.0.0.1:8700"
 DEFAULT_DEV_PORT = 8700
 SIGV4_SERVICE = "execute-api"
@@ -349,6 +351,13 @@ def _error_line(error: Any) -> str:
     return line
 
 
+_OCCURRENCE_LABELS = {  # how a blocker names the two calls it is about
+    "duplicate_step_id": (("first", "first call"), ("duplicate", "duplicate call")),
+    "concurrent_step": (("first", "open step"), ("second", "then started")),
+    "new_step_before_target": (("first", "new step"), ("second", "before target")),
+}
+
+
 class _RunRenderer:
     """One rendering of one run view; remembers the release last shown, so a change of release stands out."""
 
@@ -425,11 +434,12 @@ class _RunRenderer:
             )
             if blocker.get("detail"):
                 self.indented(Text(f"cause: {blocker['detail']}"), 6)
-            for key, label in (("first", "first call"), ("duplicate", "duplicate call")):
+            for key, label in _OCCURRENCE_LABELS.get(str(blocker.get("type")), _OCCURRENCE_LABELS["duplicate_step_id"]):
                 occurrence = blocker.get(key)
                 if isinstance(occurrence, dict) and (occurrence.get("location") or occurrence.get("name")):
                     name = f"  {occurrence['name']}" if occurrence.get("name") else ""
-                    self.indented(Text(f"{label} at {occurrence.get('location') or '?'}{name}"), 6)
+                    step = f" {occurrence['step_id']}" if occurrence.get("step_id") else ""
+                    self.indented(Text(f"{label}{step} at {occurrence.get('location') or '?'}{name}"), 6)
             seen = []
             if (blocker.get("count") or 1) > 1:
                 seen.append(f"seen {blocker['count']} times")
@@ -441,26 +451,22 @@ class _RunRenderer:
                 self.indented(Text(line, style="yellow"), 6)
 
     def remedy(self, blocker: dict[str, Any]) -> list[str]:
-        """What an operator can do about a blocker (each command on a line of its own, to copy)."""
+        """What an operator can do about a blocker: the view's remedy, then each command on a line of its own."""
         run_id = self.view.get("id")
-        if blocker.get("type") == "duplicate_step_id":
-            return [
-                "give one of the calls another step id and sync the app; the run wakes (or retry it:)",
-                f"  ryusen rediscover {run_id}",
-            ]
-        if blocker.get("type") == "function_not_found":
-            return [
-                "sync a release whose code has the function again; the run wakes (or retry it:)",
-                f"  ryusen rediscover {run_id}",
-            ]
+        lines = [str(blocker["remedy"])] if blocker.get("remedy") else []
+        resolve = [
+            f"  ryusen resolve {run_id} {blocker.get('step_id')} "
+            f"--phase {blocker.get('phase')} --generation {blocker.get('generation')}",
+            "    (--succeed RESULT_JSON | --fail MESSAGE | --retry)",
+        ]
         if blocker.get("type") == "unknown_outcome" and blocker.get("phase") and blocker.get("generation"):
-            return [
-                "once you know what the attempt did, resolve it:",
-                f"  ryusen resolve {run_id} {blocker.get('step_id')} "
-                f"--phase {blocker['phase']} --generation {blocker['generation']}",
-                "    (--succeed RESULT_JSON | --fail MESSAGE | --retry)",
-            ]
-        return ["see: ryusen resolve --help"]
+            return [*lines, "once you know what the attempt did:", *resolve]
+        if blocker.get("type") in DEFINITION_BLOCKERS:
+            lines += ["rediscover with current code:", f"  ryusen rediscover {run_id}"]
+            if blocker.get("type") == "new_step_before_target" and blocker.get("generation"):
+                lines += ["or, once you have undone the effect yourself:", *resolve]
+            return lines
+        return lines or ["see: ryusen resolve --help"]
 
     def attempts(self, attempts: list[dict[str, Any]]) -> None:
         table = Table.grid(padding=(0, 2))

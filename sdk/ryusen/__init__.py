@@ -8,11 +8,12 @@
 """
 
 from ._internal.app import Ryusen
-from ._internal.errors import DefinitionError, NonRetryableError, RyusenError, StepFailed
+from ._internal.errors import ConcurrentStepError, DefinitionError, NonRetryableError, RyusenError, StepFailed
 from ._internal.step import AsyncStep, Operation, RetryPolicy, Step, operation
 
 __all__ = [
     "AsyncStep",
+    "ConcurrentStepError",
     "DefinitionError",
     "NonRetryableError",
     "Operation",

@@ -100,3 +100,56 @@ def slow_fn(data: dict[str, Any], step: Step) -> Any:
     result = step.run("slow", slow, tag, data["sleep_s"], timeout=timeout, compensate=undo(tag, "slow"))
     step.run("after", effect, "after", tag, compensate=undo(tag, "after"))
     return result
+
+
+# ---- decisions 16, 17 and 19 over HTTP ------------------------------------------------------
+
+
+@app.function("metrics")
+def metrics(data: dict[str, Any], step: Step) -> Any:
+    """A ``finally`` that raises once, in the pass that ran the charge (decisions 16)."""
+    tag = data["tag"]
+    try:
+        charged = step.run("charge", effect, "charge", tag)
+    finally:
+        record(f"{tag}:metric")
+        if times(f"{tag}:metric") == 2:
+            raise ConnectionError("metrics endpoint timed out")
+    return charged
+
+
+@app.function("config_trip")
+def config_trip(data: dict[str, Any], step: Step) -> Any:
+    """A config read outside step.run that times out once, in the first compensation pass (decisions 17)."""
+    tag = data["tag"]
+    if times(f"{tag}:failed") and not times(f"{tag}:config-outage"):
+        record(f"{tag}:config-outage")
+        raise TimeoutError("config service timed out")
+    step.run("flight", effect, "flight", tag, compensate=undo(tag, "flight"))
+    step.run("hotel", effect, "hotel", tag, compensate=undo(tag, "hotel"))
+    record(f"{tag}:failed")
+    raise RuntimeError("payment revoked")
+
+
+@app.function("audited")
+def audited(data: dict[str, Any], step: Step) -> Any:
+    """Once the run has failed, current code reaches a new step first: the unwind blocks (decisions 17)."""
+    tag = data["tag"]
+    if times(f"{tag}:failed"):
+        step.run("audit", effect, "audit", tag)
+    step.run("book", effect, "book", tag, compensate=undo(tag, "book"))
+    record(f"{tag}:failed")
+    raise RuntimeError("fraud check failed")
+
+
+def crash(tag: str) -> dict[str, Any]:
+    record(f"{tag}:crash")
+    os._exit(17)  # the app process dies mid-effect: nobody knows what happened
+
+
+@app.function("crashes")
+def crashes(data: dict[str, Any], step: Step) -> Any:
+    """Every attempt loses its outcome; the step declares itself safe to retry once (decisions 19)."""
+    tag = data["tag"]
+    policy = RetryPolicy(max_attempts=2, initial_delay=timedelta(milliseconds=100), on_unknown="retry")
+    return step.run("crash", crash, tag, retry=policy, compensate=undo(tag, "crash"))

@@ -189,3 +189,72 @@ def test_run_deadline_fires_through_the_local_scheduler_and_compensates(stack: D
     assert run["summary"] == "timed out, fully compensated"  # the in-flight step settled, then both were undone
     assert stack.invocations(f"{t}:after") == 0
     assert stack.invocations(f"{t}:undo-slow") == 1 and stack.invocations(f"{t}:undo-first") == 1
+
+
+@pytest.mark.rfd("F2", "U1")
+def test_a_finally_that_raises_after_the_callback_does_not_run_it_again_over_http(stack: DevStack) -> None:
+    t = tag()
+    run = stack.wait_finished(stack.start("metrics", {"tag": t})["id"])
+    assert stack.invocations(f"{t}:charge") == 1
+    assert run["outcome"] == "completed" and run["output"]["step"] == "charge"
+    [attempt] = run["steps"][0]["attempts"]
+    assert attempt["status"] == "succeeded"
+
+
+@pytest.mark.rfd("C2", "C4")
+def test_an_exception_outside_step_run_during_compensation_is_retried_not_skipped_over_http(stack: DevStack) -> None:
+    t = tag()
+    run = stack.wait_finished(stack.start("config_trip", {"tag": t})["id"])
+    assert run["summary"] == "failed, fully compensated"
+    assert stack.invocations(f"{t}:undo-hotel") == 1 and stack.invocations(f"{t}:undo-flight") == 1
+    hotel = next(s for s in run["steps"] if s["id"] == "hotel")
+    compensation = [a for a in hotel["attempts"] if a["phase"] == "compensation"]
+    assert [a["status"] for a in compensation] == ["failed", "succeeded"]
+    assert compensation[0]["error"]["type"] == "TimeoutError"
+
+
+@pytest.mark.rfd("C2", "U3", "U5")
+def test_a_new_step_before_the_target_blocks_the_unwind_until_an_operator_resolves_over_http(
+    stack: DevStack,
+) -> None:
+    t = tag()
+    run_id = stack.start("audited", {"tag": t})["id"]
+    blocked = wait_for(
+        lambda: (r := stack.run(run_id))["blockers"] and r, what="the new_step_before_target blocker", timeout=60
+    )
+    [blocker] = blocked["blockers"]
+    assert blocker["type"] == "new_step_before_target" and blocker["step_id"] == "book"
+    assert blocker["first"]["step_id"] == "audit" and blocker["first"]["location"].startswith("http_app.py:")
+    assert blocker["second"]["location"].startswith("http_app.py:") and blocker["remedy"]
+    assert blocked["phase"] == "compensating" and "compensated" not in blocked["summary"]
+    assert stack.invocations(f"{t}:undo-book") == 0 and stack.invocations(f"{t}:audit") == 0
+    path = f"/v1/runs/{run_id}/steps/book/compensation/{blocker['generation']}/resolve"
+    response = stack.client.post(path, json={"action": "succeed", "result": {"undone": "by hand"}})
+    assert response.status_code == 200, response.text
+    run = stack.wait_finished(run_id)
+    assert run["summary"] == "failed, fully compensated"
+    book = next(s for s in run["steps"] if s["id"] == "book")
+    assert book["compensation"]["result"] == {"undone": "by hand"}
+    assert stack.invocations(f"{t}:undo-book") == 0 and stack.invocations(f"{t}:audit") == 0
+
+
+@pytest.mark.rfd("U1", "U10", "U3")
+def test_on_unknown_retry_with_no_retry_left_stays_unknown_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("crashes", {"tag": t})["id"]
+    blocked = wait_for(
+        lambda: (r := stack.run(run_id))["blockers"] and r, what="the second Unknown to block", timeout=120
+    )
+    step = blocked["steps"][0]
+    assert [a["status"] for a in step["attempts"]] == ["failed", "unknown"]
+    assert step["attempts"][0]["error"]["type"] == "unknown_outcome"
+    assert step["status"] == "unknown" and blocked["outcome"] is None
+    [blocker] = blocked["blockers"]
+    assert blocker["type"] == "unknown_outcome" and blocker["generation"] == 2
+    assert stack.invocations(f"{t}:crash") == 2
+    # the operator checks the external system and declares the outcome
+    path = f"/v1/runs/{run_id}/steps/crash/forward/2/resolve"
+    assert stack.client.post(path, json={"action": "succeed", "result": {"checked": True}}).status_code == 200
+    run = stack.wait_finished(run_id)
+    assert run["outcome"] == "completed" and run["output"] == {"checked": True}
+    assert stack.invocations(f"{t}:crash") == 2

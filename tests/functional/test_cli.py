@@ -763,6 +763,39 @@ def test_render_run_of_a_view_the_engine_made() -> None:
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 100
 
 
+def test_render_run_shows_the_blockers_of_decisions_17_and_18_with_their_remedies() -> None:
+    import asyncio
+
+    from ryusen import AsyncStep
+
+    app = Ryusen("blocked")
+    failed: list[str] = []
+
+    @app.function("unwind")
+    def unwind(data: Any, step: Step) -> Any:
+        if failed:  # current code reaches a step this run never ran, before the one to undo
+            step.run("audit", lambda: "audited")
+        step.run("book", lambda: "booked", compensate=lambda r: "undone")
+        failed.append("yes")
+        raise RuntimeError("fraud check failed")
+
+    @app.function("parallel")
+    async def parallel(data: Any, step: AsyncStep) -> Any:
+        return await asyncio.gather(step.run("flight", lambda: 1), step.run("hotel", lambda: 2))
+
+    env = WorkflowEnvironment(app)
+    text = rendered(env.run("unwind").raw)
+    assert "new_step_before_target: current code reaches step 'audit'" in text
+    assert "new step audit at test_cli.py:" in text and "before target book at test_cli.py:" in text
+    assert "the compensator cannot be reached" in text
+    assert "ryusen rediscover run_000001" in text
+    assert "ryusen resolve run_000001 book --phase compensation --generation 1" in text
+    text = rendered(env.run("parallel").raw)
+    assert "concurrent_step: step 'hotel'" in text
+    assert "open step flight at test_cli.py:" in text and "then started hotel at test_cli.py:" in text
+    assert "await each step.run" in text and "ryusen rediscover run_000002" in text
+
+
 def test_the_run_view_fits_an_80_column_terminal_too() -> None:
     assert max(len(line.rstrip()) for line in rendered(saga_view(), width=80).splitlines()) <= 80
 

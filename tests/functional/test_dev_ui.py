@@ -64,3 +64,15 @@ def test_ui_explains_a_compensated_run_and_a_blocked_one(stack: DevStack, tmp_pa
     assert "duplicate_step_id" in page and "charge amount" in page and "charge fee" in page
     assert "Forward work is blocked, not failed" in page
     assert "Rediscover" in page
+
+
+def test_ui_shows_a_blocked_unwind_with_both_locations_and_its_remedies(stack: DevStack, tmp_path: Path) -> None:
+    t = uuid.uuid4().hex[:8]
+    run_id = stack.start("audited", {"tag": t})["id"]
+    wait_for(lambda: stack.run(run_id)["blockers"], what="the new_step_before_target blocker")
+    page = rendered(f"{stack.url}/#run={run_id}", tmp_path)
+    assert "new_step_before_target" in page
+    assert "new step <code>audit</code> at http_app.py:" in page
+    assert "before target <code>book</code> at http_app.py:" in page
+    assert "the compensator cannot be reached" in page  # the remedy
+    assert "Rediscover" in page and "It succeeded…" in page

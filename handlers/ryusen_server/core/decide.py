@@ -33,14 +33,19 @@ from ryusen._internal.wire import (
     AttemptResponse,
     CallbackFailed,
     CallbackSucceeded,
+    ConcurrentStepConflict,
     ConflictFound,
+    DefinitionConflict,
     DiscoveryResponse,
     DuplicateStepConflict,
     ErrorInfo,
     FunctionCompleted,
     FunctionFailed,
     FunctionNotFound,
+    NewStepBeforeTarget,
+    OutputTooLarge,
     Phase,
+    ReplayFailed,
     RetryPolicyWire,
     StepPlan,
     StepReached,
@@ -94,6 +99,12 @@ from .model import (
     TimerRef,
     UnwindEntry,
 )
+
+
+def _conflict_key(blocker: Blocker) -> tuple[object, ...]:
+    """Which blockers are "the same conflict seen again" (D7)."""
+    calls = (blocker.first, blocker.second)
+    return (blocker.type, blocker.step_id, *(c.step_id if c else None for c in calls))
 
 
 class IllegalEventError(Exception):
@@ -222,25 +233,30 @@ class _Transition:
         )
         self.touch()
 
-    def queue_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
+    def new_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
+        """The next generation of (step, phase), recorded but not dispatched."""
         previous = step.current(phase)
-        generation = previous.generation + 1 if previous else 1
         attempt = Attempt(
             phase=phase,
-            generation=generation,
+            generation=previous.generation + 1 if previous else 1,
             operation_id=operation_id(self.s.id, step.id, phase),
             queued_at=self.now,
             not_before=self.now + timedelta(seconds=delay_s) if delay_s else None,
         )
         step.attempts.append(attempt)
-        kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
-        self.commands.append(
-            EnqueueTask(
-                task=TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=generation), delay_s=delay_s
-            )
-        )
         self.touch()
         return attempt
+
+    def queue_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
+        attempt = self.new_attempt(step, phase, delay_s)
+        kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
+        task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
+        self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
+        return attempt
+
+    def failures(self, step: StepState, phase: Phase) -> int:
+        """Failed attempts of (step, phase): what its retry policy counts."""
+        return sum(1 for a in step.attempts if a.phase is phase and a.status is AttemptStatus.FAILED)
 
     def policy(self, step: StepState, phase: Phase) -> RetryPolicyWire:
         if phase is Phase.FORWARD:
@@ -440,7 +456,9 @@ class _Transition:
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
         policy = self.policy(step, attempt.phase)
-        if policy.on_unknown == "retry" and not (attempt.phase is Phase.FORWARD and self.stopping):
+        retry_left = self.failures(step, attempt.phase) + 1 < policy.max_attempts
+        # decisions 19: with no retry left, the last Unknown stays Unknown; it never becomes a failure
+        if policy.on_unknown == "retry" and retry_left and not (attempt.phase is Phase.FORWARD and self.stopping):
             return self.attempt_failed(
                 step, attempt, ErrorInfo(type="unknown_outcome", message=detail), detail="unknown outcome, retried"
             )
@@ -501,15 +519,7 @@ class _Transition:
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
             limit := self.settings.max_value_bytes
         ):
-            self.clear_definition_blockers()
-            s.error = ErrorInfo(
-                type="output_too_large",
-                message=f"output is {size} bytes serialized; the limit is {limit}",
-                retryable=False,
-            )
-            s.outcome = Outcome.FAILED
-            s.recovery = Recovery.PENDING
-            self.evaluate_recovery()
+            self.definition_conflict(OutputTooLarge(size=size, limit=limit))  # decisions 20: block, never fail
         elif isinstance(response, FunctionCompleted):
             self.clear_definition_blockers()
             s.output = response.output
@@ -574,32 +584,83 @@ class _Transition:
         self.commands.append(ScheduleTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.PROBE, at=s.probe_due_at)))
         self.touch()
 
-    def definition_conflict(self, conflict: DuplicateStepConflict) -> None:
+    def definition_conflict(self, conflict: DefinitionConflict, *, holds: Attempt | None = None) -> None:
+        """What current code got wrong becomes a definition blocker: recoverable, never a failure or a skip.
+
+        The same conflict seen again updates its diagnostics only (D7); a different one replaces the
+        blockers of earlier passes, which current code no longer shows. ``holds`` is the compensation
+        attempt the conflict stopped, when it came from a compensation pass.
+        """
         s = self.s
+        found = self.conflict_blocker(conflict, holds)
         for blocker in s.blockers:
-            if blocker.type is BlockerType.DUPLICATE_STEP_ID and blocker.step_id == conflict.step_id:
-                blocker.count += 1  # D7: the same conflict again updates its diagnostics only
+            if _conflict_key(blocker) == _conflict_key(found):
+                blocker.count += 1
                 blocker.last_seen_at = self.now
-                blocker.first = Occurrence(**conflict.first.model_dump())
-                blocker.duplicate = Occurrence(**conflict.duplicate.model_dump())
+                blocker.message, blocker.detail = found.message, found.detail
+                blocker.first, blocker.duplicate, blocker.second = found.first, found.duplicate, found.second
+                blocker.phase, blocker.generation = found.phase, found.generation
                 break
         else:
-            s.blockers = [b for b in s.blockers if b.type is not BlockerType.DUPLICATE_STEP_ID]
-            s.blockers.append(
-                Blocker(
-                    type=BlockerType.DUPLICATE_STEP_ID,
-                    step_id=conflict.step_id,
-                    first=Occurrence(**conflict.first.model_dump()),
-                    duplicate=Occurrence(**conflict.duplicate.model_dump()),
-                    message=(
-                        f"step id {conflict.step_id!r} is used twice in one pass"
-                        f" (first at {conflict.first.location}, again at {conflict.duplicate.location})"
-                    ),
-                    first_seen_at=self.now,
-                    last_seen_at=self.now,
-                )
-            )
+            s.blockers = [b for b in s.blockers if b.type not in DEFINITION_BLOCKERS]
+            s.blockers.append(found)
         self.schedule_probe()
+
+    def conflict_blocker(self, conflict: DefinitionConflict, holds: Attempt | None) -> Blocker:
+        held = {"phase": holds.phase, "generation": holds.generation} if holds is not None else {}
+        seen = {"first_seen_at": self.now, "last_seen_at": self.now}
+        if isinstance(conflict, DuplicateStepConflict):
+            return Blocker(
+                type=BlockerType.DUPLICATE_STEP_ID,
+                step_id=conflict.step_id,
+                first=Occurrence(**conflict.first.model_dump()),
+                duplicate=Occurrence(**conflict.duplicate.model_dump()),
+                message=(
+                    f"step id {conflict.step_id!r} is used twice in one pass"
+                    f" (first at {conflict.first.location}, again at {conflict.duplicate.location})"
+                ),
+                **seen,
+            )
+        if isinstance(conflict, ConcurrentStepConflict):
+            first, second = conflict.first, conflict.second
+            return Blocker(
+                type=BlockerType.CONCURRENT_STEP,
+                step_id=second.step_id,
+                first=Occurrence(**first.model_dump()),
+                second=Occurrence(**second.model_dump()),
+                message=(
+                    f"step {second.step_id!r} (at {second.location}) was started while step {first.step_id!r}"
+                    f" (at {first.location}) was still open; Ryusen runs one step at a time"
+                ),
+                **seen,
+            )
+        if isinstance(conflict, NewStepBeforeTarget):
+            target = self.s.step(conflict.step_id)
+            new = conflict.first
+            return Blocker(
+                type=BlockerType.NEW_STEP_BEFORE_TARGET,
+                step_id=conflict.step_id,
+                first=Occurrence(**new.model_dump()),
+                second=Occurrence(
+                    step_id=conflict.step_id,
+                    location=target.location if target else None,
+                    name=target.name if target else None,
+                ),
+                message=(
+                    f"current code reaches step {new.step_id!r} (at {new.location}), which has no recorded outcome,"
+                    f" before step {conflict.step_id!r} (recorded at {target.location if target else '?'}),"
+                    " whose compensation is due"
+                ),
+                **held,
+                **seen,
+            )
+        return Blocker(
+            type=BlockerType.OUTPUT_TOO_LARGE,
+            message=(
+                f"the function returned an output of {conflict.size} bytes serialized; the limit is {conflict.limit}"
+            ),
+            **seen,
+        )
 
     def wake(self, event: WakeRequested) -> None:
         s = self.s
@@ -724,15 +785,20 @@ class _Transition:
             return self.queue_discovery()
         if isinstance(response, CallbackFailed):
             return self.attempt_failed(step, attempt, response.error)
-        if isinstance(response, TargetNotFound):
-            self.settle(attempt, AttemptStatus.FENCED, detail=f"target_not_found: {response.detail}")
+        if isinstance(response, TargetNotFound | ReplayFailed):
+            # decisions 16: the callback was not entered; discovery with current code finds what comes next
+            if isinstance(response, ReplayFailed):
+                detail = "replay_failed: code outside step.run raised before the step; its callback did not run"
+                self.settle(attempt, AttemptStatus.FENCED, error=response.error, detail=detail)
+            else:
+                self.settle(attempt, AttemptStatus.FENCED, detail=f"target_not_found: {response.detail}")
             step.status = StepStatus.PENDING
             if self.stopping:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
             return self.queue_discovery()
         if isinstance(response, ConflictFound | FunctionNotFound):
-            what = "duplicate_step_id" if isinstance(response, ConflictFound) else "function_not_found"
+            what = response.conflict.code if isinstance(response, ConflictFound) else "function_not_found"
             self.settle(attempt, AttemptStatus.FENCED, detail=f"{what}: the callback did not run")
             step.status = StepStatus.PENDING
             if self.stopping:
@@ -747,7 +813,7 @@ class _Transition:
         error = error.bounded(self.settings.max_value_bytes)
         self.settle(attempt, AttemptStatus.FAILED, error=error, detail=detail)
         policy = self.policy(step, attempt.phase)
-        failures = sum(1 for a in step.attempts if a.phase is attempt.phase and a.status in (AttemptStatus.FAILED,))
+        failures = self.failures(step, attempt.phase)
         retry_allowed = error.retryable and failures < policy.max_attempts
         if attempt.phase is Phase.FORWARD:
             if self.stopping:  # S6: no forward retry after a stop
@@ -796,10 +862,13 @@ class _Transition:
             return self.advance_unwind()
         if isinstance(response, CallbackFailed):
             return self.attempt_failed(step, attempt, response.error)
-        if isinstance(response, ConflictFound):
-            self.settle(attempt, AttemptStatus.FENCED, detail="duplicate_step_id before the target was reached")
+        if isinstance(response, ReplayFailed):  # decisions 17: a failed attempt, never a skip
+            detail = "replay_failed: code outside step.run raised before the target; its compensator did not run"
+            return self.attempt_failed(step, attempt, response.error, detail=detail)
+        if isinstance(response, ConflictFound):  # decisions 17: blocked until current code reaches the target
+            self.settle(attempt, AttemptStatus.FENCED, detail=f"{response.conflict.code}: the compensator did not run")
             step.compensation_status = CompensationStatus.PENDING
-            return self.definition_conflict(response.conflict)
+            return self.definition_conflict(response.conflict, holds=attempt)
         if isinstance(response, FunctionNotFound):
             self.settle(attempt, AttemptStatus.FENCED, detail="function_not_found: the compensator did not run")
             step.compensation_status = CompensationStatus.PENDING
@@ -909,6 +978,8 @@ class _Transition:
                 "attempt_not_found", f"step {event.step_id!r} has no {event.phase} generation {event.generation}"
             )
         current = step.current(event.phase)
+        if attempt is current and self.blocked_compensation(step, attempt):
+            return self.resolve_blocked_compensation(step, event)
         # idempotency: the same resolution repeated
         if attempt.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
             return self.reject(
@@ -953,7 +1024,47 @@ class _Transition:
             self.attempt_failed(step, attempt, error)
         attempt.detail = f"operator {event.action}"
 
+    def blocked_compensation(self, step: StepState, attempt: Attempt) -> bool:
+        """This compensation attempt did not run because current code cannot reach its target (decisions 17)."""
+        entry = self.current_unwind_entry()
+        return (
+            attempt.phase is Phase.COMPENSATION
+            and attempt.status is AttemptStatus.FENCED
+            and self.s.phase is RunPhase.COMPENSATING
+            and self.s.blocked_by_definition
+            and entry is not None
+            and entry.step_id == step.id
+        )
+
+    def resolve_blocked_compensation(self, step: StepState, event: Resolve) -> None:
+        """An operator moves a blocked unwind on: retry with current code, or state the compensation's outcome.
+
+        The fenced generation stays as it settled; the operator's outcome is recorded as the next generation.
+        """
+        if event.action == "succeed" and (too_large := self.oversized_compensation_result(event.result)):
+            return self.reject(too_large.type, too_large.message)
+        self.clear_definition_blockers()
+        if event.action == "retry":
+            self.queue_attempt(step, Phase.COMPENSATION)
+            return None
+        resolved = self.new_attempt(step, Phase.COMPENSATION)
+        if event.action == "succeed":
+            self.compensation_outcome(step, resolved, CallbackSucceeded(result=event.result))
+        else:
+            error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
+            self.attempt_failed(step, resolved, error)
+        resolved.detail = f"operator {event.action}"
+        return None
+
     def _same_resolution(self, attempt: Attempt, event: Resolve, step: StepState) -> bool:
+        if attempt.status is AttemptStatus.FENCED and attempt.phase is Phase.COMPENSATION:
+            # a blocked compensation's resolution is the generation after it (resolve_blocked_compensation)
+            following = step.attempt(attempt.phase, attempt.generation + 1)
+            if following is None:
+                return False
+            if event.action == "retry":
+                return following.detail not in ("operator succeed", "operator fail")
+            attempt = following
         if attempt.detail is None or not attempt.detail.startswith("operator"):
             return False
         if event.action == "retry":

@@ -78,11 +78,22 @@ LIVE_ATTEMPT = frozenset({AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED, Attemp
 
 class BlockerType(StrEnum):
     DUPLICATE_STEP_ID = "duplicate_step_id"
+    CONCURRENT_STEP = "concurrent_step"
+    NEW_STEP_BEFORE_TARGET = "new_step_before_target"
+    OUTPUT_TOO_LARGE = "output_too_large"
     FUNCTION_NOT_FOUND = "function_not_found"
     UNKNOWN_OUTCOME = "unknown_outcome"
 
 
-DEFINITION_BLOCKERS = frozenset({BlockerType.DUPLICATE_STEP_ID, BlockerType.FUNCTION_NOT_FOUND})
+DEFINITION_BLOCKERS = frozenset(
+    {
+        BlockerType.DUPLICATE_STEP_ID,
+        BlockerType.CONCURRENT_STEP,
+        BlockerType.NEW_STEP_BEFORE_TARGET,
+        BlockerType.OUTPUT_TOO_LARGE,
+        BlockerType.FUNCTION_NOT_FOUND,
+    }
+)
 """Blockers that current code can repair: a release sync, the probe or an operator rediscovers."""
 
 
@@ -175,17 +186,26 @@ class DiscoveryTask(_State):
 
 
 class Occurrence(_State):
+    step_id: str | None = None
     location: str | None = None
     name: str | None = None
 
 
 class Blocker(_State):
+    """Why a run cannot move on by itself. ``step_id``/``phase``/``generation`` name the attempt it holds up.
+
+    ``first``/``duplicate``: the two calls of a duplicate step id. ``first``/``second``: the open step and the
+    one refused (concurrent_step), or the unrecorded step met before the compensation target and that target
+    (new_step_before_target).
+    """
+
     type: BlockerType
     step_id: str | None = None
     phase: Phase | None = None
     generation: int | None = None
     first: Occurrence | None = None
     duplicate: Occurrence | None = None
+    second: Occurrence | None = None
     message: str
     detail: str | None = None
     count: int = 1

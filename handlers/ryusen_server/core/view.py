@@ -7,7 +7,7 @@ from typing import Any
 
 from ryusen._internal.wire import Phase
 
-from .model import Attempt, Outcome, Recovery, RunPhase, RunState, StepState
+from .model import Attempt, Blocker, BlockerType, Outcome, Recovery, RunPhase, RunState, StepState
 
 _OUTCOME_WORDS = {
     Outcome.COMPLETED: "completed",
@@ -22,6 +22,39 @@ _RECOVERY_WORDS = {
     Recovery.COMPENSATED: "fully compensated",
     Recovery.PARTIALLY_COMPENSATED: "partially compensated",
 }
+
+
+REMEDIES = {
+    BlockerType.DUPLICATE_STEP_ID: (
+        "Forward work is blocked, not failed, and nothing is compensated. Give one of the two calls another"
+        " step id and sync the app: the new release wakes the run; or rediscover once fixed."
+    ),
+    BlockerType.CONCURRENT_STEP: (
+        "Ryusen runs one step at a time: await each step.run before starting the next (no asyncio.gather,"
+        " threads, or step.run inside a callback), then sync the app: the new release wakes the run."
+    ),
+    BlockerType.NEW_STEP_BEFORE_TARGET: (
+        "Current code reaches a step with no recorded outcome before the step whose compensation is due,"
+        " so the compensator cannot be reached. Sync a release that reaches the target first (or no longer"
+        " calls the new step): the unwind goes on. If you undid the effect yourself, resolve the compensation."
+    ),
+    BlockerType.OUTPUT_TOO_LARGE: (
+        "The function's return value is over the value limit. Sync a release that returns less (keep large data"
+        " elsewhere and return a reference): the run wakes and completes. Its steps are not compensated."
+    ),
+    BlockerType.FUNCTION_NOT_FOUND: (
+        "The endpoint's current code has no such function. Sync a release that has it again: the run wakes."
+    ),
+    BlockerType.UNKNOWN_OUTCOME: (
+        "Ryusen cannot know whether this attempt's effect happened, so it neither retries nor compensates past"
+        " it. A late result settles it; or resolve it once you know what it did."
+    ),
+}
+"""What an operator can do about each blocker, shown with it in the API, the CLI and the dev UI."""
+
+
+def blocker_view(blocker: Blocker) -> dict[str, Any]:
+    return {**blocker.model_dump(mode="json", exclude_none=True), "remedy": REMEDIES[blocker.type]}
 
 
 def summary(state: RunState) -> str:
@@ -104,7 +137,7 @@ def run_view(state: RunState) -> dict[str, Any]:
         "idempotency_key": state.idempotency_key,
         "deadline": {"at": _iso(state.deadline_at), "source": state.deadline_source.value},
         "stop_intent": state.stop_intent.model_dump(mode="json") if state.stop_intent else None,
-        "blockers": [b.model_dump(mode="json", exclude_none=True) for b in state.blockers],
+        "blockers": [blocker_view(b) for b in state.blockers],
         "discovery": state.discovery.model_dump(mode="json") if state.discovery else None,
         "discoveries": state.discoveries,
         "steps": [step_view(s) for s in state.steps],

@@ -69,20 +69,28 @@ function attempts(list){
     ${a.error?`<br>&nbsp;&nbsp;${esc(a.error.type)}: ${esc(a.error.message)}`:""}${a.detail?`<br>&nbsp;&nbsp;${esc(a.detail)}`:""}
     ${a.stale_submissions.length?`<br>&nbsp;&nbsp;${a.stale_submissions.length} stale submission(s)`:""}</div>`).join("");
 }
+const CALLS = {  // how a blocker names the two calls it is about
+  duplicate_step_id: [["first", "first at"], ["duplicate", "again at"]],
+  concurrent_step: [["first", "open step"], ["second", "then started"]],
+  new_step_before_target: [["first", "new step"], ["second", "before target"]],
+};
+function calls(b){
+  const parts = (CALLS[b.type]||[]).filter(([k]) => b[k]).map(([k, label]) =>
+    `${label} ${b[k].step_id?`<code>${esc(b[k].step_id)}</code> at `:""}${esc(b[k].location||"?")}${b[k].name?` (${esc(b[k].name)})`:""}`);
+  return parts.length ? `<br><span class="att">${parts.join(", ")}</span>` : "";
+}
 function renderRun(r){
   if (r.error && r.error.code) { document.getElementById("detail").innerHTML = `<p>${esc(r.error.message)}</p>`; return; }
   window.currentBlockers = r.blockers;
-  const blockers = r.blockers.map((b, i) => `<div class="blocker"><b>${esc(b.type)}</b> on <code>${esc(b.step_id)}</code>: ${esc(b.message)}
+  const blockers = r.blockers.map((b, i) => `<div class="blocker"><b>${esc(b.type)}</b>${b.step_id?` on <code>${esc(b.step_id)}</code>`:""}: ${esc(b.message)}
      ${b.count>1?` (seen ${b.count} times)`:""}${b.detail?`<br><span class="att">${esc(b.detail)}</span>`:""}
-     ${b.first?`<br><span class="att">first at ${esc(b.first.location)} (${esc(b.first.name)}), again at ${esc(b.duplicate.location)} (${esc(b.duplicate.name)})</span>`:""}
-     <br><span class="explain">${b.type!=="unknown_outcome"
-     ? "Forward work is blocked, not failed, and nothing is compensated. Fix the code and save: the new release wakes this run. Or rediscover now."
-     : "Ryusen cannot know whether this effect happened, so it neither retries nor compensates past it. A late result settles it; or decide:"}</span><br>
-     ${b.type!=="unknown_outcome"
-       ? `<button onclick="act('/v1/runs/${esc(r.id)}/rediscover')">Rediscover</button>`
-       : `<button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'succeed')">It succeeded…</button>
+     ${calls(b)}
+     <br><span class="explain">${esc(b.remedy)}</span><br>
+     ${b.type!=="unknown_outcome" ? `<button onclick="act('/v1/runs/${esc(r.id)}/rediscover')">Rediscover</button>` : ""}
+     ${b.type==="unknown_outcome" || (b.type==="new_step_before_target" && b.generation)
+       ? `<button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'succeed')">It succeeded…</button>
           <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'fail')">It failed…</button>
-          <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'retry')">Retry (same operation id)</button>`}</div>`).join("");
+          <button onclick="resolveUnknown('${esc(r.id)}', currentBlockers[${i}], 'retry')">Retry (same operation id)</button>` : ""}</div>`).join("");
   const steps = r.steps.map(s => `<tr><td><code>${esc(s.id)}</code><br><span class="att">${esc(s.name||"")} ${esc(s.location||"")}</span></td>
      <td>${badge(s.status)} ${s.has_compensation?"":'<span class="att">no compensator declared</span>'}
      ${s.result!==null?`<pre>${esc(JSON.stringify(s.result))}</pre>`:""}${s.error?`<div class="att">${esc(s.error.type)}: ${esc(s.error.message)}</div>`:""}

@@ -25,18 +25,14 @@ from pydantic import ValidationError
 
 from .errors import DefinitionError
 from .signing import SIGNATURE_HEADER, SignatureError, sign, verify
-from .step import AsyncStep, Step, Suspend, _Replay, check_value, error_info
+from .step import AsyncStep, CallbackInterruptedError, Step, Suspend, _Replay
 from .wire import (
     CallbackFailed,
     CallbackSucceeded,
-    ErrorInfo,
-    FunctionCompleted,
-    FunctionFailed,
     FunctionManifest,
     FunctionNotFound,
     LateResult,
     Manifest,
-    TargetNotFound,
     TaskKind,
     TaskRequest,
     TaskResponse,
@@ -155,7 +151,12 @@ class Ryusen:
     # ---- executing a task --------------------------------------------------
 
     def execute(self, request: TaskRequest) -> TaskResponse:
-        """Run one task to its outcome (synchronously; async functions get an event loop)."""
+        """Run one task to its outcome (synchronously; async functions get an event loop).
+
+        What the task reports is decided by the replay, never by how the function
+        ended: a callback that ran is reported even if the code around it raised
+        or returned early (decisions 16).
+        """
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
@@ -164,27 +165,30 @@ class Ryusen:
         replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
         try:
             output = registered.fn(request.input, Step(replay))
-        except Suspend as suspended:
-            return _respond(request, suspended.outcome)
+        except Suspend:
+            return _respond(request, replay.report())
         except Exception as exc:  # noqa: BLE001 - the function-level failure (entry adapter)
-            return _respond(request, FunctionFailed(error=error_info(exc)))
-        return _respond(request, _completed(request, output))
+            return _respond(request, replay.report(raised=exc))
+        return _respond(request, replay.report(output=output))
 
     async def execute_async(self, request: TaskRequest) -> TaskResponse:
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        raised: BaseException | None = None
+        output: Any = None
         try:
             if registered.is_async:
                 output = await registered.fn(request.input, AsyncStep(replay))
             else:
                 output = registered.fn(request.input, Step(replay))
-        except Suspend as suspended:
-            return _respond(request, suspended.outcome)
+        except Suspend:
+            pass
         except Exception as exc:  # noqa: BLE001
-            return _respond(request, FunctionFailed(error=error_info(exc)))
-        return _respond(request, _completed(request, output))
+            raised = exc
+        await replay.wait_for_callback()
+        return _respond(request, replay.report(output=output, raised=raised))
 
     def _not_found(self, request: TaskRequest) -> TaskResponse:
         detail = f"app {self.app_id!r} has no function {request.function_id!r}"
@@ -207,7 +211,10 @@ class Ryusen:
             request = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
-        response = self.execute(request)
+        try:
+            response = self.execute(request)
+        except CallbackInterruptedError as exc:
+            return self._error(500, "callback_interrupted", str(exc))
         self._submit_late(request, response)
         return self._reply(200, response.model_dump_json().encode())
 
@@ -221,7 +228,10 @@ class Ryusen:
             request = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
-        response = await self.execute_async(request)
+        try:
+            response = await self.execute_async(request)
+        except CallbackInterruptedError as exc:
+            return self._error(500, "callback_interrupted", str(exc))
         await asyncio.to_thread(self._submit_late, request, response)
         return self._reply(200, response.model_dump_json().encode())
 
@@ -311,23 +321,7 @@ def _run_coroutine(coro: Any) -> TaskResponse:
         return pool.submit(asyncio.run, coro).result()  # type: ignore[no-any-return]
 
 
-def _completed(request: TaskRequest, output: Any) -> FunctionCompleted | FunctionFailed | TargetNotFound:
-    if request.kind is not TaskKind.DISCOVER:
-        return TargetNotFound(detail=f"current code completes without reaching step {request.step_id!r}")
-    checked, problem = check_value(output, "output")
-    if problem is not None:
-        return FunctionFailed(error=problem)
-    return FunctionCompleted(output=checked)
-
-
 def _respond(request: TaskRequest, outcome: Any) -> TaskResponse:
     if request.kind is TaskKind.DISCOVER:
-        if isinstance(outcome, TargetNotFound):  # pragma: no cover - discovery never targets a step
-            outcome = FunctionFailed(error=ErrorInfo(type="target_not_found", message=outcome.detail))
         return TaskResponse(kind=request.kind, run_id=request.run_id, discovery=outcome)
-    if isinstance(outcome, FunctionFailed):
-        # the function raised before reaching the target step: current code does not reach it
-        outcome = TargetNotFound(
-            detail=f"current code fails before reaching step {request.step_id!r}: {outcome.error.message}"
-        )
     return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome)

@@ -23,6 +23,31 @@ class NoOperationError(RyusenError):
     code = "no_operation"
 
 
+class ConcurrentStepError(RyusenError):
+    """A ``step.run`` was started while another ``step.run`` of the same run was still open.
+
+    Ryusen runs one step at a time: ``asyncio.gather`` of two steps, a step
+    started from a thread, or a step started inside another step's callback is
+    refused, and the run gets a ``concurrent_step`` definition blocker naming
+    both steps (unless the open step's callback already ran, whose outcome is
+    reported first). Await each ``step.run`` before starting the next.
+
+    >>> err = ConcurrentStepError("hotel", open_step_id="flight")
+    >>> err.code, err.step_id, err.open_step_id
+    ('concurrent_step', 'hotel', 'flight')
+    """
+
+    code = "concurrent_step"
+
+    def __init__(self, step_id: str, *, open_step_id: str) -> None:
+        super().__init__(
+            f"step {step_id!r} was started while step {open_step_id!r} is still open;"
+            " Ryusen runs one step at a time: await each step.run before starting the next"
+        )
+        self.step_id = step_id
+        self.open_step_id = open_step_id
+
+
 class StepFailed(Exception):  # noqa: N818 - public name fixed by the contract
     """Raised by ``step.run`` on replay of a step whose retries are exhausted.
 

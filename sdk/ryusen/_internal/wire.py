@@ -137,15 +137,51 @@ class StepPlan(_Wire):
 
 
 class Occurrence(_Wire):
+    """Where a step was called: its id (when it differs from the conflict's), source location and display name."""
+
+    step_id: str | None = None
     location: DiagnosticText | None = None
     name: DiagnosticText | None = None
 
 
 class DuplicateStepConflict(_Wire):
+    """The same step id twice in one pass, found before the second callback could run (D1)."""
+
     code: Literal["duplicate_step_id"] = "duplicate_step_id"
     step_id: str
     first: Occurrence
     duplicate: Occurrence
+
+
+class ConcurrentStepConflict(_Wire):
+    """A second ``step.run`` opened while ``first`` was still open (decisions 18): one step at a time."""
+
+    code: Literal["concurrent_step"] = "concurrent_step"
+    first: Occurrence
+    second: Occurrence
+
+
+class NewStepBeforeTarget(_Wire):
+    """A compensation pass met ``first``, a step with no recorded outcome, before its target ``step_id`` (17)."""
+
+    code: Literal["new_step_before_target"] = "new_step_before_target"
+    step_id: str
+    first: Occurrence
+
+
+class OutputTooLarge(_Wire):
+    """The function returned an output over the value limit (decisions 20): a blocker, never a failure."""
+
+    code: Literal["output_too_large"] = "output_too_large"
+    size: int
+    limit: int
+
+
+DefinitionConflict = Annotated[
+    DuplicateStepConflict | ConcurrentStepConflict | NewStepBeforeTarget | OutputTooLarge,
+    Field(discriminator="code"),
+]
+"""What current code got wrong in a pass: recoverable by a release, the probe or an operator, never a failure."""
 
 
 class TaskRequest(_Wire):
@@ -184,7 +220,7 @@ class FunctionFailed(_Wire):
 
 class ConflictFound(_Wire):
     type: Literal["conflict"] = "conflict"
-    conflict: DuplicateStepConflict
+    conflict: DefinitionConflict
 
 
 class FunctionNotFound(_Wire):
@@ -210,14 +246,27 @@ class CallbackFailed(_Wire):
 
 
 class TargetNotFound(_Wire):
-    """Current code does not reach the step, or (compensation) declares no compensator."""
+    """The target callback was not entered in this pass (decisions 16), and current code does not call it.
+
+    Forward: the pass ended, or met another new step, before the target. Compensation: the function
+    ended without meeting the target or any step with no recorded outcome, or the target declares no
+    compensator; the engine records a durable skip.
+    """
 
     type: Literal["target_not_found"] = "target_not_found"
     detail: DiagnosticText = ""
 
 
+class ReplayFailed(_Wire):
+    """Code outside ``step.run`` raised before the pass reached its target; the target callback did not run."""
+
+    type: Literal["replay_failed"] = "replay_failed"
+    error: ErrorInfo
+
+
 AttemptResponse = Annotated[
-    CallbackSucceeded | CallbackFailed | TargetNotFound | ConflictFound | FunctionNotFound, Field(discriminator="type")
+    CallbackSucceeded | CallbackFailed | TargetNotFound | ReplayFailed | ConflictFound | FunctionNotFound,
+    Field(discriminator="type"),
 ]
 
 

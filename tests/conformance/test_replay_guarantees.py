@@ -1,0 +1,403 @@
+"""Decisions 16-20: what replay promises when the code around the steps misbehaves.
+
+A callback that ran is always reported (16); a compensation pass that cannot
+reach its target skips only when the step is gone from current code (17); two
+steps open at once are refused (18); an Unknown never becomes a failure by
+exhaustion (19); a large return value blocks instead of compensating (20).
+Each test here failed on the engine before these decisions were implemented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import ryusen
+from ryusen import AsyncStep, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.core.events import EngineSettings
+
+# ---- decision 16: a callback that ran is always reported ----------------------------------
+
+
+@pytest.mark.rfd("F2", "U1")
+def test_a_finally_that_raises_after_the_callback_does_not_run_it_again() -> None:
+    app = Ryusen("metrics")
+    calls: Counter[str] = Counter()
+
+    def charge() -> dict[str, str]:
+        calls["charge"] += 1
+        return {"id": "ch_1"}
+
+    def emit_metric() -> None:
+        calls["metric"] += 1
+        if calls["metric"] == 2:  # the pass that ran the charge: the metrics endpoint times out once
+            raise ConnectionError("metrics endpoint timed out")
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        try:
+            charged = step.run("charge", charge)
+        finally:
+            emit_metric()
+        return charged
+
+    run = WorkflowEnvironment(app).run("pay")
+    assert calls["charge"] == 1, "the charge ran again after its pass ended in an exception"
+    assert run.outcome == "completed" and run.output == {"id": "ch_1"}
+    assert [a["status"] for a in run.attempts("charge")] == ["succeeded"]
+
+
+@pytest.mark.rfd("F2", "C2")
+def test_code_that_swallows_the_suspension_and_returns_cannot_hide_a_callback_that_ran() -> None:
+    app = Ryusen("swallow")
+    calls: Counter[str] = Counter()
+
+    def charge() -> str:
+        calls["charge"] += 1
+        return "charged"
+
+    def refund(result: Any) -> str:
+        calls["refund"] += 1
+        return "refunded"
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        try:
+            step.run("charge", charge, compensate=refund)
+        except BaseException:  # noqa: BLE001 - the user code under test swallows everything
+            return "gave up"
+        if data["fail"]:
+            raise RuntimeError("ledger rejected")
+        return "done"
+
+    env = WorkflowEnvironment(app)
+    run = env.run("pay", {"fail": False})
+    assert calls["charge"] == 1 and run.output == "done"
+    failed = env.run("pay", {"fail": True})
+    assert calls == Counter({"charge": 2, "refund": 1})  # one charge for each run, and its refund ran
+    assert failed.summary == "failed, fully compensated"
+    assert failed.step("charge")["compensation"]["status"] == "compensated"
+
+
+# ---- decision 17: a compensation pass that cannot reach its target ------------------------
+
+
+def trip_app(calls: Counter[str], *, config_fails_on: int | None = None, insert: bool = False) -> Ryusen:
+    app = Ryusen("trip", release_id="insert" if insert else "base", build_id="insert" if insert else "base")
+
+    def read_config() -> dict[str, Any]:
+        calls["config"] += 1
+        if calls["config"] == config_fails_on:
+            raise TimeoutError("config service timed out")
+        return {"currency": "EUR"}
+
+    def undo(name: str) -> Any:
+        def compensate(result: Any) -> str:
+            calls[f"undo-{name}"] += 1
+            return f"undid {result}"
+
+        return compensate
+
+    @app.function("trip")
+    def trip(data: Any, step: Step) -> Any:
+        read_config()
+        if insert:  # a new release adds a step before the others
+            step.run("insurance", lambda: calls.update(["insurance"]) or "policy-1", compensate=undo("insurance"))
+        step.run("flight", lambda: calls.update(["flight"]) or "F1", compensate=undo("flight"))
+        step.run("hotel", lambda: calls.update(["hotel"]) or "H1", compensate=undo("hotel"))
+        raise RuntimeError("payment revoked")
+
+    return app
+
+
+@pytest.mark.rfd("C2", "C4")
+def test_an_exception_outside_step_run_during_compensation_is_a_failed_attempt_not_a_skip() -> None:
+    calls: Counter[str] = Counter()
+    # passes: discovery 1, flight, discovery 2, hotel, discovery 3 (fails the run), compensate hotel (call 6)
+    run = WorkflowEnvironment(trip_app(calls, config_fails_on=6)).run("trip")
+    assert calls["undo-hotel"] == 1 and calls["undo-flight"] == 1
+    assert run.summary == "failed, fully compensated"
+    attempts = run.attempts("hotel", "compensation")
+    assert [a["status"] for a in attempts] == ["failed", "succeeded"]
+    assert attempts[0]["error"]["type"] == "TimeoutError"
+    assert run.step("hotel")["compensation"]["status"] == "compensated"
+
+
+@pytest.mark.rfd("C2", "C6")
+def test_compensation_passes_that_keep_failing_end_partially_compensated() -> None:
+    app = Ryusen("flaky-config")
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        if calls["undo-a"] == 0 and calls["passes"] >= 3:
+            raise TimeoutError("config service down")  # every pass after the run failed
+        calls["passes"] += 1
+        step.run("a", lambda: "A", compensate=lambda r: calls.update(["undo-a"]))
+        raise RuntimeError("rejected")
+
+    compensate = RetryPolicy(max_attempts=3, initial_delay=timedelta(seconds=1)).to_wire()
+    run = WorkflowEnvironment(app, settings=EngineSettings(compensate_retry=compensate)).run("wf")
+    assert run.summary == "failed, partially compensated"
+    assert [a["status"] for a in run.attempts("a", "compensation")] == ["failed"] * 3
+    assert run.step("a")["compensation"]["status"] == "failed" and calls["undo-a"] == 0
+
+
+@pytest.mark.rfd("C2", "D1", "D2", "D5", "R1", "R3")
+def test_a_release_that_adds_a_step_before_the_target_blocks_the_unwind_until_fixed() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(trip_app(calls))
+    run_id = env.start("trip")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(trip_app(calls, insert=True))  # deployed while the unwind is under way
+    run = env.wait(run_id)
+    assert run.phase == "compensating" and run.outcome == "failed" and run.recovery == "compensating"
+    [blocker] = run.blockers
+    assert blocker["type"] == "new_step_before_target"
+    assert blocker["step_id"] == "hotel" and blocker["phase"] == "compensation"
+    assert blocker["first"]["step_id"] == "insurance" and blocker["first"]["location"].startswith(
+        "test_replay_guarantees.py:"
+    )
+    assert blocker["second"]["step_id"] == "hotel" and blocker["second"]["location"]
+    assert calls["undo-hotel"] == 0 and calls["insurance"] == 0  # nothing ran, nothing was skipped
+    assert run.step("hotel")["compensation"]["status"] == "pending"
+    assert "compensated" not in run.summary
+    # a release that no longer adds it wakes the run, and every compensator runs
+    env.sync(trip_app(calls))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated"
+    assert calls["undo-hotel"] == 1 and calls["undo-flight"] == 1
+
+
+@pytest.mark.rfd("C2", "U3", "U5")
+def test_an_operator_may_resolve_a_compensation_blocked_by_a_new_step() -> None:
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(trip_app(calls))
+    run_id = env.start("trip")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(trip_app(calls, insert=True))
+    [blocker] = env.wait(run_id).blockers
+    env.resolve(
+        run_id, "hotel", phase="compensation", generation=blocker["generation"], action="succeed", result="by hand"
+    )
+    # repeating it is idempotent
+    env.resolve(
+        run_id, "hotel", phase="compensation", generation=blocker["generation"], action="succeed", result="by hand"
+    )
+    run = env.wait(run_id)
+    assert run.step("hotel")["compensation"] == {"status": "compensated", "result": "by hand", "error": None}
+    # the next target, flight, meets the same new step: blocked again rather than skipped
+    assert run.blockers[0]["type"] == "new_step_before_target" and run.blockers[0]["step_id"] == "flight"
+    env.sync(trip_app(calls))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated" and calls["undo-hotel"] == 0 and calls["undo-flight"] == 1
+
+
+@pytest.mark.rfd("C2")
+def test_a_function_that_ends_before_the_target_skips_it_as_removed_from_current_code() -> None:
+    calls: Counter[str] = Counter()
+
+    def build(*, removed: bool) -> Ryusen:
+        app = Ryusen("removed", release_id=str(removed), build_id=str(removed))
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            step.run("a", lambda: "A", compensate=lambda r: calls.update(["undo-a"]))
+            try:
+                step.run("b", lambda: 1 / 0, retry=RetryPolicy(max_attempts=1))
+            except StepFailed:
+                if removed:
+                    return "handled"  # current code ends here: step c is gone
+            step.run("c", lambda: "C", compensate=lambda r: calls.update(["undo-c"]))
+            raise RuntimeError("rejected")
+
+        return app
+
+    env = WorkflowEnvironment(build(removed=False))
+    run_id = env.start("wf")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(build(removed=True))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated"
+    assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [("c", "skipped"), ("a", "compensated")]
+    assert calls == Counter({"undo-a": 1})
+    assert run.attempts("c", "compensation")[0]["detail"].startswith("target_not_found")
+
+
+# ---- decision 18: one step at a time --------------------------------------------------------
+
+
+@pytest.mark.rfd("D1", "D2", "D7")
+def test_two_steps_at_once_are_refused_with_a_definition_blocker() -> None:
+    from ryusen import ConcurrentStepError
+
+    app = Ryusen("parallel")
+    calls: Counter[str] = Counter()
+    seen: list[Any] = []
+
+    async def book(what: str) -> str:
+        calls[what] += 1
+        await asyncio.sleep(0)
+        return f"{what}-booked"
+
+    @app.function("trip")
+    async def trip(data: Any, step: AsyncStep) -> Any:
+        results = await asyncio.gather(
+            step.run("flight", book, "flight", name="book flight"),
+            step.run("hotel", book, "hotel", name="book hotel"),
+            return_exceptions=True,  # even code that goes on with whatever came back cannot run both
+        )
+        seen.extend(results)
+        return "both booked"
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("trip")
+    env.drive(max_transitions=200, stop_when_blocked=run_id)
+    run = env.get(run_id)
+    assert calls == Counter(), "a callback ran although two steps were open at once"
+    assert run.phase == "running" and run.outcome is None
+    [blocker] = run.blockers
+    assert blocker["type"] == "concurrent_step"
+    assert (blocker["first"]["step_id"], blocker["second"]["step_id"]) == ("flight", "hotel")
+    assert blocker["first"]["name"] == "book flight" and blocker["second"]["location"]
+    assert "flight" in blocker["message"] and "hotel" in blocker["message"]
+    refused = [r for r in seen if isinstance(r, ConcurrentStepError)]
+    assert refused and (refused[0].open_step_id, refused[0].step_id) == ("flight", "hotel")
+    # the probe finds the same conflict: diagnostics only, nothing runs (D7)
+    env.advance(timedelta(minutes=2))
+    env.drive(max_transitions=50, stop_when_blocked=run_id)
+    assert env.get(run_id).blockers[0]["count"] >= 2 and calls == Counter()
+
+
+@pytest.mark.rfd("F2")
+def test_a_step_opened_inside_another_steps_callback_is_refused_and_the_outer_callback_runs_once() -> None:
+    from ryusen import ConcurrentStepError
+
+    app = Ryusen("nested")
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        def outer() -> str:
+            calls["outer"] += 1
+            try:
+                step.run("inner", lambda: calls.update(["inner"]))
+            except ConcurrentStepError as exc:
+                return f"refused: {exc.step_id} inside {exc.open_step_id}"
+            return "nested ran"
+
+        return step.run("outer", outer)
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.output == "refused: inner inside outer"
+    assert calls == Counter({"outer": 1})
+
+
+# ---- decision 19: an Unknown never becomes a failure by exhaustion ---------------------------
+
+
+@pytest.mark.rfd("U1", "U10", "U2")
+def test_on_unknown_retry_with_no_retry_left_stays_unknown() -> None:
+    app = Ryusen("retry-unknown")
+    calls: Counter[str] = Counter()
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        step.run(
+            "charge",
+            lambda: calls.update(["charge"]) or {"gen": ryusen.operation().generation},
+            compensate=lambda r: calls.update(["refund"]),
+            retry=RetryPolicy(max_attempts=2, on_unknown="retry"),
+        )
+        raise RuntimeError("ledger rejected")
+
+    env = WorkflowEnvironment(app)
+    env.faults.lose_result("charge", times=2)
+    run_id = env.start("pay")
+    run = env.wait(run_id)
+    assert calls["charge"] == 2
+    assert [a["status"] for a in run.attempts("charge")] == ["failed", "unknown"]
+    assert run.step("charge")["status"] == "unknown" and run.outcome is None
+    [blocker] = run.blockers
+    assert blocker["type"] == "unknown_outcome" and blocker["generation"] == 2
+    # the late result of the second attempt settles it; then the run fails and both charges' step is refunded
+    env.deliver_late_result(run_id, "charge", generation=2)
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated" and calls["refund"] == 1
+
+
+# ---- decision 20: a large return value blocks, it does not compensate ------------------------
+
+
+@pytest.mark.rfd("F12", "D5", "C9")
+def test_an_output_over_the_limit_blocks_the_run_instead_of_compensating_it() -> None:
+    calls: Counter[str] = Counter()
+
+    def build(size: int) -> Ryusen:
+        app = Ryusen("report", release_id=f"r{size}", build_id=f"b{size}")
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            step.run("charge", lambda: calls.update(["charge"]) or "ok", compensate=lambda r: calls.update(["undo"]))
+            return "x" * size
+
+        return app
+
+    env = WorkflowEnvironment(build(300 * 1024))
+    run_id = env.start("wf")
+    run = env.wait(run_id)
+    assert calls == Counter({"charge": 1}), "a successful run was compensated for its return value"
+    assert run.phase == "running" and run.outcome is None and run.output is None
+    [blocker] = run.blockers
+    assert blocker["type"] == "output_too_large" and "307202 bytes" in blocker["message"]
+    env.sync(build(10))  # a release that returns less wakes the run
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.output == "x" * 10 and run.blockers == []
+    assert calls == Counter({"charge": 1})
+
+
+@pytest.mark.rfd("F12")
+def test_an_output_over_the_engines_own_limit_blocks_too() -> None:
+    app = Ryusen("small-limit")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return "y" * 2000
+
+    run = WorkflowEnvironment(app, settings=EngineSettings(max_value_bytes=1024)).run("wf")
+    assert run.outcome is None and run.blockers[0]["type"] == "output_too_large"
+
+
+@pytest.mark.rfd("F2", "R1")
+def test_a_release_that_starts_two_steps_at_once_mid_attempt_reports_the_running_callback_once() -> None:
+    calls: Counter[str] = Counter()
+
+    async def book(what: str) -> str:
+        calls[what] += 1
+        await asyncio.sleep(0)  # the callback is still running when the second step.run starts
+        return f"{what}-booked"
+
+    def build(*, gather: bool) -> Ryusen:
+        app = Ryusen("parallel-later", release_id=str(gather), build_id=str(gather))
+
+        @app.function("trip")
+        async def trip(data: Any, step: AsyncStep) -> Any:
+            if gather:
+                return list(await asyncio.gather(step.run("flight", book, "flight"), step.run("hotel", book, "hotel")))
+            return [await step.run("flight", book, "flight"), await step.run("hotel", book, "hotel")]
+
+        return app
+
+    env = WorkflowEnvironment(build(gather=False))
+    run_id = env.start("trip")
+    env.drive(until=lambda: any(t.kind.value == "forward" for t in env.pending_tasks()))
+    env.sync(build(gather=True))  # deployed between discovery and the flight attempt
+    run = env.wait(run_id)
+    assert calls == Counter({"flight": 1, "hotel": 1})
+    assert [a["status"] for a in run.attempts("flight")] == ["succeeded"]
+    assert run.outcome == "completed" and run.output == ["flight-booked", "hotel-booked"]
