@@ -71,8 +71,12 @@ run has a key; ``save`` is one Put conditioned on ``version = :expected``
 failed condition becomes :class:`RunExistsError` or
 :class:`VersionConflictError` carrying the current item, read from the error
 itself (``ReturnValuesOnConditionCheckFailure=ALL_OLD``), never by a second
-request. Every request is counted as ``dynamodb.read`` or ``dynamodb.write``
-(a transaction or batch is one request; writes also add their item bytes).
+request. Every run write carries a fresh ``write_token``: when botocore
+retries a write whose first try committed but whose reply was lost, the retry
+fails its own condition, and the token on the item it finds tells the store
+that the write was its own (a success), not someone else's. Every request is
+counted as ``dynamodb.read`` or ``dynamodb.write`` (a transaction or batch is
+one request; writes also add their item bytes).
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ import binascii
 import hashlib
 import json
 import logging
+import secrets
 import threading
 import time
 import zlib
@@ -131,6 +136,17 @@ VALUE_CACHE_BYTES = 64 * 1024 * 1024
 _RELEASE = TypeAdapter(Release)
 _CURSOR_KEYS = frozenset({"pk", "sk", "list_pk", "list_sk"})
 _TRANSIENT_RETRIES = 5
+
+
+def _with_write_token(item: dict[str, AttributeValueTypeDef]) -> tuple[dict[str, AttributeValueTypeDef], str]:
+    """``item`` marked with a token of its own write (see the module docstring)."""
+    token = secrets.token_hex(12)
+    return {**item, "write_token": {"S": token}}, token
+
+
+def _written_by(item: Mapping[str, Any] | None, token: str) -> bool:
+    """Is ``item`` (returned by a failed condition) the one this write's earlier try put?"""
+    return bool(item) and cast("Mapping[str, Any]", item).get("write_token", {}).get("S") == token
 
 
 def _run_key(run_id: str) -> dict[str, AttributeValueTypeDef]:
@@ -352,11 +368,19 @@ class DynamoStore:
             self._put_new_run_with_key(state, run, state.idempotency_key)
 
     def _put_new_run(self, state: RunState, run: dict[str, AttributeValueTypeDef]) -> None:
+        run, token = _with_write_token(run)
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
-            self._client.put_item(TableName=self.table_name, Item=run, ConditionExpression="attribute_not_exists(pk)")
+            self._client.put_item(
+                TableName=self.table_name,
+                Item=run,
+                ConditionExpression="attribute_not_exists(pk)",
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
         except ClientError as exc:
             if _error_code(exc) == "ConditionalCheckFailedException":
+                if _written_by(cast("Mapping[str, Any]", exc.response).get("Item"), token):
+                    return  # our first try committed; this was botocore's retry of it
                 raise RunExistsError(state.id) from None
             if _is_item_too_large(exc):
                 raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
@@ -369,6 +393,7 @@ class DynamoStore:
         }
         if len(_idempotency_pk(state.function_id, key).encode()) > MAX_KEY_BYTES:
             raise InvalidRequestError("idempotency key is too long", code="idempotency_key_too_long")
+        run, token = _with_write_token(run)
         for attempt in range(_TRANSIENT_RETRIES):
             self.counter.add("dynamodb.write", _item_bytes(run) + _item_bytes(idem))
             try:
@@ -379,6 +404,7 @@ class DynamoStore:
                                 "TableName": self.table_name,
                                 "Item": run,
                                 "ConditionExpression": "attribute_not_exists(pk)",
+                                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
                             }
                         },
                         {
@@ -395,10 +421,13 @@ class DynamoStore:
             except ClientError as exc:
                 if _error_code(exc) != "TransactionCanceledException":
                     raise
-                reasons = [r.get("Code", "None") for r in exc.response.get("CancellationReasons", [])]
+                cancelled = cast("list[Mapping[str, Any]]", exc.response.get("CancellationReasons", []))
+                reasons = [r.get("Code", "None") for r in cancelled]
+                if reasons and reasons[0] == "ConditionalCheckFailed" and _written_by(cancelled[0].get("Item"), token):
+                    return  # our first try committed (AWS answers a retry with the same request token so, moto not)
                 if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
                     # the key is taken (checked before the run id, as MemoryStore does)
-                    holder = cast("Mapping[str, Any]", exc.response["CancellationReasons"][1]).get("Item")
+                    holder = cancelled[1].get("Item")
                     raise RunExistsError(self._key_holder(holder, state.function_id, key) or state.id) from None
                 if len(reasons) == 2 and reasons[0] == "ConditionalCheckFailed":
                     raise RunExistsError(state.id) from None
@@ -422,7 +451,7 @@ class DynamoStore:
 
     def save(self, state: RunState, *, expected_version: int) -> None:
         encoded = self._write_values_and_encode(state)
-        run = encoded.item
+        run, token = _with_write_token(encoded.item)
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
             self._client.put_item(
@@ -436,6 +465,8 @@ class DynamoStore:
             if _error_code(exc) == "ConditionalCheckFailedException":
                 # the stored run (if any) comes back in the error: no second read
                 current = cast("Mapping[str, Any]", exc.response).get("Item")
+                if _written_by(current, token):
+                    return  # our first try committed; this was botocore's retry of it
                 raise VersionConflictError(self._decode([current])[0] if current else None) from None
             if _is_item_too_large(exc):
                 raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None

@@ -1,0 +1,125 @@
+"""A DynamoDB write whose first try committed but whose answer was lost (shared/facts/aws.md).
+
+boto3 retries such a request, and the retry then fails its own condition. The store must tell its
+own committed write from someone else's, or a created run is never dispatched and a decision's
+commands (the invocation of an authorized attempt) are dropped. These tests make botocore retry the
+first try of every conditional write once, after it committed, the way a lost reply does on AWS.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ryusen import Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.aws.store import DynamoStore, create_table
+from ryusen_server.core.decide import decide
+from ryusen_server.core.events import EngineSettings, StartRun
+from tests.functional.test_store_contract import T0
+
+WRITES = ("PutItem", "TransactWriteItems")
+
+
+class LostReplies:
+    """Makes botocore retry the first try of chosen writes although it committed (its reply "was lost")."""
+
+    def __init__(self, client: Any) -> None:
+        self.lost: Counter[str] = Counter()
+        self.armed = True
+        for operation in WRITES:
+            client.meta.events.register(f"needs-retry.dynamodb.{operation}", self._needs_retry)
+
+    def _needs_retry(self, response: Any, attempts: int, caught_exception: Any, operation: Any, **_: Any) -> Any:
+        if not self.armed or attempts != 1 or caught_exception is not None or response is None:
+            return None
+        if response[0].status_code != 200:
+            return None
+        self.lost[operation.name] += 1
+        return 0  # retry at once: botocore sends the same request again
+
+
+@pytest.fixture
+def dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DynamoStore, LostReplies]]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        create_table(client, "ryusen-test")
+        yield DynamoStore(client, "ryusen-test"), LostReplies(client)
+
+
+def new_run(run_id: str, key: str | None = None) -> Any:
+    start = StartRun(run_id=run_id, app_id="a", function_id="f", input={"n": 1}, idempotency_key=key)
+    return decide(None, start, now=T0, settings=EngineSettings()).state
+
+
+def test_a_create_whose_reply_was_lost_is_recognised_as_its_own(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    store, replies = dynamo
+    store.create(new_run("run_1"))  # before the fix: RunExistsError("run_1"), its own write
+    assert replies.lost["PutItem"] == 1
+    assert store.get("run_1") is not None
+
+
+def test_a_create_with_a_key_whose_reply_was_lost_is_recognised(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    store, replies = dynamo
+    store.create(new_run("run_1", key="order-7"))
+    assert replies.lost["TransactWriteItems"] == 1
+    assert store.run_for_idempotency_key("f", "order-7") == "run_1"
+
+
+def test_a_save_whose_reply_was_lost_is_recognised_as_its_own(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    store, replies = dynamo
+    replies.armed = False
+    state = new_run("run_1")
+    store.create(state)
+    replies.armed = True
+    moved = state.model_copy(update={"version": state.version + 1})
+    store.save(moved, expected_version=state.version)  # before the fix: VersionConflictError with itself
+    assert replies.lost["PutItem"] == 1
+    stored = store.get("run_1")
+    assert stored is not None and stored.version == moved.version
+
+
+def test_someone_elses_write_is_still_a_conflict(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    from ryusen_server.ports import RunExistsError, VersionConflictError
+
+    store, replies = dynamo
+    replies.armed = False
+    state = new_run("run_1")
+    store.create(state)
+    with pytest.raises(RunExistsError):
+        store.create(new_run("run_1"))
+    store.save(state.model_copy(update={"version": 2}), expected_version=1)
+    with pytest.raises(VersionConflictError) as conflict:
+        store.save(state.model_copy(update={"version": 2}), expected_version=1)
+    assert conflict.value.current is not None and conflict.value.current.version == 2
+
+
+def test_runs_complete_when_every_first_write_loses_its_reply() -> None:
+    app = Ryusen("lost-replies")
+    calls: Counter[str] = Counter()
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        charged = step.run("charge", lambda: calls.update(["charge"]) or "charged")
+        step.run("receipt", lambda: calls.update(["receipt"]) or "sent")
+        if data.get("fail"):
+            raise RuntimeError("rejected")
+        return charged
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        assert isinstance(env.store, DynamoStore)
+        replies = LostReplies(env.store._client)
+        run = env.run("pay", {})
+        keyed = env.engine.start_run("pay", {"fail": True}, idempotency_key="k1")[0].id
+        failed = env.wait(keyed)
+    assert replies.lost["PutItem"] > 5 and replies.lost["TransactWriteItems"] == 1
+    assert run.outcome == "completed" and run.blockers == []  # no spurious Unknown, no stuck run
+    assert failed.summary == "failed, fully compensated"  # two skips: no compensators
+    assert calls == Counter({"charge": 2, "receipt": 2})
