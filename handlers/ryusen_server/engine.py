@@ -70,6 +70,25 @@ from .ports import (
 log = logging.getLogger("ryusen.engine")
 
 MAX_RACES = 50
+RESPONSE_GRACE_S = 2.0
+"""How long past the ``respond_by`` it gave the SDK a dispatcher still listens for the HTTP answer."""
+DISPATCH_MARGIN_S = 10.0
+"""What a dispatcher keeps of its time budget to record an answer after it arrives."""
+MIN_DISPATCH_BUDGET_S = DISPATCH_MARGIN_S + RESPONSE_GRACE_S + 3.0
+"""A dispatcher with less time left than this does not start a task (the message comes back)."""
+
+
+def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[datetime, datetime]:
+    """An authorized task's lease expiry, and when its endpoint must have answered (the attempt's timeout)."""
+    if task.kind is TaskKind.DISCOVER:
+        d = state.discovery
+        assert d is not None and d.authorized_at is not None and d.lease_expires_at is not None
+        return d.lease_expires_at, d.authorized_at + timedelta(seconds=settings.attempt_timeout_s)
+    assert task.step_id is not None and task.phase is not None and task.generation is not None
+    step = state.step(task.step_id)
+    attempt = step.attempt(task.phase, task.generation) if step else None
+    assert attempt is not None and attempt.lease_expires_at is not None and attempt.respond_by is not None
+    return attempt.lease_expires_at, attempt.respond_by
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,8 +322,23 @@ class Engine:
 
     # ---- dispatch ---------------------------------------------------------------------
 
-    def deliver(self, task: TaskRef) -> Delivered:
-        """Handle one dispatch message: authorize, invoke, and record what came back."""
+    def deliver(
+        self,
+        task: TaskRef,
+        *,
+        budget_s: float | None = None,
+        on_authorized: Callable[[float], None] | None = None,
+    ) -> Delivered:
+        """Handle one dispatch message: authorize, invoke, and record what came back.
+
+        ``budget_s`` is how long the caller may still run (a Lambda's remaining time): the dispatcher
+        stops listening for the endpoint's answer in time to record it, and tells the SDK to submit a
+        later answer to the result endpoint instead. ``on_authorized(lease_s)`` is called once the
+        task is authorized, before the endpoint is invoked: the dispatcher makes its message invisible
+        for the lease, so a dispatcher that dies mid-attempt is noticed when the lease expires.
+        """
+        if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
+            return Delivered(done=False)  # too little time left to hear an answer: the message comes back
         state = self.store.get(task.run_id)
         if state is None:
             return Delivered(done=True)
@@ -315,38 +349,56 @@ class Engine:
             if isinstance(command, RedeliverLater):
                 return Delivered(done=False, redeliver_after_s=command.delay_s)
             if isinstance(command, InvokeTask) and release is not None:
-                self._invoke(decision.state, command.task, release)
+                return self._invoke(decision.state, command.task, release, budget_s, on_authorized)
         return Delivered(done=True)
 
-    def _invoke(self, state: RunState, task: TaskRef, release: Release) -> None:
-        request, timeout_s = self._task_request(state, task)
+    def _invoke(
+        self,
+        state: RunState,
+        task: TaskRef,
+        release: Release,
+        budget_s: float | None,
+        on_authorized: Callable[[float], None] | None,
+    ) -> Delivered:
+        now = self.clock()
+        lease_at, respond_by = _window(state, task, self.settings.engine)
+        if on_authorized is not None:
+            on_authorized(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
+        listen_until, cut = respond_by, False
+        if budget_s is not None:
+            latest = now + timedelta(seconds=budget_s - DISPATCH_MARGIN_S - RESPONSE_GRACE_S)
+            if latest < respond_by:
+                listen_until, cut = latest, True
+        request = self._task_request(state, task, respond_by=listen_until)
         body = request.model_dump_json().encode()
         headers = {"content-type": "application/json"}
         key = self.settings.signing_key
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
         self._emit("invoke", (task, release.url))
+        timeout_s = max(1.0, (listen_until - now).total_seconds()) + RESPONSE_GRACE_S
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
         self._emit("invoked", (task, result))
-        event = self._event_for(task, result)
-        self.apply(task.run_id, event, known=state)
+        if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
+            # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
+            # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
+            # the message, the lease timer, comes back when the lease expires if nothing arrives.
+            return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
+        self.apply(task.run_id, self._event_for(task, result), known=state)
+        return Delivered(done=True)
 
-    def _task_request(self, state: RunState, task: TaskRef) -> tuple[TaskRequest, float]:
+    def _task_request(self, state: RunState, task: TaskRef, *, respond_by: datetime) -> TaskRequest:
         entries = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}
         if task.kind is TaskKind.DISCOVER:
-            timeout = self.settings.engine.attempt_timeout_s
-            req = TaskRequest(
+            return TaskRequest(
                 kind=task.kind, run_id=state.id, function_id=state.function_id, input=state.input, memo=entries
             )
-            return req, timeout
         assert task.step_id is not None and task.generation is not None and task.phase is not None
         step = state.step(task.step_id)
         assert step is not None
         attempt = step.attempt(task.phase, task.generation)
-        assert attempt is not None and attempt.respond_by is not None
-        declared = step.timeout_s if task.phase is Phase.FORWARD else step.compensate_timeout_s
-        timeout = declared or self.settings.engine.attempt_timeout_s
-        req = TaskRequest(
+        assert attempt is not None
+        return TaskRequest(
             kind=task.kind,
             run_id=state.id,
             function_id=state.function_id,
@@ -356,9 +408,8 @@ class Engine:
             operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
             result_url=self.settings.result_url,
-            respond_by=attempt.respond_by.timestamp(),
+            respond_by=respond_by.timestamp(),
         )
-        return req, timeout
 
     def _event_for(self, task: TaskRef, result: Any) -> Event:
         if result.kind == "unreachable":

@@ -31,7 +31,7 @@ class HttpInvoker:
         except httpx.ConnectTimeout as exc:
             return InvokeResult(kind="unreachable", detail=f"connect timed out: {exc}")
         except httpx.TimeoutException as exc:
-            return InvokeResult(kind="lost", detail=f"no response within {timeout_s:g}s after sending: {exc}")
+            return InvokeResult(kind="timed_out", detail=f"no response within {timeout_s:g}s after sending: {exc}")
         except httpx.HTTPError as exc:
             return InvokeResult(kind="lost", detail=f"connection lost after sending: {type(exc).__name__}: {exc}")
         return InvokeResult(

@@ -154,7 +154,9 @@ class TimerService(Protocol):
 class InvokeResult:
     """What came back from one HTTP invocation of a user endpoint."""
 
-    kind: str  # "response" | "unreachable" | "lost"
+    kind: str
+    """``response``; ``unreachable`` (nothing was sent); ``timed_out`` (sent, no answer in time); ``lost``
+    (sent, then the connection dropped)."""
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""

@@ -32,10 +32,29 @@ class ReceivingQueue(Protocol):
     def change_visibility(self, message_id: str, delay_s: float) -> None: ...
 
 
+LEASE_TOLERANCE_S = 2.0
+"""A message already invisible for about the lease is left as it is (no ChangeMessageVisibility)."""
+
+
+def lease_keeper(change_visibility: Callable[[float], None], visible_after_s: float | None) -> Callable[[float], None]:
+    """``on_authorized`` for a received message: make it invisible for the task's lease, so that it
+    comes back (and the attempt's lease is checked) when the lease expires, not when the visibility
+    the message was received with runs out. ``visible_after_s``: that visibility, if known."""
+
+    def keep(lease_s: float) -> None:
+        if visible_after_s is not None and abs(lease_s - visible_after_s) <= LEASE_TOLERANCE_S:
+            return
+        change_visibility(lease_s)
+
+    return keep
+
+
 def handle_message(engine: Engine, queue: ReceivingQueue, message: ReceivedMessage, message_id: str) -> None:
     """Deliver one message; delete it when handled, or keep it as the lease timer."""
     try:
-        delivered = engine.deliver(message.task)
+        delivered = engine.deliver(
+            message.task, on_authorized=lambda lease_s: queue.change_visibility(message_id, lease_s)
+        )
     except Exception:
         log.exception("delivering %s failed; the message will be redelivered", message.task.describe())
         return
@@ -75,19 +94,28 @@ def parse_dispatch_body(body: str | bytes) -> DispatchMessage:
     return _DISPATCH_MESSAGE.validate_json(body)
 
 
-def process_message(engine: Engine, message: DispatchMessage) -> tuple[bool, float]:
+def process_message(
+    engine: Engine,
+    message: DispatchMessage,
+    *,
+    budget_s: float | None = None,
+    on_authorized: Callable[[float], None] | None = None,
+) -> tuple[bool, float]:
     """One parsed dispatch-queue message, as the dispatch Lambda and ``ryusen dev`` both handle it.
 
     Returns (done, redeliver_after_s): a task message that is not done stays on
-    the queue as the lease timer of an attempt in flight.
+    the queue as the lease timer of an attempt in flight. ``budget_s`` and
+    ``on_authorized`` are :meth:`Engine.deliver`'s.
     """
     if isinstance(message, TimerMessage):
         engine.fire_timer(message.timer)
         return True, 0.0
-    delivered = engine.deliver(message)
+    delivered = engine.deliver(message, budget_s=budget_s, on_authorized=on_authorized)
     return delivered.done, delivered.redeliver_after_s
 
 
-def process_body(engine: Engine, body: str) -> tuple[bool, float]:
+def process_body(
+    engine: Engine, body: str, *, on_authorized: Callable[[float], None] | None = None
+) -> tuple[bool, float]:
     """:func:`process_message` for a raw message body (the local dispatch loop)."""
-    return process_message(engine, parse_dispatch_body(body))
+    return process_message(engine, parse_dispatch_body(body), on_authorized=on_authorized)

@@ -147,16 +147,17 @@ def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 @pytest.mark.rfd("U1", "U2", "O1")
 def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_result_lands(stack: DevStack) -> None:
     t = tag()
-    run_id = stack.start("slow", {"tag": t, "sleep_s": 3, "timeout_s": 1})["id"]
+    # the dispatcher listens for the attempt's timeout (1 s) plus a 2 s grace; the callback takes 5 s
+    run_id = stack.start("slow", {"tag": t, "sleep_s": 5, "timeout_s": 1})["id"]
     unknown = wait_for(
         lambda: (r := stack.run(run_id))["blockers"] and r, what="the attempt to become Unknown", timeout=60
     )
     slow_step = next(s for s in unknown["steps"] if s["id"] == "slow")
     assert slow_step["status"] == "unknown" and unknown["blockers"][0]["type"] == "unknown_outcome"
-    assert "no response within 1s" in slow_step["attempts"][0]["detail"]
+    assert "no response within 3s" in slow_step["attempts"][0]["detail"]
     # the SDK finishes the callback and submits the signed result to the server's result endpoint
     run = stack.wait_finished(run_id, timeout=60)
-    assert run["outcome"] == "completed" and run["output"]["slept"] == 3
+    assert run["outcome"] == "completed" and run["output"]["slept"] == 5
     assert stack.invocations(f"{t}:slow-start") == 1  # never retried
     [attempt] = next(s for s in run["steps"] if s["id"] == "slow")["attempts"]
     assert attempt["status"] == "succeeded" and attempt["settled_at"]

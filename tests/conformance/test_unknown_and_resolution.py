@@ -72,8 +72,8 @@ def test_lease_expiry_makes_the_attempt_unknown() -> None:
     env.faults.crash_before_invoke("charge")  # the dispatcher dies after authorization
     run_id = env.start("pay", {"amount": 5})
     env.drive(horizon=timedelta(seconds=39))
-    assert env.get(run_id).step("charge")["status"] == "running"  # the lease has not expired yet
-    env.drive(horizon=timedelta(seconds=10))
+    assert env.get(run_id).step("charge")["status"] == "running"  # the lease (30 s + 10 s) has not expired yet
+    env.drive(horizon=timedelta(seconds=41))  # the message, made the lease at authorization, comes back at 40 s
     run = env.get(run_id)
     assert run.step("charge")["status"] == "unknown"
     assert "lease expired" in run.attempts("charge")[0]["detail"]

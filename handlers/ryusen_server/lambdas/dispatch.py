@@ -12,6 +12,8 @@ so SQS keeps it: the message itself is the attempt's lease timer.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics
@@ -21,7 +23,8 @@ from aws_lambda_powertools.utilities.parser.models import SqsRecordModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
-from ..runtime import DispatchMessage, process_message
+from ..aws.queue import MAX_VISIBILITY_S
+from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
 
 logger = Logger(service="ryusen-dispatch")
@@ -50,17 +53,31 @@ def engine() -> AwsEngine:
     return _engine
 
 
-def record_handler(record: DispatchRecord) -> None:
+def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None = None) -> None:
     wired = engine()
-    done, redeliver_after_s = process_message(wired.engine, record.body)
+    queue_url = AwsResources.from_env().queue_url
+
+    def change_visibility(seconds: float) -> None:
+        wired.sqs.change_message_visibility(
+            QueueUrl=queue_url,
+            ReceiptHandle=record.receiptHandle,
+            VisibilityTimeout=int(min(MAX_VISIBILITY_S, max(1, math.ceil(seconds)))),
+        )
+
+    # the time this invocation has left bounds how long it listens for an endpoint's answer
+    budget_s = lambda_context.get_remaining_time_in_millis() / 1000 if lambda_context is not None else None
+    keep = lease_keeper(change_visibility, _queue_visibility_s())
+    done, redeliver_after_s = process_message(wired.engine, record.body, budget_s=budget_s, on_authorized=keep)
     metrics.add_metric(name="MessagesHandled", unit=MetricUnit.Count, value=1)
     if not done:
-        wired.sqs.change_message_visibility(
-            QueueUrl=AwsResources.from_env().queue_url,
-            ReceiptHandle=record.receiptHandle,
-            VisibilityTimeout=int(min(43200, max(1, redeliver_after_s))),
-        )
+        change_visibility(redeliver_after_s)
         raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")
+
+
+def _queue_visibility_s() -> float | None:
+    """The dispatch queue's visibility timeout (the deployment sets it), which a received message has."""
+    raw = os.environ.get("RYUSEN_QUEUE_VISIBILITY_S")
+    return float(raw) if raw else None
 
 
 @logger.inject_lambda_context

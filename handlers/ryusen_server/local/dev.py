@@ -44,7 +44,7 @@ from ..aws.queue import create_queues
 from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
 from ..ports import RequestCounter
-from ..runtime import process_body
+from ..runtime import lease_keeper, process_body
 from ..settings import server_settings
 from ..wiring import AwsEngine, AwsResources, aws_engine, client, fetch_manifest
 from .serve_app import AppSpecError, source_file, split_spec
@@ -128,6 +128,8 @@ class DevStack:
         self._http: Any = None
         self.wired: AwsEngine | None = None
         self.resources: AwsResources | None = None
+        self._visibility_s: float | None = None
+        """The visibility the dispatch loop receives messages with (the default lease)."""
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -296,6 +298,7 @@ class DevStack:
         queue_url = self.resources.queue_url
         settings = self.wired.engine.settings.engine
         visibility = int(settings.attempt_timeout_s + settings.lease_grace_s)
+        self._visibility_s = float(visibility)
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ryusen-task") as pool:
             while not self._stop.is_set():
                 try:
@@ -315,8 +318,16 @@ class DevStack:
     def _handle(self, message: dict[str, Any]) -> None:
         assert self.wired is not None and self.resources is not None
         sqs, queue_url = self.wired.sqs, self.resources.queue_url
+
+        def change_visibility(seconds: float) -> None:
+            self.counter.add("sqs.change_visibility")
+            sqs.change_message_visibility(
+                QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=int(max(1, seconds))
+            )
+
         try:
-            done, later = process_body(self.wired.engine, message["Body"])
+            keep = lease_keeper(change_visibility, self._visibility_s)
+            done, later = process_body(self.wired.engine, message["Body"], on_authorized=keep)
         except Exception:
             log.exception("dispatch of a message failed; it will be redelivered")
             return

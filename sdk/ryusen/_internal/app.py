@@ -12,9 +12,11 @@ import concurrent.futures
 import hashlib
 import inspect
 import json
+import logging
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,10 @@ from .wire import (
 )
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
+LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
+"""Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
+
+log = logging.getLogger("ryusen")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +264,14 @@ class Ryusen:
         return self._reply(status, body)
 
     def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
-        """Submit an effect outcome to the server when its response window has closed (decisions 6.15)."""
+        """Submit an effect outcome to the server when its response window has closed (decisions 6.15).
+
+        The dispatcher stopped listening at ``respond_by`` (the attempt's timeout, or earlier when the
+        dispatcher itself had to stop, as a Lambda must before 15 minutes), so the outcome goes to the
+        server's result endpoint, signed like a response. A server error or a failed connection is
+        retried (``LATE_RESULT_DELAYS_S``); a refusal (4xx: a stale generation, a bad signature) is
+        final. Either way the outcome is logged, so an operator can resolve the attempt by hand.
+        """
         attempt = response.attempt
         if (
             request.result_url is None
@@ -269,6 +282,10 @@ class Ryusen:
             or self.clock() <= request.respond_by
         ):
             return
+        what = f"run {request.run_id} step {request.step_id} {request.operation.phase} #{request.operation.generation}"
+        if not request.result_url.startswith(("http://", "https://")):
+            log.error("could not deliver the late result of %s: result URL %r is not http(s)", what, request.result_url)
+            return
         late = LateResult(
             run_id=request.run_id,
             step_id=request.step_id,
@@ -277,18 +294,34 @@ class Ryusen:
             attempt=attempt,
         )
         body = late.model_dump_json().encode()
-        headers = {"content-type": "application/json"}
-        key = self.signing_key
-        if key is not None:
-            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
-        if not request.result_url.startswith(("http://", "https://")):
-            return
-        req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the server-provided http(s) URL
-                resp.read()
-        except OSError:
-            pass  # the server's lease turns the attempt Unknown; an operator can still settle it
+        problem = ""
+        for delay in (0.0, *LATE_RESULT_DELAYS_S):
+            time.sleep(delay)
+            headers = {"content-type": "application/json"}
+            key = self.signing_key
+            if key is not None:
+                headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
+            req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the server-provided http(s) URL
+                    resp.read()
+                log.info("delivered the late result of %s", what)
+                return
+            except urllib.error.HTTPError as exc:
+                problem = f"HTTP {exc.code}: {exc.read()[:500]!r}"
+                if exc.code < 500 and exc.code != 429:
+                    log.warning("the server refused the late result of %s (%s); not retried", what, problem)
+                    return
+            except OSError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            log.warning("late result of %s not delivered yet (%s); retrying", what, problem)
+        log.error(
+            "could not deliver the late result of %s (%s): the attempt becomes Unknown when its lease expires;"
+            " resolve it with the outcome %s",
+            what,
+            problem,
+            attempt.model_dump_json(),
+        )
 
     # ---- serving -----------------------------------------------------------
 

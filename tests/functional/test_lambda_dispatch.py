@@ -1,0 +1,161 @@
+"""What a dispatch Lambda must do on AWS that moto hides: its 15 minutes, and the lease as its message.
+
+* An authorized attempt's message is made invisible for the attempt's lease, so a dispatcher that
+  dies mid-attempt is noticed when the lease expires, not when the queue's visibility runs out.
+* The dispatcher listens for the endpoint's answer only as long as its invocation has left; the SDK
+  is told when that is, and submits a later answer to the result route instead (decisions 6.15).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+from werkzeug.serving import make_server
+
+from ryusen import Ryusen, Step
+from ryusen_server.aws.queue import create_queues
+from ryusen_server.aws.store import create_table
+from ryusen_server.aws.timers import create_schedule_group
+from ryusen_server.lambdas import api as api_lambda
+from ryusen_server.lambdas import dispatch as dispatch_lambda
+from tests.lambda_http import ApiGateway, LambdaContext, sqs_batch
+from tests.stack import wait_for
+
+TIMELINE: list[tuple[str, float]] = []
+
+
+def build_app() -> Ryusen:
+    app = Ryusen("box")
+
+    @app.function("quick")
+    def quick(data: dict[str, Any], step: Step) -> Any:
+        return step.run("charge", lambda: {"charged": True}, timeout=timedelta(seconds=1))
+
+    def slow_report() -> dict[str, Any]:
+        TIMELINE.append(("callback-start", time.monotonic()))
+        time.sleep(8)
+        TIMELINE.append(("callback-end", time.monotonic()))
+        return {"report": "done"}
+
+    @app.function("slow")
+    def slow(data: dict[str, Any], step: Step) -> Any:
+        return step.run("report", slow_report, timeout=timedelta(minutes=10))
+
+    return app
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    with mock_aws():
+        create_table(boto3.client("dynamodb"), "ryusen")
+        sqs = boto3.client("sqs")
+        url, _ = create_queues(sqs, "ryusen-dispatch")
+        arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        create_schedule_group(boto3.client("scheduler"), "ryusen")
+        gateway = ApiGateway(api_lambda.handler)
+        env = {
+            "RYUSEN_TABLE": "ryusen",
+            "RYUSEN_QUEUE_URL": url,
+            "RYUSEN_QUEUE_ARN": arn,
+            "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
+            "RYUSEN_RESULT_URL": f"{gateway.url}/v1/results",
+            "RYUSEN_LEASE_GRACE_S": "1",
+            "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
+        }
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(api_lambda, "_resolver", None)
+        monkeypatch.setattr(dispatch_lambda, "_engine", None)
+        server = make_server("127.0.0.1", 0, build_app().wsgi(), threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        env["app_url"] = f"http://127.0.0.1:{server.server_port}/"
+        env["api_url"] = gateway.url
+        yield env
+        server.shutdown()
+        gateway.close()
+
+
+def call(aws: dict[str, str], method: str, path: str, body: Any = None) -> Any:
+    import httpx
+
+    response = httpx.request(method, aws["api_url"] + path, json=body, timeout=30)
+    assert response.status_code < 300, response.text
+    return response.json()
+
+
+def receive(aws: dict[str, str], wait_s: int = 0) -> list[dict[str, Any]]:
+    sqs = boto3.client("sqs")
+    messages: list[dict[str, Any]] = sqs.receive_message(
+        QueueUrl=aws["RYUSEN_QUEUE_URL"], MaxNumberOfMessages=10, WaitTimeSeconds=wait_s
+    ).get("Messages", [])
+    return messages
+
+
+def dispatch(aws: dict[str, str], messages: list[dict[str, Any]], remaining_s: float = 900) -> set[str]:
+    """One dispatch invocation; deletes what it handled, as the event source does. Returns the kept ids."""
+    result = dispatch_lambda.handler(sqs_batch(messages), LambdaContext(remaining_s))
+    kept = {f["itemIdentifier"] for f in result["batchItemFailures"]}
+    sqs = boto3.client("sqs")
+    for m in messages:
+        if m["MessageId"] not in kept:
+            sqs.delete_message(QueueUrl=aws["RYUSEN_QUEUE_URL"], ReceiptHandle=m["ReceiptHandle"])
+    return kept
+
+
+def test_an_authorized_attempt_is_noticed_at_its_lease_when_the_dispatcher_dies(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+    dispatch(aws, receive(aws))  # discovery: the charge attempt is queued
+    [message] = receive(aws)
+    assert json.loads(message["Body"])["kind"] == "forward"
+
+    class Killed(Exception):
+        """The Lambda runtime killed the dispatcher after the attempt was authorized."""
+
+    wired = dispatch_lambda.engine()
+    with monkeypatch.context() as killed:
+        killed.setattr(wired.engine.invoker, "invoke", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+        assert dispatch(aws, [message]) == {message["MessageId"]}
+    # the lease is the attempt timeout (1 s) plus the grace (1 s): the message is back then, not after the
+    # queue's visibility timeout (360 s)
+    back = wait_for(lambda: receive(aws, wait_s=1), timeout=15, what="the message to return at the lease")
+    dispatch(aws, back)
+    view = call(aws, "GET", f"/v1/runs/{run['id']}")
+    assert view["steps"][0]["status"] == "unknown"
+    assert "lease expired" in view["steps"][0]["attempts"][0]["detail"]
+
+
+def test_the_dispatcher_listens_no_longer_than_its_invocation_has_left_and_the_sdk_submits_late(
+    aws: dict[str, str],
+) -> None:
+    TIMELINE.clear()
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    run = call(aws, "POST", "/v1/functions/slow/runs", {"input": {}})
+    dispatch(aws, receive(aws))
+    [message] = receive(aws)
+    # 16 s left in this invocation: it stops listening after about 6 s (keeping 10 s to record an answer)
+    kept = dispatch(aws, [message], remaining_s=16)
+    TIMELINE.append(("dispatcher-returned", time.monotonic()))
+    assert kept == {message["MessageId"]}  # the message stays: it is the attempt's lease timer
+    events = dict(TIMELINE)
+    assert events["dispatcher-returned"] < events.get("callback-end", float("inf")), "waited past its budget"
+    attempt = call(aws, "GET", f"/v1/runs/{run['id']}")["steps"][0]["attempts"][0]
+    assert attempt["status"] == "authorized"  # not Unknown: its own timeout (10 min) has not passed
+    # the SDK finishes and submits the signed result to the result route
+    done = wait_for(
+        lambda: (r := call(aws, "GET", f"/v1/runs/{run['id']}"))["steps"][0]["status"] == "completed" and r,
+        timeout=30,
+        what="the late result",
+    )
+    assert done["steps"][0]["result"] == {"report": "done"}
+    assert [a["status"] for a in done["steps"][0]["attempts"]] == ["succeeded"]

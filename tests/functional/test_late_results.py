@@ -1,0 +1,104 @@
+"""The SDK's late-result path: an answer that comes after the dispatcher stopped listening (decisions 6.15).
+
+It must reach the server even when the result endpoint fails for a while (a 5xx, a refused
+connection), and it must stop, and say so, when the server refuses it for good (a 4xx).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from ryusen import Ryusen, Step
+from ryusen._internal import app as app_module
+from ryusen._internal.signing import SIGNATURE_HEADER, sign, verify
+from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
+
+KEY = "late-key"
+
+
+class ResultEndpoint:
+    """A result endpoint that answers each POST with the next status in ``statuses`` (then 200)."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.received: list[dict[str, Any]] = []
+        self.server = make_server("127.0.0.1", 0, self.wsgi, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/results"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wsgi(self, environ: dict[str, Any], start_response: Any) -> Any:
+        request = Request(environ)
+        body = request.get_data()
+        verify(KEY, body, request.headers.get(SIGNATURE_HEADER), now=time.time())
+        status = self.statuses.pop(0) if self.statuses else 200
+        self.received.append({"status": status, "body": json.loads(body)})
+        return Response(json.dumps({"ok": status == 200}), status=status)(environ, start_response)
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app_module, "LATE_RESULT_DELAYS_S", (0.05, 0.05, 0.05, 0.05))
+
+
+@pytest.fixture
+def app() -> Ryusen:
+    app = Ryusen("late", signing_key=KEY)
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("slow", lambda: {"done": True})
+
+    return app
+
+
+def forward_task(result_url: str) -> tuple[bytes, dict[str, str]]:
+    request = TaskRequest(
+        kind=TaskKind.FORWARD,
+        run_id="run_1",
+        function_id="wf",
+        step_id="slow",
+        operation=OperationInfo(id="op_1", phase=Phase.FORWARD, generation=1),
+        result_url=result_url,
+        respond_by=time.time() - 1,  # the dispatcher has stopped listening: submit late
+    )
+    body = request.model_dump_json().encode()
+    return body, {SIGNATURE_HEADER: sign(KEY, body, now=time.time())}
+
+
+@pytest.fixture
+def endpoint() -> Iterator[ResultEndpoint]:
+    server = ResultEndpoint([])
+    yield server
+    server.server.shutdown()
+
+
+def test_a_late_result_is_retried_through_server_errors(app: Ryusen, endpoint: ResultEndpoint) -> None:
+    endpoint.statuses = [503, 502]
+    app.handle("POST", *reversed(forward_task(endpoint.url)))
+    assert [r["status"] for r in endpoint.received] == [503, 502, 200]
+    assert endpoint.received[-1]["body"]["attempt"] == {"type": "succeeded", "result": {"done": True}}
+
+
+def test_a_refused_late_result_is_not_retried_and_is_logged(
+    app: Ryusen, endpoint: ResultEndpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    endpoint.statuses = [409]
+    with caplog.at_level(logging.WARNING, logger="ryusen"):
+        app.handle("POST", *reversed(forward_task(endpoint.url)))
+    assert [r["status"] for r in endpoint.received] == [409]
+    assert "run_1" in caplog.text and "slow" in caplog.text and "409" in caplog.text
+
+
+def test_a_result_endpoint_that_stays_down_is_given_up_on_loudly(app: Ryusen, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="ryusen"):
+        app.handle("POST", *reversed(forward_task("http://127.0.0.1:9/v1/results")))  # nothing listens
+    assert "could not deliver the late result" in caplog.text and "run_1" in caplog.text
