@@ -42,7 +42,9 @@ from ryusen._internal.wire import (
     FunctionCompleted,
     FunctionFailed,
     FunctionNotFound,
+    InvalidStep,
     NewStepBeforeTarget,
+    OutputNotJson,
     OutputTooLarge,
     Phase,
     ReplayFailed,
@@ -274,6 +276,7 @@ class _Transition:
         attempt.settled_at = self.now
         attempt.error = error.bounded(self.settings.max_value_bytes) if error is not None else None
         attempt.detail = detail
+        attempt.retry_at = None
         self.touch()
 
     def clear_blockers(self, kind: BlockerType, step_id: str | None = None) -> None:
@@ -290,12 +293,12 @@ class _Transition:
             self.clear_blockers(kind)
 
     def redelivery_delay(self, redeliveries: int) -> float:
-        return min(
-            self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2 ** max(0, redeliveries - 1))
-        )
+        doublings = min(max(0, redeliveries - 1), 40)  # past 2**40 the cap applies anyway; no overflow
+        return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2**doublings))
 
     def finish(self, recovery: Recovery | None) -> None:
         self.clear_definition_blockers()  # nothing is left for current code to repair
+        self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.s.phase = RunPhase.FINISHED
         self.s.recovery = recovery
         self.s.finished_at = self.now
@@ -346,6 +349,8 @@ class _Transition:
         assert phase is not None and task.step_id is not None and task.generation is not None
         step = self.s.step(task.step_id)
         attempt = step.attempt(phase, task.generation) if step else None
+        if step is not None and attempt is None and self.retry_is_due(step, phase, task):
+            return self.retry_unknown(step, phase, task, release)
         if step is None or attempt is None or attempt is not step.current(phase):
             self.reemit_stalled()
             return self.ignore(f"{task.describe()} is not the current generation")
@@ -370,6 +375,11 @@ class _Transition:
             self.touch()
             self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
             return self.ignore("the function has no synced release")
+        return self.authorize(step, attempt, task, release)
+
+    def authorize(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
+        """The fence: the attempt may run now; the adapter invokes it only after this is written."""
+        phase = attempt.phase
         timeout = self.timeout_s(step, phase)
         attempt.status = AttemptStatus.AUTHORIZED
         attempt.authorized_at = self.now
@@ -382,6 +392,34 @@ class _Transition:
             step.compensation_status = CompensationStatus.RUNNING
         self.touch()
         self.commands.append(InvokeTask(task=task))
+
+    def retry_is_due(self, step: StepState, phase: Phase, task: TaskRef) -> bool:
+        """``task`` is the retry that ``on_unknown="retry"`` planned for the step's Unknown attempt."""
+        current = step.current(phase)
+        return (
+            current is not None
+            and current.status is AttemptStatus.UNKNOWN
+            and current.retry_at is not None
+            and task.generation == current.generation + 1
+        )
+
+    def retry_unknown(self, step: StepState, phase: Phase, task: TaskRef, release: ReleaseRef | None) -> None:
+        """Start the planned retry of an Unknown attempt: in one write, the Unknown becomes a failed attempt
+        and its next generation is authorized, so a stop can never fence the retry and leave the Unknown
+        counted as a failure (decisions 19)."""
+        unknown = step.current(phase)
+        assert unknown is not None and unknown.retry_at is not None
+        if self.now < unknown.retry_at:
+            self.commands.append(RedeliverLater(delay_s=(unknown.retry_at - self.now).total_seconds()))
+            return self.ignore(f"{task.describe()}: the retry of an Unknown attempt is not due yet")
+        if release is None:
+            unknown.redeliveries += 1
+            self.touch()
+            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(unknown.redeliveries)))
+            return self.ignore("the function has no synced release")
+        error = ErrorInfo(type="unknown_outcome", message=unknown.detail or "unknown outcome")
+        self.settle(unknown, AttemptStatus.FAILED, error=error, detail="unknown outcome, retried (on_unknown=retry)")
+        return self.authorize(step, self.new_attempt(step, phase), task, release)
 
     def reemit_stalled(self) -> None:
         """A stale message came back: re-send queued tasks whose own message looks lost.
@@ -410,6 +448,9 @@ class _Transition:
                 if a is not None and a.status is AttemptStatus.QUEUED:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation)
                     queued.append((task, (a.not_before or a.queued_at) + grace))
+                elif a is not None and a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
+                    task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
+                    queued.append((task, a.retry_at + grace))
         overdue = [task for task, at in queued if at <= self.now]
         self.commands.extend(EnqueueTask(task=task) for task in overdue)
         pending = [at for _, at in queued if at > self.now]
@@ -432,7 +473,7 @@ class _Transition:
             d.authorized_at = d.lease_expires_at = None
             self.touch()
             self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
-            return None
+            return self.endpoint_failing(d.redeliveries, f"discovery #{d.seq}", event.detail)
         phase = task.phase
         assert phase is not None and task.step_id is not None
         step = self.s.step(task.step_id)
@@ -450,18 +491,48 @@ class _Transition:
                 return self.evaluate_recovery()
             self.touch()
             self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
-            return None
+            return self.endpoint_failing(attempt.redeliveries, task.describe(), event.detail, step, attempt)
         return self.outcome_lost(step, attempt, event.detail)
+
+    def endpoint_failing(
+        self,
+        failures: int,
+        what: str,
+        detail: str,
+        step: StepState | None = None,
+        attempt: Attempt | None = None,
+    ) -> None:
+        """Say why a run waits when its endpoint keeps failing a task (the retries go on)."""
+        if failures < self.settings.endpoint_failing_after:
+            return
+        message = f"the app's endpoint failed {what} {failures} times in a row; retrying with backoff"
+        for blocker in self.s.blockers:
+            if blocker.type is BlockerType.ENDPOINT_FAILING:
+                blocker.count, blocker.last_seen_at, blocker.message, blocker.detail = (
+                    failures,
+                    self.now,
+                    message,
+                    detail,
+                )
+                return
+        self.s.blockers.append(
+            Blocker(
+                type=BlockerType.ENDPOINT_FAILING,
+                step_id=step.id if step else None,
+                phase=attempt.phase if attempt else None,
+                generation=attempt.generation if attempt else None,
+                message=message,
+                detail=detail,
+                count=failures,
+                first_seen_at=self.now,
+                last_seen_at=self.now,
+            )
+        )
 
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
         policy = self.policy(step, attempt.phase)
         retry_left = self.failures(step, attempt.phase) + 1 < policy.max_attempts
-        # decisions 19: with no retry left, the last Unknown stays Unknown; it never becomes a failure
-        if policy.on_unknown == "retry" and retry_left and not (attempt.phase is Phase.FORWARD and self.stopping):
-            return self.attempt_failed(
-                step, attempt, ErrorInfo(type="unknown_outcome", message=detail), detail="unknown outcome, retried"
-            )
         self.settle(attempt, AttemptStatus.UNKNOWN, detail=detail)
         attempt.settled_at = None  # Unknown is not a settlement: a late result or an operator settles it
         if attempt.phase is Phase.FORWARD:
@@ -469,6 +540,22 @@ class _Transition:
         else:
             step.compensation_status = CompensationStatus.UNKNOWN
             self.set_unwind_status(step.id, CompensationStatus.UNKNOWN)
+        if policy.on_unknown == "retry" and retry_left and not (attempt.phase is Phase.FORWARD and self.stopping):
+            # The callback is declared safe to run twice: plan the next generation after the backoff. Until it
+            # starts, this attempt stays Unknown, so a late result still settles it and a stop still waits for it.
+            failures = self.failures(step, attempt.phase) + 1
+            delay = backoff_delay(policy, failures, seed=f"{attempt.operation_id}:{attempt.generation}")
+            attempt.retry_at = self.now + timedelta(seconds=delay)
+            attempt.detail = f"{detail}; retried at {attempt.retry_at.isoformat()} (on_unknown=retry)"
+            kind = TaskKind.FORWARD if attempt.phase is Phase.FORWARD else TaskKind.COMPENSATE
+            task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation + 1)
+            self.commands.append(EnqueueTask(task=task, delay_s=delay))
+            return
+        self.block_on_unknown(step, attempt)
+        if self.stopping and self.s.phase is RunPhase.RUNNING:
+            self.s.phase = RunPhase.SETTLING
+
+    def block_on_unknown(self, step: StepState, attempt: Attempt) -> None:
         label = "compensation" if attempt.phase is Phase.COMPENSATION else "step"
         self.s.blockers.append(
             Blocker(
@@ -477,13 +564,12 @@ class _Transition:
                 phase=attempt.phase,
                 generation=attempt.generation,
                 message=f"unknown outcome of {step.id} {label} #{attempt.generation}",
-                detail=detail,
+                detail=attempt.detail,
                 first_seen_at=self.now,
                 last_seen_at=self.now,
             )
         )
-        if self.stopping and self.s.phase is RunPhase.RUNNING:
-            self.s.phase = RunPhase.SETTLING
+        self.touch()
 
     # ---- discovery results ------------------------------------------------------
 
@@ -494,6 +580,7 @@ class _Transition:
             return self.ignore(f"discovery #{seq} is not in flight; its report is discarded")
         s.discovery = None
         s.discoveries += 1
+        self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.touch()
         if self.stopping:  # S4: authorized discovery in flight at the stop is discarded
             self.ignore("discovery discarded: a stop intent exists")
@@ -654,6 +741,16 @@ class _Transition:
                 **held,
                 **seen,
             )
+        if isinstance(conflict, InvalidStep):
+            return Blocker(
+                type=BlockerType.INVALID_STEP,
+                step_id=conflict.step_id,
+                first=Occurrence(step_id=conflict.step_id, location=conflict.location),
+                message=conflict.message,
+                **seen,
+            )
+        if isinstance(conflict, OutputNotJson):
+            return Blocker(type=BlockerType.OUTPUT_NOT_JSON, message=conflict.message, **seen)
         return Blocker(
             type=BlockerType.OUTPUT_TOO_LARGE,
             message=(
@@ -705,6 +802,7 @@ class _Transition:
             self.touch()
             return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
         self.clear_blockers_for(step, attempt)
+        self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.apply_outcome(step, attempt, event.response)
 
     def record_stale(self, attempt: Attempt, event: AttemptReported, reason: str) -> None:
@@ -762,6 +860,18 @@ class _Transition:
             ]
             self.touch()
 
+    def completed_by_this_build(self, step: StepState, attempt: Attempt) -> bool:
+        """Did the build serving this compensation attempt also complete the step's forward attempt?"""
+        completed = [a for a in step.attempts if a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED]
+        return bool(completed) and attempt.build_id is not None and completed[-1].build_id == attempt.build_id
+
+    def record_step_error(self, step: StepState, error: ErrorInfo) -> None:
+        """A step's terminal failure: replayed to the function in every task, so it counts toward the run's
+        bytes, and is cut (with a note) when the run's budget is nearly spent."""
+        budget = max(1024, self.settings.max_run_bytes - self.s.run_bytes)
+        step.error = error.bounded(min(self.settings.max_value_bytes, budget))
+        self.s.run_bytes += value_size(step.error.model_dump(mode="json"))
+
     def apply_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         if attempt.phase is Phase.FORWARD:
             self.forward_outcome(step, attempt, response)
@@ -796,7 +906,13 @@ class _Transition:
             if self.stopping:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
-            return self.queue_discovery()
+            # a step that current code keeps not reaching (an endpoint serving two revisions at once) backs off
+            fenced = 0
+            for earlier in reversed([a for a in step.attempts if a.phase is Phase.FORWARD]):
+                if earlier.status is not AttemptStatus.FENCED:
+                    break
+                fenced += 1
+            return self.queue_discovery(self.redelivery_delay(fenced - 1) if fenced > 1 else 0.0)
         if isinstance(response, ConflictFound | FunctionNotFound):
             what = response.conflict.code if isinstance(response, ConflictFound) else "function_not_found"
             self.settle(attempt, AttemptStatus.FENCED, detail=f"{what}: the callback did not run")
@@ -818,7 +934,7 @@ class _Transition:
         if attempt.phase is Phase.FORWARD:
             if self.stopping:  # S6: no forward retry after a stop
                 step.status = StepStatus.FAILED
-                step.error = error
+                self.record_step_error(step, error)
                 return self.evaluate_recovery()
             if retry_allowed:
                 step.status = StepStatus.PENDING  # F4: invisible to the function
@@ -826,7 +942,7 @@ class _Transition:
                 self.queue_attempt(step, Phase.FORWARD, delay)
                 return None
             step.status = StepStatus.FAILED  # F5: one terminal failure, then discovery
-            step.error = error
+            self.record_step_error(step, error)
             return self.queue_discovery()
         if retry_allowed:
             step.compensation_status = CompensationStatus.PENDING
@@ -856,6 +972,16 @@ class _Transition:
             self.set_unwind_status(step.id, CompensationStatus.COMPENSATED)
             return self.advance_unwind()
         if isinstance(response, TargetNotFound):
+            if response.reason == "not_reached" and self.completed_by_this_build(step, attempt):
+                # The same code that completed the step now ends before it: a pass that went wrong (an early
+                # return on a failed read), not a removed step. A skip is never recorded for that (decisions 17).
+                error = ErrorInfo(
+                    type="target_not_reached",
+                    message=f"{response.detail}, with the build that completed it ({attempt.build_id})",
+                )
+                return self.attempt_failed(
+                    step, attempt, error, detail="target_not_reached: the compensator did not run"
+                )
             self.settle(attempt, AttemptStatus.SUCCEEDED, detail=f"target_not_found: {response.detail}")
             step.compensation_status = CompensationStatus.SKIPPED
             self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
@@ -957,6 +1083,10 @@ class _Transition:
             s.discovery = None  # S4: its report will be discarded
         for step in s.steps:
             current = step.current(Phase.FORWARD)
+            if current is not None and current.status is AttemptStatus.UNKNOWN and current.retry_at is not None:
+                current.retry_at = None  # its retry can no longer start: it blocks, like any Unknown (decisions 19)
+                current.detail = (current.detail or "").split("; retried at", 1)[0]
+                self.block_on_unknown(step, current)
             if current is not None and current.status is AttemptStatus.QUEUED:
                 self.settle(
                     current, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization"

@@ -46,6 +46,9 @@ class EngineSettings:
     """The run input and its accepted step results together: what every task request replays."""
     max_steps: int = 1000
     """Distinct step ids one run may reach; discovery reaching one more fails the run (``too_many_steps``)."""
+    endpoint_failing_after: int = 5
+    """Failed deliveries of one task in a row (nothing sent, or a lost discovery) before the run shows an
+    ``endpoint_failing`` blocker; the retries go on regardless."""
     stale_submissions_kept: int = 20
     """Stale submissions recorded per attempt; later ones are only counted."""
     stale_result_kept_bytes: int = 4 * 1024

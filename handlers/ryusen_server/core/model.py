@@ -81,8 +81,11 @@ class BlockerType(StrEnum):
     CONCURRENT_STEP = "concurrent_step"
     NEW_STEP_BEFORE_TARGET = "new_step_before_target"
     OUTPUT_TOO_LARGE = "output_too_large"
+    OUTPUT_NOT_JSON = "output_not_json"
+    INVALID_STEP = "invalid_step"
     FUNCTION_NOT_FOUND = "function_not_found"
     UNKNOWN_OUTCOME = "unknown_outcome"
+    ENDPOINT_FAILING = "endpoint_failing"
 
 
 DEFINITION_BLOCKERS = frozenset(
@@ -91,6 +94,8 @@ DEFINITION_BLOCKERS = frozenset(
         BlockerType.CONCURRENT_STEP,
         BlockerType.NEW_STEP_BEFORE_TARGET,
         BlockerType.OUTPUT_TOO_LARGE,
+        BlockerType.OUTPUT_NOT_JSON,
+        BlockerType.INVALID_STEP,
         BlockerType.FUNCTION_NOT_FOUND,
     }
 )
@@ -137,6 +142,9 @@ class Attempt(_State):
     error: ErrorInfo | None = None
     detail: str | None = None
     redeliveries: int = 0
+    retry_at: datetime | None = None
+    """An Unknown attempt that ``on_unknown="retry"`` retries: its next generation starts then, unless a late
+    result or an operator settles it first, or a stop makes it block (decisions 19)."""
     stale_submissions: list[StaleSubmission] = Field(default_factory=list)
     stale_submissions_dropped: int = 0
     """Stale submissions past the kept number: counted, not recorded."""

@@ -42,6 +42,18 @@ REMEDIES = {
         "The function's return value is over the value limit. Sync a release that returns less (keep large data"
         " elsewhere and return a reference): the run wakes and completes. Its steps are not compensated."
     ),
+    BlockerType.OUTPUT_NOT_JSON: (
+        "The function's return value is not JSON (a datetime, a set, invalid Unicode...). Sync a release that"
+        " returns a JSON value: the run wakes and completes. Its steps are not compensated."
+    ),
+    BlockerType.INVALID_STEP: (
+        "A step.run the server cannot record (see the message): nothing ran and nothing is compensated. Sync a"
+        " release that fixes the call: the run wakes."
+    ),
+    BlockerType.ENDPOINT_FAILING: (
+        "Ryusen keeps retrying this task with backoff (the cause is shown); nothing ran twice. Check that the app's"
+        " endpoint is up and answers signed requests; the blocker clears once it answers."
+    ),
     BlockerType.FUNCTION_NOT_FOUND: (
         "The endpoint's current code has no such function. Sync a release that has it again: the run wakes."
     ),

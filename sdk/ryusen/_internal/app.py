@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from .errors import DefinitionError
 from .signing import SIGNATURE_HEADER, SignatureError, sign, verify
-from .step import AsyncStep, CallbackInterruptedError, Step, Suspend, _Replay
+from .step import AsyncStep, CallbackInterruptedError, Step, _Replay
 from .wire import (
     CallbackFailed,
     CallbackSucceeded,
@@ -169,13 +169,13 @@ class Ryusen:
         if registered.is_async:
             return _run_coroutine(self.execute_async(request))
         replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        output: Any = None
+        raised: BaseException | None = None
         try:
             output = registered.fn(request.input, Step(replay))
-        except Suspend:
-            return _respond(request, replay.report())
-        except Exception as exc:  # noqa: BLE001 - the function-level failure (entry adapter)
-            return _respond(request, replay.report(raised=exc))
-        return _respond(request, replay.report(output=output))
+        except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a pass-ending Suspend too)
+            raised = exc
+        return _respond(request, replay.report(output=output, raised=raised))
 
     async def execute_async(self, request: TaskRequest) -> TaskResponse:
         registered = self._functions.get(request.function_id)
@@ -189,9 +189,7 @@ class Ryusen:
                 output = await registered.fn(request.input, AsyncStep(replay))
             else:
                 output = registered.fn(request.input, Step(replay))
-        except Suspend:
-            pass
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
             raised = exc
         await replay.wait_for_callback()
         return _respond(request, replay.report(output=output, raised=raised))

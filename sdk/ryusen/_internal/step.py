@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, NoReturn, TypeVar
 
+from pydantic import ValidationError
+
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
 from .wire import (
     MAX_VALUE_BYTES,
@@ -55,10 +57,12 @@ from .wire import (
     ErrorInfo,
     FunctionCompleted,
     FunctionFailed,
+    InvalidStep,
     MemoEntry,
     NewStepBeforeTarget,
     Occurrence,
     OperationInfo,
+    OutputNotJson,
     OutputTooLarge,
     Phase,
     ReplayFailed,
@@ -91,8 +95,8 @@ class RetryPolicy:
     on_unknown: Literal["block", "retry"] = "block"
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+        if not 1 <= self.max_attempts <= 1000:
+            raise ValueError(f"max_attempts must be between 1 and 1000, not {self.max_attempts}")
         if self.backoff < 1.0:
             raise ValueError("backoff must be at least 1.0")
         if self.initial_delay < timedelta(0) or self.max_delay < timedelta(0):
@@ -145,33 +149,63 @@ class Suspend(BaseException):
         self.outcome = outcome
 
 
+def _text(value: str) -> str:
+    """``value`` as valid Unicode: a lone surrogate (from ``os.fsdecode``, say) becomes an escape."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return _text(str(exc))
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises is still reported
+        return f"<{type(exc).__name__} whose message cannot be printed>"
+
+
 def error_info(exc: BaseException, *, retryable: bool = True) -> ErrorInfo:
     if isinstance(exc, StepFailed):
         return ErrorInfo(
             type="StepFailed",
-            message=str(exc),
-            data={"step_id": exc.step_id, "error_type": exc.error_type, "data": exc.data},
+            message=_describe(exc),
+            data=_jsonable({"step_id": exc.step_id, "error_type": exc.error_type, "data": exc.data}),
             retryable=retryable,
         ).bounded()
     data = getattr(exc, "data", None) if isinstance(exc, NonRetryableError) else None
-    return ErrorInfo(type=type(exc).__name__, message=str(exc), data=_jsonable(data), retryable=retryable).bounded()
+    return ErrorInfo(
+        type=_text(type(exc).__name__), message=_describe(exc), data=_jsonable(data), retryable=retryable
+    ).bounded()
 
 
 def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-    return value
+    checked, problem = check_value(value, "data")
+    if problem is not None and problem.type == "not_json_serializable":
+        try:
+            return _text(repr(value))
+        except Exception:  # noqa: BLE001
+            return f"<{type(value).__name__}>"
+    return checked
+
+
+def _encode(value: Any) -> bytes:
+    """Compact JSON in UTF-8; raises ValueError (or RecursionError) for anything that is not a JSON value."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def check_value(value: Any, what: str) -> tuple[Any, ErrorInfo | None]:
-    """Serialize ``value`` as JSON and enforce the size limit (decisions 6.11)."""
+    """Serialize ``value`` as JSON and enforce the size limit (decisions 6.11).
+
+    Not JSON: a type JSON does not have, a NaN or infinity, invalid Unicode (a lone surrogate), or
+    nesting too deep to serialize.
+    """
     try:
-        encoded = json.dumps(value, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        return None, ErrorInfo(type="not_json_serializable", message=f"{what} is not JSON: {exc}", retryable=False)
-    if (size := len(encoded.encode())) > MAX_VALUE_BYTES:
+        encoded = _encode(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        message = f"{what} is not JSON: {_describe(exc)}"
+        return None, ErrorInfo(type="not_json_serializable", message=message, retryable=False)
+    if (size := len(encoded)) > MAX_VALUE_BYTES:
         return None, ErrorInfo(
             type=f"{what}_too_large",
             message=f"{what} is {size} bytes serialized; the limit is {MAX_VALUE_BYTES}",
@@ -183,11 +217,11 @@ def check_value(value: Any, what: str) -> tuple[Any, ErrorInfo | None]:
 def _caller_location(depth: int) -> str | None:
     """``file:line`` of the frame ``depth`` levels above this function's caller."""
     frame = sys._getframe(depth + 1)
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return _text(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
 
 
 def _display_name(fn: Callable[..., Any], name: str | None) -> str:
-    return name or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return _text(str(name or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)))
 
 
 def _context() -> tuple[int, asyncio.Task[Any] | None]:
@@ -197,6 +231,17 @@ def _context() -> tuple[int, asyncio.Task[Any] | None]:
     except RuntimeError:  # no running event loop in this thread
         task = None
     return threading.get_ident(), task
+
+
+_PLAN_PROBLEMS = {
+    "id": "a step id may have at most 256 characters",
+    "timeout_s": "timeout must be a positive timedelta",
+    "compensate_timeout_s": "compensate_timeout must be a positive timedelta",
+}
+"""What a rejected StepPlan field means in the words of ``step.run``'s arguments."""
+
+INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+"""What stops a process or a task rather than the function: never reported as the function's failure."""
 
 
 @dataclass(slots=True)
@@ -225,7 +270,12 @@ class CallbackInterruptedError(Exception):
 
 
 class _Replay:
-    """One pass: the task, the memo, the ids seen so far, and what the pass reports."""
+    """One pass: the task, the memo, the ids seen so far, and what the pass reports.
+
+    ``step.run`` may be called from several threads or asyncio tasks of one pass; a lock makes each
+    decision about the pass (stop here, run the target, refuse a second step) atomic, and once the
+    task has answered (:meth:`report`) the pass is closed: nothing more runs in it.
+    """
 
     def __init__(
         self,
@@ -247,8 +297,13 @@ class _Replay:
         """What this pass reports, once it has stopped (the target's outcome, a plan, a conflict...)."""
         self.entered = False
         """The target callback was entered: its outcome is what this task reports (decisions 16)."""
-        self.callback_finished: asyncio.Event | None = None
+        self.closed = False
+        self.target_without_compensator: str | None = None
+        """Compensation: current code reached the target and declared no compensator (its location)."""
         self.recorded_failures: list[StepFailed] = []
+        self.callback_done = threading.Event()
+        self.parked: list[asyncio.Future[None]] = []
+        self._lock = threading.RLock()
 
     # ---- step.run -----------------------------------------------------------------
 
@@ -264,57 +319,101 @@ class _Replay:
         compensate_retry: RetryPolicy | None,
         compensate_timeout: timedelta | None,
     ) -> tuple[str, Any]:
-        """Decide what ``step.run`` does: ("return", value) or ("execute", callable); or raise."""
+        """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
         if not isinstance(step_id, str) or not step_id:
             raise TypeError("step id must be a non-empty string")
         display = _display_name(fn, name)
-        if self.stopped_at is not None:
-            self._after_stop(step_id, location, display)
-        first = self.seen.get(step_id)
-        if first is not None:
-            duplicate = DuplicateStepConflict(
-                step_id=step_id,
-                first=Occurrence(location=first.location, name=first.name),
-                duplicate=Occurrence(location=location, name=display),
-            )
-            self._stop(step_id, location, display, ConflictFound(conflict=duplicate))
-        self.seen[step_id] = _Seen(location, display)
-        if self.kind is TaskKind.COMPENSATE and step_id == self.target:
-            if compensate is None:
-                detail = f"current code declares no compensator for step {step_id!r}"
+        with self._lock:
+            if self.closed:
+                raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
+            if self.stopped_at is not None:
+                return self._after_stop(step_id, location, display)
+            first = self.seen.get(step_id)
+            if first is not None:
+                if self.target_without_compensator is not None and step_id == self.target and compensate is None:
+                    # the target's id used twice, and neither use declares a compensator: nothing to undo
+                    detail = f"current code declares no compensator for step {step_id!r}"
+                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="no_compensator"))
+                duplicate = DuplicateStepConflict(
+                    step_id=step_id,
+                    first=Occurrence(location=first.location, name=first.name),
+                    duplicate=Occurrence(location=location, name=display),
+                )
+                self._stop(step_id, location, display, ConflictFound(conflict=duplicate))
+            self.seen[step_id] = _Seen(location, display)
+            recorded = self.memo.get(step_id)
+            if self.kind is TaskKind.COMPENSATE and step_id == self.target:
+                if compensate is not None:
+                    self._open(step_id, location, display)
+                    return "execute", lambda: compensate(self.forward_result)
+                if recorded is None or recorded.status != "completed":
+                    detail = f"current code declares no compensator for step {step_id!r}"
+                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="no_compensator"))
+                # no compensator here: the pass goes on, so a second use of the id is still found (decisions 17)
+                self.target_without_compensator = location
+            if recorded is not None and recorded.status == "completed":
+                return "return", json.loads(json.dumps(recorded.result))
+            if recorded is not None:
+                err = recorded.error or ErrorInfo(type="Error", message="step failed")
+                failure = StepFailed(step_id, err.type, err.message, err.data)
+                self.recorded_failures.append(failure)
+                raise failure
+            if self.kind is TaskKind.DISCOVER:
+                self._stop(
+                    step_id,
+                    location,
+                    display,
+                    self._plan(
+                        step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout
+                    ),
+                )
+            if step_id != self.target:
+                assert self.target is not None
+                if self.kind is TaskKind.COMPENSATE and self.target_without_compensator is None:
+                    met = Occurrence(step_id=step_id, location=location, name=display)
+                    conflict = NewStepBeforeTarget(step_id=self.target, first=met)
+                    self._stop(step_id, location, display, ConflictFound(conflict=conflict))
+                if self.kind is TaskKind.COMPENSATE:
+                    detail = f"current code declares no compensator for step {self.target!r}"
+                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="no_compensator"))
+                detail = f"current code reaches step {step_id!r} before {self.target!r}"
                 self._stop(step_id, location, display, TargetNotFound(detail=detail))
             self._open(step_id, location, display)
-            return "execute", lambda: compensate(self.forward_result)
-        recorded = self.memo.get(step_id)
-        if recorded is not None and recorded.status == "completed":
-            return "return", json.loads(json.dumps(recorded.result))
-        if recorded is not None:
-            err = recorded.error or ErrorInfo(type="Error", message="step failed")
-            failure = StepFailed(step_id, err.type, err.message, err.data)
-            self.recorded_failures.append(failure)
-            raise failure
-        if self.kind is TaskKind.DISCOVER:
-            plan = StepPlan(
-                id=step_id,
-                name=display,
-                location=location,
-                has_compensation=compensate is not None,
-                retry=retry.to_wire() if retry else None,
-                compensate_retry=compensate_retry.to_wire() if compensate_retry else None,
-                timeout_s=timeout.total_seconds() if timeout else None,
-                compensate_timeout_s=compensate_timeout.total_seconds() if compensate_timeout else None,
+            return "execute", fn
+
+    def _plan(
+        self,
+        step_id: str,
+        location: str | None,
+        display: str,
+        compensate: Callable[[Any], Any] | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | None,
+        compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
+    ) -> StepReached | ConflictFound:
+        """What discovery reports about a new step: its plan, or why the server could not record it."""
+        try:
+            return StepReached(
+                step=StepPlan(
+                    id=step_id,
+                    name=display,
+                    location=location,
+                    has_compensation=compensate is not None,
+                    retry=retry.to_wire() if retry else None,
+                    compensate_retry=compensate_retry.to_wire() if compensate_retry else None,
+                    timeout_s=timeout.total_seconds() if timeout is not None else None,
+                    compensate_timeout_s=compensate_timeout.total_seconds() if compensate_timeout is not None else None,
+                )
             )
-            self._stop(step_id, location, display, StepReached(step=plan))
-        if step_id != self.target:
-            assert self.target is not None
-            if self.kind is TaskKind.COMPENSATE:
-                met = Occurrence(step_id=step_id, location=location, name=display)
-                conflict = NewStepBeforeTarget(step_id=self.target, first=met)
-                self._stop(step_id, location, display, ConflictFound(conflict=conflict))
-            detail = f"current code reaches step {step_id!r} before {self.target!r}"
-            self._stop(step_id, location, display, TargetNotFound(detail=detail))
-        self._open(step_id, location, display)
-        return "execute", fn
+        except (ValidationError, AttributeError, TypeError) as exc:
+            problems = (
+                "; ".join(_PLAN_PROBLEMS.get(str(e["loc"][0]), e["msg"]) for e in exc.errors(include_url=False))
+                if isinstance(exc, ValidationError)
+                else _describe(exc)
+            )
+            message = f"step.run({_text(step_id)[:80]!r}) cannot be recorded: {problems}"
+            return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
 
     def _stop(self, step_id: str, location: str | None, name: str, outcome: Any) -> NoReturn:
         """End the pass at this step with ``outcome``."""
@@ -327,7 +426,7 @@ class _Replay:
         self.stopped_at = _Open(step_id, location, name, _context())
         self.entered = True
 
-    def _after_stop(self, step_id: str, location: str | None, name: str) -> NoReturn:
+    def _after_stop(self, step_id: str, location: str | None, name: str) -> tuple[str, Any]:
         """``step.run`` after the pass stopped: the suspension again, or two steps at once."""
         first = self.stopped_at
         assert first is not None
@@ -335,6 +434,10 @@ class _Replay:
         sequential = first.context[0] == context[0] and first.context[1] is context[1]
         if self.outcome is not None and sequential:
             raise Suspend(self.outcome)  # the code swallowed the suspension and went on: nothing more runs
+        if self.entered and self.outcome is None and context[1] is not None and context[1] is not first.context[1]:
+            # another asyncio task while the target callback runs: wait for the pass to end instead of
+            # raising, so that a task group does not cancel the running callback (decisions 16)
+            return "park", None
         if not self.entered:
             second = Occurrence(step_id=step_id, location=location, name=name)
             self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=first.occurrence(), second=second))
@@ -360,10 +463,10 @@ class _Replay:
             self._finish(self._failed(exc))
         finally:
             _current_operation.reset(token)
+            self.callback_done.set()
         self._finish(self._succeeded(result))
 
     async def run_callback_async(self, call: Callable[[], Any]) -> NoReturn:
-        self.callback_finished = asyncio.Event()
         token = _current_operation.set(self.operation_context())
         try:
             result = call()
@@ -373,8 +476,15 @@ class _Replay:
             self._finish(self._failed(exc))
         finally:
             _current_operation.reset(token)
-            self.callback_finished.set()
+            self.callback_done.set()
         self._finish(self._succeeded(result))
+
+    async def park(self) -> NoReturn:
+        """Wait, without running anything, until the task answers (a second step while a callback runs)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.parked.append(waiter)
+        await waiter
+        raise Suspend(self.outcome)
 
     def _failed(self, exc: Exception) -> CallbackFailed:
         return CallbackFailed(error=error_info(exc, retryable=not isinstance(exc, NonRetryableError)))
@@ -386,24 +496,42 @@ class _Replay:
         return CallbackSucceeded(result=checked)
 
     def _finish(self, outcome: Any) -> NoReturn:
-        self.outcome = outcome
+        with self._lock:
+            self.outcome = outcome
         raise Suspend(outcome)
 
     # ---- what the pass reports --------------------------------------------------------
 
     async def wait_for_callback(self) -> None:
         """The function ended while the target callback still runs in another task (gather): let it finish."""
-        if self.entered and self.outcome is None and self.callback_finished is not None:
-            await self.callback_finished.wait()
+        while self.entered and not self.callback_done.is_set():
+            await asyncio.sleep(0.001)
 
     def report(self, *, output: Any = None, raised: BaseException | None = None) -> Any:
-        """What this task reports, once the function has returned ``output`` or raised ``raised``."""
+        """What this task reports, once the function has returned ``output`` or raised ``raised``.
+
+        Closes the pass first: a ``step.run`` still to come (another thread, a stray task) runs nothing.
+        A process interrupt (``KeyboardInterrupt``, ``SystemExit``, a cancellation) with nothing to
+        report is raised again: the server then treats the task as lost, never as the function's failure.
+        """
+        with self._lock:
+            self.closed = True
+        if self.entered:
+            self.callback_done.wait()  # a callback in another thread: its outcome is this task's
+        for waiter in self.parked:
+            waiter.cancel()
         if self.entered:
             if self.outcome is None:
                 raise CallbackInterruptedError(f"the callback of step {self.target!r} did not finish")
             return self.outcome
         if self.outcome is not None:
             return self.outcome
+        if raised is not None and _interrupted(raised):
+            raise raised
+        if self.target_without_compensator is not None:
+            return TargetNotFound(
+                detail=f"current code declares no compensator for step {self.target!r}", reason="no_compensator"
+            )
         if self.kind is TaskKind.DISCOVER:
             if raised is not None:
                 return FunctionFailed(error=error_info(raised))
@@ -419,15 +547,21 @@ class _Replay:
         return ReplayFailed(error=error_info(raised))
 
 
-def _completed(output: Any) -> FunctionCompleted | FunctionFailed | ConflictFound:
-    """A function's return value as discovery reports it; an output over the limit is a conflict (decisions 20)."""
+def _interrupted(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_interrupted(e) for e in exc.exceptions)
+    return isinstance(exc, INTERRUPTS)
+
+
+def _completed(output: Any) -> FunctionCompleted | ConflictFound:
+    """A function's return value as discovery reports it; one that cannot be recorded blocks (decisions 20)."""
     try:
-        encoded = json.dumps(output, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        return FunctionFailed(
-            error=ErrorInfo(type="not_json_serializable", message=f"output is not JSON: {exc}", retryable=False)
+        encoded = _encode(output)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return ConflictFound(
+            conflict=OutputNotJson(message=f"the function's return value is not JSON: {_describe(exc)}")
         )
-    if (size := len(encoded.encode())) > MAX_VALUE_BYTES:
+    if (size := len(encoded)) > MAX_VALUE_BYTES:
         return ConflictFound(conflict=OutputTooLarge(size=size, limit=MAX_VALUE_BYTES))
     return FunctionCompleted(output=json.loads(encoded))
 
@@ -472,6 +606,8 @@ class Step:
         )
         if action == "return":
             return value  # type: ignore[no-any-return]
+        if action == "park":  # pragma: no cover - only an asyncio task can park
+            raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
         replay.run_callback(step_id, call)
 
@@ -480,7 +616,7 @@ class AsyncStep:
     """The ``step`` of an ``async def`` workflow function: ``await step.run(...)``.
 
     Accepts sync and async callbacks alike. Await each step before starting
-    the next: ``asyncio.gather`` of two steps raises :class:`ConcurrentStepError`.
+    the next: ``asyncio.gather`` of two steps is refused (:class:`ConcurrentStepError`).
     """
 
     def __init__(self, replay: _Replay) -> None:
@@ -509,6 +645,8 @@ class AsyncStep:
             )
             if action == "return":
                 return value  # type: ignore[no-any-return]
+            if action == "park":
+                await replay.park()
             call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
             await replay.run_callback_async(call)
 

@@ -96,9 +96,8 @@ class ErrorInfo(_Wire):
         if size <= limit:
             return self
         note = f" [error cut: it was {size} bytes serialized, over the {limit}-byte limit; data dropped]"
-        return ErrorInfo(
-            type=self.type[:256], message=self.message[:ERROR_MESSAGE_KEPT] + note, data=None, retryable=self.retryable
-        )
+        kept = min(ERROR_MESSAGE_KEPT, max(256, limit // 2))
+        return ErrorInfo(type=self.type[:256], message=self.message[:kept] + note, data=None, retryable=self.retryable)
 
 
 class OperationInfo(_Wire):
@@ -177,8 +176,24 @@ class OutputTooLarge(_Wire):
     limit: int
 
 
+class OutputNotJson(_Wire):
+    """The function returned a value that is not JSON (a ``datetime``, a ``set``, invalid Unicode)."""
+
+    code: Literal["output_not_json"] = "output_not_json"
+    message: DiagnosticText
+
+
+class InvalidStep(_Wire):
+    """A ``step.run`` the server cannot record (an id over 256 characters, a timeout that is not positive)."""
+
+    code: Literal["invalid_step"] = "invalid_step"
+    step_id: DiagnosticText
+    location: DiagnosticText | None = None
+    message: DiagnosticText
+
+
 DefinitionConflict = Annotated[
-    DuplicateStepConflict | ConcurrentStepConflict | NewStepBeforeTarget | OutputTooLarge,
+    DuplicateStepConflict | ConcurrentStepConflict | NewStepBeforeTarget | OutputTooLarge | OutputNotJson | InvalidStep,
     Field(discriminator="code"),
 ]
 """What current code got wrong in a pass: recoverable by a release, the probe or an operator, never a failure."""
@@ -255,6 +270,8 @@ class TargetNotFound(_Wire):
 
     type: Literal["target_not_found"] = "target_not_found"
     detail: DiagnosticText = ""
+    reason: Literal["not_reached", "no_compensator"] = "not_reached"
+    """``no_compensator``: current code reaches the compensation target and declares no compensator."""
 
 
 class ReplayFailed(_Wire):

@@ -1,0 +1,422 @@
+"""Decisions 16-20 under attack: what an adversarial review of their first implementation found.
+
+Each test reproduces one finding (F1-F13 of that review) and failed before its fix: an Unknown
+converted to a failure and then fenced by a stop, a compensator skipped on a transient early
+return, TaskGroups and threads that ran callbacks twice or crashed the handler, values that cannot
+be reported, and retry loops with no delay or no end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from ryusen import AsyncStep, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen.testing import WorkflowEnvironment
+
+
+def settled(env: WorkflowEnvironment, run_id: str, step_id: str, generation: int = 1) -> bool:
+    step = env.engine.store.get(run_id).step(step_id)  # type: ignore[union-attr]
+    attempt = step.attempt(step.attempts[0].phase, generation) if step else None
+    return attempt is not None and attempt.status.value not in ("queued", "authorized")
+
+
+# ---- F1: an Unknown converted to a retry, then a stop fences the retry -------------------------
+
+
+@pytest.mark.rfd("S8", "S9", "U2", "U10")
+def test_a_stop_during_an_unknown_retry_backoff_keeps_the_first_attempt_unknown() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("pay")
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        step.run(
+            "charge",
+            lambda: calls.update(["charge"]) or {"charge_id": "ch_1"},
+            compensate=lambda r: calls.update(["refund"]) or "refunded",
+            retry=RetryPolicy(max_attempts=3, on_unknown="retry", initial_delay=timedelta(seconds=30)),
+        )
+        return "paid"
+
+    env = WorkflowEnvironment(app)
+    env.faults.lose_result("charge")  # the charge ran; its response was lost
+    run_id = env.start("pay")
+    env.drive(until=lambda: settled(env, run_id, "charge"), horizon=timedelta(seconds=10))
+    env.cancel(run_id)  # during the retry's backoff: the retry will never run
+    run = env.wait(run_id)
+    assert run.phase == "settling" and [b["type"] for b in run.blockers] == ["unknown_outcome"]
+    assert [a["status"] for a in run.attempts("charge")] == ["unknown"]
+    env.deliver_late_result(run_id, "charge", generation=1)  # the lost success arrives
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated"
+    assert calls == Counter({"charge": 1, "refund": 1})
+
+
+@pytest.mark.rfd("U2", "U10")
+def test_a_late_result_during_an_unknown_retry_backoff_saves_the_retry() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("lookup")
+
+    @app.function("quote")
+    def quote(data: Any, step: Step) -> Any:
+        return step.run(
+            "rate",
+            lambda: calls.update(["rate"]) or 1.08,
+            retry=RetryPolicy(max_attempts=3, on_unknown="retry", initial_delay=timedelta(seconds=30)),
+        )
+
+    env = WorkflowEnvironment(app)
+    env.faults.lose_result("rate")
+    run_id = env.start("quote")
+    env.drive(until=lambda: settled(env, run_id, "rate"), horizon=timedelta(seconds=10))
+    env.deliver_late_result(run_id, "rate", generation=1)
+    run = env.wait(run_id)
+    assert run.output == 1.08 and calls["rate"] == 1
+    assert [a["status"] for a in run.attempts("rate")] == ["succeeded"]
+
+
+# ---- F2: a transient early return, with the same code that recorded the step --------------------
+
+
+@pytest.mark.rfd("C2", "C4")
+def test_an_early_return_in_a_compensation_pass_of_the_same_code_is_retried_not_skipped() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("shop")
+
+    class ConfigUnavailable(Exception):
+        pass
+
+    def read_config() -> dict[str, str]:
+        calls["config"] += 1
+        if calls["config"] == 4:  # the config service blips once, in the compensation pass
+            raise ConfigUnavailable("503 from config service")
+        return {"currency": "EUR"}
+
+    @app.function("checkout")
+    def checkout(order: Any, step: Step) -> Any:
+        try:
+            read_config()
+        except ConfigUnavailable:
+            return {"status": "retry later"}  # graceful degradation: returns without reaching the step
+        step.run("charge", lambda: {"charge_id": "ch_1"}, compensate=lambda r: calls.update(["refund"]))
+        raise RuntimeError("warehouse rejected the order")
+
+    run = WorkflowEnvironment(app).run("checkout")
+    assert calls["refund"] == 1 and run.summary == "failed, fully compensated"
+    compensation = run.attempts("charge", "compensation")
+    assert [a["status"] for a in compensation] == ["failed", "succeeded"]
+    assert compensation[0]["error"]["type"] == "target_not_reached"
+
+
+# ---- F3: asyncio.TaskGroup ----------------------------------------------------------------------
+
+
+@pytest.mark.rfd("F2", "D1")
+def test_steps_inside_a_task_group() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("tg")
+
+    async def fetch(what: str) -> str:
+        calls[what] += 1
+        return f"{what}-ok"
+
+    @app.function("one")
+    async def one(data: Any, step: AsyncStep) -> Any:
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(step.run("fetch", fetch, "fetch"))
+        return task.result()
+
+    @app.function("two")
+    async def two(data: Any, step: AsyncStep) -> Any:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(step.run("a", fetch, "a"))
+            tg.create_task(step.run("b", fetch, "b"))
+        return "both"
+
+    env = WorkflowEnvironment(app)
+    assert env.run("one").output == "fetch-ok" and calls == Counter({"fetch": 1})
+    blocked = env.run("two")
+    assert [b["type"] for b in blocked.blockers] == ["concurrent_step"] and calls["a"] + calls["b"] == 0
+
+
+# ---- F4: threads ----------------------------------------------------------------------------------
+
+
+@pytest.mark.rfd("F2")
+def test_a_step_run_from_a_thread_after_the_task_answered_runs_nothing() -> None:
+    calls: Counter[str] = Counter()
+    pool = ThreadPoolExecutor(max_workers=1)
+    app = Ryusen("late-thread")
+
+    def slow_metric(delay: float) -> None:
+        time.sleep(delay)
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        calls["passes"] += 1
+        pool.submit(slow_metric, 0.5 if calls["passes"] == 2 else 0.0)  # slow in the attempt's pass
+        future = pool.submit(step.run, "charge", lambda: calls.update(["charge"]) or "ch_1")
+        try:
+            return future.result(timeout=0.2)
+        except FutureTimeout:
+            raise RuntimeError("charge took too long") from None
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("pay")
+    env.drive(until=lambda: settled(env, run_id, "charge"))
+    time.sleep(1.0)  # the worker thread reaches step.run after the task has answered
+    env.wait(run_id)
+    pool.shutdown(wait=True)
+    assert calls["charge"] <= 1, "a callback ran after its task had answered, then again"
+
+
+# ---- F5: the compensation target's id duplicated by a new release ------------------------------
+
+
+@pytest.mark.rfd("C2", "D1")
+def test_a_duplicated_target_id_in_a_compensation_pass_blocks_instead_of_skipping() -> None:
+    calls: Counter[str] = Counter()
+
+    def build(v2: bool) -> Ryusen:
+        app = Ryusen("shop", release_id=f"v{2 if v2 else 1}", build_id=f"b{2 if v2 else 1}")
+
+        @app.function("checkout")
+        def checkout(order: Any, step: Step) -> Any:
+            if v2:
+                step.run("charge", lambda: "card ok")  # a new pre-check, its id copy-pasted
+            step.run("charge", lambda: "ch_1", compensate=lambda r: calls.update(["refund"]))
+            raise RuntimeError("fraud check failed")
+
+        return app
+
+    env = WorkflowEnvironment(build(False))
+    run_id = env.start("checkout")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(build(True))
+    run = env.wait(run_id)
+    assert [b["type"] for b in run.blockers] == ["duplicate_step_id"] and calls["refund"] == 0
+    assert run.step("charge")["compensation"]["status"] == "pending"
+
+
+# ---- F6: BaseException from user code -------------------------------------------------------------
+
+
+@pytest.mark.rfd("F2", "U1")
+def test_a_system_exit_in_a_finally_after_the_callback_still_reports_it() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("exit")
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        try:
+            return step.run("charge", lambda: calls.update(["charge"]) or "ch_1")
+        finally:
+            calls["passes"] += 1
+            if calls["passes"] == 2:  # the pass that ran the charge
+                sys.exit("worker shutting down")
+
+    run = WorkflowEnvironment(app).run("pay")
+    assert run.outcome == "completed" and calls["charge"] == 1
+    assert [a["status"] for a in run.attempts("charge")] == ["succeeded"]
+
+
+@pytest.mark.rfd("F7")
+def test_a_custom_base_exception_escaping_the_function_fails_it() -> None:
+    app = Ryusen("bail")
+
+    class Bail(BaseException):
+        pass
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("charge", lambda: "ok", compensate=lambda r: None)
+        raise Bail("give up")
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.summary == "failed, fully compensated" and run.error["type"] == "Bail"
+
+
+# ---- F7: recorded errors replayed in every task -----------------------------------------------------
+
+
+@pytest.mark.rfd("F5", "F6", "F12")
+def test_many_large_terminal_errors_keep_the_replay_within_its_limits() -> None:
+    app = Ryusen("poller")
+    calls: Counter[str] = Counter()
+
+    def check(i: int) -> None:
+        calls["check"] += 1
+        raise RuntimeError(f"upstream said: {'<html>' + 'x' * 240_000}")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        for i in range(40):
+            try:
+                return step.run(f"check-{i}", check, i, retry=RetryPolicy(max_attempts=1))
+            except StepFailed:
+                continue
+        return "gave up"
+
+    env = WorkflowEnvironment(app)
+    run = env.wait(env.start("wf"), max_transitions=2000)
+    assert run.outcome == "completed" and run.output == "gave up" and calls["check"] == 40
+
+
+@pytest.mark.rfd("O1")
+def test_an_endpoint_that_keeps_failing_a_task_is_shown_as_a_blocker() -> None:
+    app = Ryusen("down")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("charge", lambda: "ok")
+
+    env = WorkflowEnvironment(app)
+    env.faults.unreachable("charge", phase="forward", times=12)
+    run_id = env.start("wf")
+    env.drive(until=lambda: bool(env.get(run_id).blockers))
+    [blocker] = env.get(run_id).blockers
+    assert blocker["type"] == "endpoint_failing" and "connection refused" in blocker["detail"]
+    run = env.wait(run_id)  # the retries go on, and once the endpoint answers the run completes
+    assert run.outcome == "completed" and run.blockers == []
+
+
+# ---- F8: very long outages ---------------------------------------------------------------------------
+
+
+@pytest.mark.rfd("U1")
+def test_an_endpoint_refusing_connections_for_a_day_never_makes_an_attempt_unknown() -> None:
+    app = Ryusen("outage")
+    calls: Counter[str] = Counter()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("charge", lambda: calls.update(["charge"]) or "ok")
+
+    env = WorkflowEnvironment(app)
+    env.faults.unreachable("charge", phase="forward", times=1100)
+    run = env.wait(env.start("wf"), max_transitions=20_000)
+    assert run.outcome == "completed" and calls["charge"] == 1
+    assert [a["status"] for a in run.attempts("charge")] == ["succeeded"]
+
+
+# ---- F9, F11, F13: values and errors that cannot be reported as they are -------------------------------
+
+
+@pytest.mark.rfd("F12", "C9")
+def test_a_lone_surrogate_or_a_non_json_value_is_a_clear_failure_or_a_blocker_never_unknown() -> None:
+    calls: Counter[str] = Counter()
+    name = os.fsdecode(b"report-\xff.csv")  # 'report-\udcff.csv'
+    app = Ryusen("values")
+
+    @app.function("result")
+    def result(data: Any, step: Step) -> Any:
+        try:
+            return step.run("list", lambda: calls.update(["list"]) or name)
+        except StepFailed as failure:
+            return failure.error_type
+
+    @app.function("output")
+    def output(data: Any, step: Step) -> Any:
+        step.run("charge", lambda: "ch_1", compensate=lambda r: calls.update(["refund"]))
+        return {"file": name} if data == "surrogate" else {"at": dt.datetime(2030, 1, 1)}
+
+    env = WorkflowEnvironment(app)
+    assert env.run("result").output == "not_json_serializable" and calls["list"] == 1
+    for value in ("surrogate", "datetime"):
+        run = env.run("output", value)
+        assert run.outcome is None and [b["type"] for b in run.blockers] == ["output_not_json"], value
+    assert calls["refund"] == 0
+
+
+@pytest.mark.rfd("F4", "F12")
+def test_a_callback_failure_that_cannot_be_printed_or_a_result_too_deep_is_a_failed_attempt() -> None:
+    app = Ryusen("odd")
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("str() of this error is broken")
+
+    def deep() -> Any:
+        value: Any = []
+        for _ in range(200_000):
+            value = [value]
+        return value
+
+    def unprintable() -> None:
+        raise Unprintable()
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        try:
+            step.run("s", unprintable if data == "unprintable" else deep, retry=RetryPolicy(max_attempts=1))
+        except StepFailed as failure:
+            return failure.error_type
+
+    env = WorkflowEnvironment(app)
+    assert env.run("wf", "unprintable").output == "Unprintable"
+    assert env.run("wf", "deep").output == "not_json_serializable"
+
+
+# ---- F10: an endpoint whose revisions disagree ---------------------------------------------------------
+
+
+@pytest.mark.rfd("R1")
+def test_target_not_found_again_and_again_backs_off() -> None:
+    import itertools
+
+    def build(v: str) -> Ryusen:
+        app = Ryusen("shop", release_id=v, build_id=v)
+
+        @app.function("pay")
+        def pay(data: Any, step: Step) -> Any:
+            return step.run(f"charge-{v}", lambda: v)
+
+        return app
+
+    old, new = build("v1"), build("v2")
+    env = WorkflowEnvironment(old)
+    turn = itertools.cycle([old, new])  # an endpoint alternating between two revisions during a rollout
+    env.invoker.apps["inproc://shop"] = lambda m, h, b: next(turn).handle(m, h, b)
+    env.start("pay")
+    start = env.clock.now
+    with pytest.raises(RuntimeError, match="did not settle"):
+        env.drive(max_transitions=200)
+    assert env.clock.now - start > timedelta(minutes=5), "a hot loop: no delay between passes"
+
+
+# ---- F12: step declarations the server cannot record ---------------------------------------------------
+
+
+@pytest.mark.rfd("D2", "C9")
+def test_a_step_declaration_the_server_cannot_record_blocks_and_compensates_nothing() -> None:
+    calls: Counter[str] = Counter()
+    app = Ryusen("decl")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("charge", lambda: "ch", compensate=lambda r: calls.update(["refund"]))
+        if data == "long-id":
+            step.run("order-" + "x" * 294, lambda: None)
+        else:
+            step.run("poll", lambda: None, timeout=timedelta(seconds=-1))
+        return "ok"
+
+    env = WorkflowEnvironment(app)
+    for case in ("long-id", "negative-timeout"):
+        run = env.run("wf", case)
+        assert run.outcome is None and [b["type"] for b in run.blockers] == ["invalid_step"], case
+        assert "256" in run.blockers[0]["message"] or "positive" in run.blockers[0]["message"]
+    assert calls["refund"] == 0
+    with pytest.raises(ValueError, match="1000"):
+        RetryPolicy(max_attempts=5000)
