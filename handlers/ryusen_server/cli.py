@@ -71,14 +71,16 @@ def is_loopback(server: str) -> bool:
 
 
 def _region_for(server: str, session: Any) -> str:
+    """The region a request to ``server`` must be signed for: the API's own (from its URL) when the URL says,
+    else the caller's configured region (a custom domain name in front of the API)."""
+    match = re.search(r"\.execute-api\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?$", urlsplit(server).hostname or "")
+    if match:
+        return match.group(1)
     region = (
         os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
     )
     if region:
         return str(region)
-    match = re.search(r"\.execute-api\.([a-z0-9-]+)\.amazonaws\.com$", urlsplit(server).hostname or "")
-    if match:
-        return match.group(1)
     raise CliError(f"cannot tell the AWS region to sign requests to {server} with; set AWS_REGION")
 
 

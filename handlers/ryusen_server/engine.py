@@ -33,6 +33,7 @@ from ryusen._internal.wire import (
 from .core.decide import decide
 from .core.events import (
     AttemptReported,
+    CancelTimer,
     Decision,
     DiscoveryReported,
     EngineSettings,
@@ -163,6 +164,8 @@ class Engine:
                 self.queue.send(command.task, command.delay_s)
             elif isinstance(command, ScheduleTimer):
                 self.timers.schedule(command.timer)
+            elif isinstance(command, CancelTimer):
+                self.timers.cancel(command.timer)
 
     def _emit(self, kind: str, payload: Any) -> None:
         for hook in self.hooks:

@@ -209,6 +209,11 @@ class MemoryTimers:
         with self._lock:
             self._timers[timer.name] = timer
 
+    def cancel(self, timer: TimerRef) -> None:
+        self.counter.add("timers.cancel")
+        with self._lock:
+            self._timers.pop(timer.name, None)
+
     def due(self) -> list[TimerRef]:
         now = self._clock()
         with self._lock:

@@ -149,6 +149,9 @@ class TaskQueue(Protocol):
 class TimerService(Protocol):
     def schedule(self, timer: TimerRef) -> None: ...
 
+    def cancel(self, timer: TimerRef) -> None:
+        """Drop a timer that will not be needed; one already fired or gone is fine."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InvokeResult:

@@ -33,6 +33,8 @@ class AwsResources:
     queue_arn: str
     schedule_group: str
     scheduler_role_arn: str
+    scheduler_dlq_arn: str | None = None
+    """Where a schedule whose target keeps failing leaves its input (the deployment's scheduler DLQ)."""
     endpoint_url: str | None = None
     region: str = "us-east-1"
 
@@ -45,6 +47,7 @@ class AwsResources:
             queue_arn=env["RYUSEN_QUEUE_ARN"],
             schedule_group=env.get("RYUSEN_SCHEDULE_GROUP", "ryusen"),
             scheduler_role_arn=env["RYUSEN_SCHEDULER_ROLE_ARN"],
+            scheduler_dlq_arn=env.get("RYUSEN_SCHEDULER_DLQ_ARN") or None,
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
         )
@@ -76,6 +79,7 @@ def aws_engine(
         group=resources.schedule_group,
         target_arn=resources.queue_arn,
         role_arn=resources.scheduler_role_arn,
+        dead_letter_arn=resources.scheduler_dlq_arn,
         counter=counter,
     )
     engine = Engine(

@@ -275,3 +275,17 @@ def test_timed_out_partially_compensated_keeps_both_outcomes() -> None:
     run = env.run("wf")
     assert (run.outcome, run.recovery) == ("timed_out", "partially_compensated")
     assert run.summary == "timed out, partially compensated"
+
+
+@pytest.mark.rfd("S11")
+def test_a_run_that_finishes_before_its_deadline_cancels_the_deadline_timer() -> None:
+    app = Ryusen("quick")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("a", lambda: "done")
+
+    env = WorkflowEnvironment(app)
+    run = env.run("wf", timeout=timedelta(days=30))
+    assert run.outcome == "completed"
+    assert [t.kind.value for t in env.timers.pending()] == []  # no schedule left to fire in 30 days

@@ -76,8 +76,15 @@ def stack(aws_env: None) -> Iterator[Stack]:
         queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         create_schedule_group(scheduler, GROUP)
         counter = RequestCounter()
+        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         timers = SchedulerTimers(
-            scheduler, group=GROUP, target_arn=queue_arn, role_arn=ROLE_ARN, counter=counter, clock=lambda: T0
+            scheduler,
+            group=GROUP,
+            target_arn=queue_arn,
+            role_arn=ROLE_ARN,
+            dead_letter_arn=dlq_arn,
+            counter=counter,
+            clock=lambda: T0,
         )
         queue = SqsQueue(sqs, queue_url, timers, counter, clock=lambda: T0)
         yield Stack(sqs, scheduler, queue_url, dlq_url, queue_arn, counter, timers, queue)
@@ -220,6 +227,19 @@ def test_a_timer_is_a_one_time_schedule_targeting_the_queue(stack: Stack) -> Non
     assert schedule["Target"]["Arn"] == stack.queue_arn
     assert schedule["Target"]["RoleArn"] == ROLE_ARN
     assert TimerRef.model_validate(json.loads(schedule["Target"]["Input"])["timer"]) == timer
+    # a target that keeps failing (a wrong role, a deleted queue) is retried, then kept in a dead-letter queue
+    dlq_arn = stack.sqs.get_queue_attributes(QueueUrl=stack.dlq_url, AttributeNames=["QueueArn"])["Attributes"]
+    assert schedule["Target"]["DeadLetterConfig"] == {"Arn": dlq_arn["QueueArn"]}
+    assert schedule["Target"]["RetryPolicy"]["MaximumRetryAttempts"] >= 100
+    assert schedule["Target"]["RetryPolicy"]["MaximumEventAgeInSeconds"] == 86400
+
+
+def test_a_cancelled_timer_deletes_its_schedule(stack: Stack) -> None:
+    timer = TimerRef(run_id="run_1", kind=TimerKind.DEADLINE, at=T0 + timedelta(days=30))
+    stack.timers.schedule(timer)
+    stack.timers.cancel(timer)
+    stack.timers.cancel(timer)  # already gone: fine
+    assert stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"] == []
 
 
 def test_due_timers_reach_the_queue_as_timer_messages_then_are_deleted(stack: Stack) -> None:

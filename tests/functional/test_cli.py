@@ -590,6 +590,13 @@ def test_the_region_falls_back_to_the_api_hostname(
     assert "/ap-south-1/execute-api/" in server.requests[0].headers["authorization"]
 
 
+def test_the_region_in_the_api_url_wins_over_the_environment(server: FakeServer, aws_credentials: None) -> None:
+    api = "https://abc123.execute-api.ap-northeast-1.amazonaws.com/prod"  # AWS_REGION says eu-west-1
+    server.on("GET", api + "/v1/runs/run_1", run_view())
+    assert ryusen("--server", api, "show", "run_1").exit_code == 0
+    assert "/ap-northeast-1/execute-api/" in server.requests[0].headers["authorization"]
+
+
 def test_a_loopback_server_is_called_unsigned(server: FakeServer, aws_credentials: None) -> None:
     for url in ("http://127.0.0.1:8700", "http://localhost:8700", "http://[::1]:8700"):
         server.on("GET", url + "/v1/runs/run_1", run_view())

@@ -123,3 +123,45 @@ def test_runs_complete_when_every_first_write_loses_its_reply() -> None:
     assert run.outcome == "completed" and run.blockers == []  # no spurious Unknown, no stuck run
     assert failed.summary == "failed, fully compensated"  # two skips: no compensators
     assert calls == Counter({"charge": 2, "receipt": 2})
+
+
+class Throttling:
+    """Wraps the DynamoDB client: the first ``times`` batch requests leave every item unprocessed, as a
+    throttled table does (BatchWriteItem and BatchGetItem answer 200 with UnprocessedItems/Keys)."""
+
+    def __init__(self, client: Any, times: int) -> None:
+        self._client = client
+        self.left = times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def batch_write_item(self, **kwargs: Any) -> Any:
+        if self.left > 0:
+            self.left -= 1
+            return {"UnprocessedItems": kwargs["RequestItems"]}
+        return self._client.batch_write_item(**kwargs)
+
+    def batch_get_item(self, **kwargs: Any) -> Any:
+        if self.left > 0:
+            self.left -= 1
+            return {"Responses": {}, "UnprocessedKeys": kwargs["RequestItems"]}
+        return self._client.batch_get_item(**kwargs)
+
+
+def test_unprocessed_batch_items_are_retried_with_backoff_through_a_throttled_spell(
+    dynamo: tuple[DynamoStore, LostReplies], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ryusen_server.aws.store as store_module
+
+    store, replies = dynamo
+    replies.armed = False
+    sleeps: list[float] = []
+    monkeypatch.setattr(store_module.time, "sleep", sleeps.append)
+    throttled = DynamoStore(Throttling(store._client, times=9), "ryusen-test")  # type: ignore[arg-type]
+    state = new_run("run_1").model_copy(update={"input": "x" * 5000})  # a large value: its own item
+    throttled.create(state)  # before the fix: RuntimeError after five retries within 0.6 s
+    fresh = DynamoStore(Throttling(store._client, times=9), "ryusen-test")  # type: ignore[arg-type]
+    got = fresh.get("run_1")
+    assert got is not None and got.input == "x" * 5000
+    assert len(sleeps) == 18 and all(0 <= s <= 2.0 for s in sleeps)  # backed off (jittered), each wait capped

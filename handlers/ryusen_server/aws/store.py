@@ -108,6 +108,7 @@ from ..ports import (
     RequestCounter,
     RunExistsError,
     RunPage,
+    ServerError,
     VersionConflictError,
 )
 
@@ -136,6 +137,13 @@ VALUE_CACHE_BYTES = 64 * 1024 * 1024
 _RELEASE = TypeAdapter(Release)
 _CURSOR_KEYS = frozenset({"pk", "sk", "list_pk", "list_sk"})
 _TRANSIENT_RETRIES = 5
+BATCH_RETRY_BUDGET_S = 20.0
+"""How long a batch request keeps retrying the items DynamoDB left unprocessed (throttling) before it fails."""
+
+
+def _batch_backoff(attempt: int) -> float:
+    """Exponential backoff with full jitter for unprocessed batch items: 50 ms doubling, capped at 2 s."""
+    return secrets.SystemRandom().uniform(0, min(2.0, 0.05 * 2**attempt))
 
 
 def _with_write_token(item: dict[str, AttributeValueTypeDef]) -> tuple[dict[str, AttributeValueTypeDef], str]:
@@ -147,6 +155,14 @@ def _with_write_token(item: dict[str, AttributeValueTypeDef]) -> tuple[dict[str,
 def _written_by(item: Mapping[str, Any] | None, token: str) -> bool:
     """Is ``item`` (returned by a failed condition) the one this write's earlier try put?"""
     return bool(item) and cast("Mapping[str, Any]", item).get("write_token", {}).get("S") == token
+
+
+class ThrottledError(ServerError):
+    """DynamoDB kept throttling a batch past the retry budget: nothing is decided, the caller tries again later
+    (a dispatch message comes back; an API request answers 503)."""
+
+    code = "throttled"
+    status = 503
 
 
 def _run_key(run_id: str) -> dict[str, AttributeValueTypeDef]:
@@ -605,7 +621,8 @@ class DynamoStore:
             request: Any = {"Keys": list(keys[offset : offset + 100]), "ConsistentRead": consistent}
             if projection is not None:
                 request["ProjectionExpression"] = projection
-            for attempt in range(_TRANSIENT_RETRIES + 1):
+            started, attempt = time.monotonic(), 0
+            while True:
                 if count:
                     self.counter.add("dynamodb.read")
                 response = self._client.batch_get_item(RequestItems={self.table_name: request})
@@ -614,24 +631,27 @@ class DynamoStore:
                 if not unprocessed:
                     break
                 request = {**request, "Keys": list(unprocessed["Keys"])}
-                if attempt == _TRANSIENT_RETRIES:
-                    raise RuntimeError(f"DynamoDB left {len(request['Keys'])} keys unprocessed after {attempt} retries")
-                time.sleep(0.02 * 2**attempt)
+                if time.monotonic() - started > BATCH_RETRY_BUDGET_S:
+                    raise ThrottledError(f"DynamoDB left {len(request['Keys'])} keys unprocessed for {attempt} retries")
+                time.sleep(_batch_backoff(attempt))
+                attempt += 1
         return items
 
     def _batch_write(self, items: Sequence[dict[str, AttributeValueTypeDef]]) -> None:
         """Unconditional Puts in BatchWriteItem requests of 25, retrying unprocessed items."""
         for offset in range(0, len(items), 25):
             requests: Any = [{"PutRequest": {"Item": item}} for item in items[offset : offset + 25]]
-            for attempt in range(_TRANSIENT_RETRIES + 1):
+            started, attempt = time.monotonic(), 0
+            while True:
                 self.counter.add("dynamodb.write", sum(_item_bytes(r["PutRequest"]["Item"]) for r in requests))
                 response = self._client.batch_write_item(RequestItems={self.table_name: requests})
                 requests = response.get("UnprocessedItems", {}).get(self.table_name)
                 if not requests:
                     break
-                if attempt == _TRANSIENT_RETRIES:
-                    raise RuntimeError(f"DynamoDB left {len(requests)} items unwritten after {attempt} retries")
-                time.sleep(0.02 * 2**attempt)
+                if time.monotonic() - started > BATCH_RETRY_BUDGET_S:
+                    raise ThrottledError(f"DynamoDB left {len(requests)} items unwritten for {attempt} retries")
+                time.sleep(_batch_backoff(attempt))
+                attempt += 1
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]:
         run_ids: list[str] = []

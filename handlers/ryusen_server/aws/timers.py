@@ -29,7 +29,7 @@ import re
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from botocore.exceptions import ClientError
@@ -99,6 +99,7 @@ class SchedulerTimers:
         group: str,
         target_arn: str,
         role_arn: str,
+        dead_letter_arn: str | None = None,
         counter: RequestCounter | None = None,
         clock: Callable[[], datetime] | None = None,
     ) -> None:
@@ -106,6 +107,7 @@ class SchedulerTimers:
         self.group = group
         self.target_arn = target_arn
         self.role_arn = role_arn
+        self.dead_letter_arn = dead_letter_arn
         self.counter = counter or RequestCounter()
         self._clock = clock or (lambda: datetime.now(UTC))
         # name -> (moment, input). Names are deterministic and schedules are never updated, so what
@@ -116,10 +118,24 @@ class SchedulerTimers:
     def schedule(self, timer: TimerRef) -> None:
         self.schedule_message(timer.name, timer.at, timer_input(timer))
 
+    def cancel(self, timer: TimerRef) -> None:
+        """The timer will not be needed (its run finished first): delete its schedule, if still there."""
+        self.delete(schedule_name(timer.name))
+
     def schedule_message(self, name: str, at: datetime, body: str) -> str:
         """Deliver ``body`` to the target (the dispatch queue) at ``at``; returns the schedule's name."""
         name = schedule_name(name)
         when = max(at if at.tzinfo else at.replace(tzinfo=UTC), self._clock() + MIN_LEAD)
+        target: Any = {
+            "Arn": self.target_arn,
+            "RoleArn": self.role_arn,
+            "Input": body,
+            # a target that keeps failing (a role without permission, a deleted queue) is retried for a day,
+            # then its input is kept in the dead-letter queue, where an alarm and an operator find it
+            "RetryPolicy": {"MaximumEventAgeInSeconds": 86_400, "MaximumRetryAttempts": 185},
+        }
+        if self.dead_letter_arn is not None:
+            target["DeadLetterConfig"] = {"Arn": self.dead_letter_arn}
         self.counter.add("scheduler.create_schedule")
         try:
             self._client.create_schedule(
@@ -130,7 +146,7 @@ class SchedulerTimers:
                 FlexibleTimeWindow={"Mode": "OFF"},
                 ActionAfterCompletion="DELETE",
                 State="ENABLED",
-                Target={"Arn": self.target_arn, "RoleArn": self.role_arn, "Input": body},
+                Target=target,
             )
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "ConflictException":

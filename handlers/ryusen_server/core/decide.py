@@ -58,6 +58,7 @@ from ryusen._internal.wire import (
 
 from .events import (
     AttemptReported,
+    CancelTimer,
     Command,
     Decision,
     DiscoveryReported,
@@ -299,6 +300,10 @@ class _Transition:
     def finish(self, recovery: Recovery | None) -> None:
         self.clear_definition_blockers()  # nothing is left for current code to repair
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
+        s = self.s
+        deadline_fired = s.stop_intent is not None and s.stop_intent.kind is StopKind.TIMEOUT
+        if s.deadline_at is not None and not deadline_fired:
+            self.commands.append(CancelTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.DEADLINE, at=s.deadline_at)))
         self.s.phase = RunPhase.FINISHED
         self.s.recovery = recovery
         self.s.finished_at = self.now

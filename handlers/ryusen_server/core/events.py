@@ -178,7 +178,14 @@ class ScheduleTimer:
     timer: TimerRef
 
 
-Command = EnqueueTask | InvokeTask | RedeliverLater | ScheduleTimer
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelTimer:
+    """A timer that will not be needed (a deadline of a run that finished first)."""
+
+    timer: TimerRef
+
+
+Command = EnqueueTask | InvokeTask | RedeliverLater | ScheduleTimer | CancelTimer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -206,7 +206,8 @@ class DevStack:
         )
         create_table(client("dynamodb", base), base.table_name)
         sqs = client("sqs", base)
-        queue_url, _dlq = create_queues(sqs, "ryusen-dispatch")
+        queue_url, dlq_url = create_queues(sqs, "ryusen-dispatch")
+        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         create_schedule_group(client("scheduler", base), base.schedule_group)
         return AwsResources(
@@ -215,6 +216,7 @@ class DevStack:
             queue_arn=arn,
             schedule_group=base.schedule_group,
             scheduler_role_arn=base.scheduler_role_arn,
+            scheduler_dlq_arn=dlq_arn,
             endpoint_url=endpoint,
         )
 
