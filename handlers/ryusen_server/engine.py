@@ -387,8 +387,19 @@ class Engine:
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
             return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
-        self.apply(task.run_id, self._event_for(task, result), known=state)
+        decision = self.apply(task.run_id, self._event_for(task, result), known=state)
+        self._wake_if_release_moved(decision, state, release)
         return Delivered(done=True)
+
+    def _wake_if_release_moved(self, decision: Decision, before: RunState, release: Release) -> None:
+        """A pass that just blocked on a definition conflict ran ``release``; if a newer one was synced
+        meanwhile, that sync may have looked for blocked runs before this run was blocked (and on AWS
+        the blocked-runs index lags the table), so wake it here. Costs one read, only when a pass blocks."""
+        if not decision.changed or before.blocked_by_definition or not decision.state.blocked_by_definition:
+            return
+        newest = self.store.get_release(decision.state.function_id)
+        if newest is not None and newest.release_id != release.release_id:
+            self.apply(decision.state.id, WakeRequested(source="release_sync"), known=decision.state)
 
     def _task_request(self, state: RunState, task: TaskRef, *, respond_by: datetime) -> TaskRequest:
         entries = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}

@@ -48,27 +48,40 @@ def engine_settings(env: Mapping[str, str] | None = None) -> EngineSettings:
     base = EngineSettings()
     forward = base.forward_retry
     compensate = base.compensate_retry
-    return EngineSettings(
-        forward_retry=RetryPolicyWire(
-            max_attempts=int(_req(env, "RYUSEN_RETRY_MAX_ATTEMPTS", forward.max_attempts)),
-            initial_delay_s=_req(env, "RYUSEN_RETRY_INITIAL_DELAY_S", forward.initial_delay_s),
-            backoff=forward.backoff,
-            max_delay_s=_req(env, "RYUSEN_RETRY_MAX_DELAY_S", forward.max_delay_s),
-        ),
-        compensate_retry=RetryPolicyWire(
-            max_attempts=int(_req(env, "RYUSEN_COMPENSATE_MAX_ATTEMPTS", compensate.max_attempts)),
-            initial_delay_s=_req(env, "RYUSEN_COMPENSATE_INITIAL_DELAY_S", compensate.initial_delay_s),
-            backoff=compensate.backoff,
-            max_delay_s=_req(env, "RYUSEN_COMPENSATE_MAX_DELAY_S", compensate.max_delay_s),
-        ),
-        attempt_timeout_s=_req(env, "RYUSEN_ATTEMPT_TIMEOUT_S", base.attempt_timeout_s),
-        lease_grace_s=_req(env, "RYUSEN_LEASE_GRACE_S", base.lease_grace_s),
-        probe_initial_s=_req(env, "RYUSEN_PROBE_INITIAL_S", base.probe_initial_s),
-        probe_max_s=_req(env, "RYUSEN_PROBE_MAX_S", base.probe_max_s),
-        redelivery_initial_s=_req(env, "RYUSEN_REDELIVERY_INITIAL_S", base.redelivery_initial_s),
-        redelivery_max_s=_req(env, "RYUSEN_REDELIVERY_MAX_S", base.redelivery_max_s),
-        max_steps=_count(env, "RYUSEN_MAX_STEPS", base.max_steps),
+    return _checked(
+        EngineSettings(
+            forward_retry=RetryPolicyWire(
+                max_attempts=int(_req(env, "RYUSEN_RETRY_MAX_ATTEMPTS", forward.max_attempts)),
+                initial_delay_s=_req(env, "RYUSEN_RETRY_INITIAL_DELAY_S", forward.initial_delay_s),
+                backoff=forward.backoff,
+                max_delay_s=_req(env, "RYUSEN_RETRY_MAX_DELAY_S", forward.max_delay_s),
+            ),
+            compensate_retry=RetryPolicyWire(
+                max_attempts=int(_req(env, "RYUSEN_COMPENSATE_MAX_ATTEMPTS", compensate.max_attempts)),
+                initial_delay_s=_req(env, "RYUSEN_COMPENSATE_INITIAL_DELAY_S", compensate.initial_delay_s),
+                backoff=compensate.backoff,
+                max_delay_s=_req(env, "RYUSEN_COMPENSATE_MAX_DELAY_S", compensate.max_delay_s),
+            ),
+            attempt_timeout_s=_req(env, "RYUSEN_ATTEMPT_TIMEOUT_S", base.attempt_timeout_s),
+            max_attempt_timeout_s=_float(env, "RYUSEN_MAX_ATTEMPT_TIMEOUT_S", None),
+            lease_grace_s=_req(env, "RYUSEN_LEASE_GRACE_S", base.lease_grace_s),
+            probe_initial_s=_req(env, "RYUSEN_PROBE_INITIAL_S", base.probe_initial_s),
+            probe_max_s=_req(env, "RYUSEN_PROBE_MAX_S", base.probe_max_s),
+            redelivery_initial_s=_req(env, "RYUSEN_REDELIVERY_INITIAL_S", base.redelivery_initial_s),
+            redelivery_max_s=_req(env, "RYUSEN_REDELIVERY_MAX_S", base.redelivery_max_s),
+            max_steps=_count(env, "RYUSEN_MAX_STEPS", base.max_steps),
+        )
     )
+
+
+def _checked(settings: EngineSettings) -> EngineSettings:
+    maximum = settings.max_attempt_timeout_s
+    if maximum is not None and settings.attempt_timeout_s > maximum:
+        raise ValueError(
+            f"setting RYUSEN_ATTEMPT_TIMEOUT_S ({settings.attempt_timeout_s:g}s) exceeds"
+            f" RYUSEN_MAX_ATTEMPT_TIMEOUT_S ({maximum:g}s)"
+        )
+    return settings
 
 
 def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:

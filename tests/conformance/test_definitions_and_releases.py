@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ryusen import Ryusen, Step
+from ryusen._internal.wire import TaskRequest
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
 from ryusen_server.ports import ConflictError
@@ -232,3 +233,25 @@ def test_cancelling_a_run_blocked_by_a_duplicate_id_clears_the_blocker() -> None
     run = env.wait(run_id)
     assert run.summary == "cancelled, fully compensated" and run.blockers == []
     assert env.engine.get_run(run_id).probe_due_at is None
+
+
+@pytest.mark.rfd("D5", "R3")
+def test_a_release_synced_while_the_blocking_pass_is_in_flight_still_wakes_the_run() -> None:
+    """The blocked-runs index is read by the sync before the pass has written its blocker (on AWS, a GSI
+    also lags its table): the pass itself sees the newer release after its write and wakes the run."""
+    calls: Counter[str] = Counter()
+    old, new = release_a(calls), release_b(calls)
+    env = WorkflowEnvironment(old)
+    synced: list[bool] = []
+
+    def old_code_answering_while_the_fix_is_synced(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if not synced and "charge" in TaskRequest.model_validate_json(body).memo:  # the pass that finds the duplicate
+            synced.append(True)
+            env.sync(new)  # the fix lands now; the run is not blocked yet, so the sync wakes nothing
+        return old.handle(method, headers, body)
+
+    env.invoker.apps["inproc://billing"] = old_code_answering_while_the_fix_is_synced
+    run_id = env.start("invoice")
+    env.drive(until=lambda: env.get(run_id).phase == "finished", horizon=timedelta(seconds=30))  # before any probe
+    run = env.get(run_id)
+    assert synced and run.outcome == "completed" and calls["charge"] == 1 and calls["fee"] == 1

@@ -420,3 +420,27 @@ def test_a_step_declaration_the_server_cannot_record_blocks_and_compensates_noth
     assert calls["refund"] == 0
     with pytest.raises(ValueError, match="1000"):
         RetryPolicy(max_attempts=5000)
+
+
+@pytest.mark.rfd("F12", "D5")
+def test_a_step_timeout_over_the_deployments_maximum_attempt_duration_is_refused_never_clamped() -> None:
+    from ryusen_server.core.events import EngineSettings
+
+    calls: Counter[str] = Counter()
+
+    def build(minutes: int) -> Ryusen:
+        app = Ryusen("long", release_id=f"r{minutes}", build_id=f"b{minutes}")
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            return step.run("report", lambda: calls.update(["report"]) or "ok", timeout=timedelta(minutes=minutes))
+
+        return app
+
+    env = WorkflowEnvironment(build(20), settings=EngineSettings(max_attempt_timeout_s=840))
+    run_id = env.start("wf")
+    [blocker] = env.wait(run_id).blockers
+    assert blocker["type"] == "invalid_step" and blocker["step_id"] == "report"
+    assert "1200" in blocker["message"] and "840" in blocker["message"] and calls["report"] == 0
+    env.sync(build(10))
+    assert env.wait(run_id).outcome == "completed" and calls["report"] == 1

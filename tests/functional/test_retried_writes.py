@@ -165,3 +165,15 @@ def test_unprocessed_batch_items_are_retried_with_backoff_through_a_throttled_sp
     got = fresh.get("run_1")
     assert got is not None and got.input == "x" * 5000
     assert len(sleeps) == 18 and all(0 <= s <= 2.0 for s in sleeps)  # backed off (jittered), each wait capped
+
+
+def test_the_listing_index_spreads_runs_over_many_partition_keys(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    """One constant index partition key takes about 1,000 writes/s in all (shared/facts/aws.md)."""
+    store, replies = dynamo
+    replies.armed = False
+    for i in range(64):
+        store.create(new_run(f"run_{i:03d}"))
+    items = store._client.scan(TableName=store.table_name, ProjectionExpression="list_pk")["Items"]
+    keys = {item["list_pk"]["S"] for item in items if "list_pk" in item}
+    assert len(keys) >= 8, keys
+    assert [r.id for r in store.list_runs(limit=5).runs] == [f"run_{i:03d}" for i in range(63, 58, -1)]

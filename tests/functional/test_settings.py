@@ -37,3 +37,9 @@ def test_variables_override_their_settings() -> None:
 def test_a_bad_value_is_refused_naming_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=name):
         engine_settings({name: value})
+
+
+def test_the_default_attempt_timeout_must_fit_the_maximum() -> None:
+    with pytest.raises(ValueError, match="RYUSEN_MAX_ATTEMPT_TIMEOUT_S"):
+        engine_settings({"RYUSEN_ATTEMPT_TIMEOUT_S": "900", "RYUSEN_MAX_ATTEMPT_TIMEOUT_S": "840"})
+    assert engine_settings({"RYUSEN_MAX_ATTEMPT_TIMEOUT_S": "840"}).max_attempt_timeout_s == 840

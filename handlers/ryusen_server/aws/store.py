@@ -26,12 +26,17 @@ A run item carries the index attributes ``function_id``, ``phase``,
 ``outcome`` (only once decided) and ``created_at`` (fixed-width UTC ISO), and
 two GSIs read them:
 
-* ``runs_by_created``: partition ``list_pk`` = ``RUNS`` (a constant), sort
-  ``list_sk`` = ``{created_at}#{run_id}``; newest first with
-  ``ScanIndexForward=False``. It projects only the filter attributes (not the
-  body): a save that changes neither phase nor outcome then costs no index
-  write, which keeps the per-step path at one write. A page is read from the
-  index, filtered, then its bodies are fetched with one BatchGetItem.
+* ``runs_by_created``: partition ``list_pk`` = ``RUNS#{shard}``, one of
+  :data:`LIST_SHARDS` values chosen by a digest of the run id (one partition
+  key value takes about 1,000 writes per second, so a constant would cap the
+  whole deployment's run starts and status changes), sort ``list_sk`` =
+  ``{created_at}#{run_id}``. A page queries every shard newest first
+  (``ScanIndexForward=False``, before the cursor), merges, and keeps the
+  newest; the cursor is the ``list_sk`` of the last run returned. The index
+  projects only the filter attributes (not the body): a save that changes
+  neither phase nor outcome then costs no index write, which keeps the
+  per-step path at one write. A page's bodies are fetched with one
+  BatchGetItem.
 * ``runs_blocked_by_definition``: partition ``blocked_fn`` = function id, an
   attribute written only while the run has a duplicate-step-id blocker (a
   sparse index, keys only).
@@ -121,6 +126,8 @@ log = logging.getLogger("ryusen.aws.store")
 LIST_INDEX = "runs_by_created"
 BLOCKED_INDEX = "runs_blocked_by_definition"
 LIST_PARTITION = "RUNS"
+LIST_SHARDS = 16
+"""Partition keys of the listing index (``RUNS#0`` ...): fixed for a table's life."""
 APPS_PARTITION = "APPS"
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
@@ -135,7 +142,6 @@ VALUE_CACHE_BYTES = 64 * 1024 * 1024
 """How many bytes of large values one process remembers."""
 
 _RELEASE = TypeAdapter(Release)
-_CURSOR_KEYS = frozenset({"pk", "sk", "list_pk", "list_sk"})
 _TRANSIENT_RETRIES = 5
 BATCH_RETRY_BUDGET_S = 20.0
 """How long a batch request keeps retrying the items DynamoDB left unprocessed (throttling) before it fails."""
@@ -299,7 +305,7 @@ def _run_item(state: RunState, body: bytes) -> dict[str, AttributeValueTypeDef]:
         "function_id": {"S": state.function_id},
         "phase": {"S": state.phase.value},
         "created_at": {"S": created},
-        "list_pk": {"S": LIST_PARTITION},
+        "list_pk": {"S": _list_partition(state.id)},
         "list_sk": {"S": f"{created}#{state.id}"},
     }
     if state.outcome is not None:
@@ -330,27 +336,28 @@ def _is_item_too_large(exc: ClientError) -> bool:
     return _error_code(exc) == "ValidationException" and "size" in exc.response.get("Error", {}).get("Message", "")
 
 
+def _list_partition(run_id: str) -> str:
+    return f"{LIST_PARTITION}#{int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16) % LIST_SHARDS}"
+
+
 def _encode_cursor(item: Mapping[str, Any]) -> str:
-    key = {name: {"S": item[name]["S"]} for name in sorted(_CURSOR_KEYS)}
-    return base64.urlsafe_b64encode(json.dumps(key, separators=(",", ":")).encode()).decode()
+    """A page's cursor: the ``list_sk`` of its last run (every shard resumes below it)."""
+    body = json.dumps({"before": item["list_sk"]["S"]}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(body.encode()).decode()
 
 
-def _decode_cursor(cursor: str) -> dict[str, AttributeValueTypeDef]:
-    """The ExclusiveStartKey a cursor stands for; anything else a client sends is an invalid request."""
+def _decode_cursor(cursor: str) -> str:
+    """The ``list_sk`` a cursor stands for; anything else a client sends is an invalid request."""
     try:
         key = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except (ValueError, binascii.Error):
         raise InvalidRequestError("invalid cursor", code="invalid_cursor") from None
-    valid = (
-        isinstance(key, dict)
-        and set(key) == _CURSOR_KEYS
-        and all(isinstance(v, dict) and set(v) == {"S"} and isinstance(v["S"], str) for v in key.values())
-        and key["list_pk"]["S"] == LIST_PARTITION
-        and key["pk"]["S"].startswith("RUN#")
-    )
-    if not valid:
+    if not (isinstance(key, dict) and set(key) == {"before"} and isinstance(key["before"], str)):
         raise InvalidRequestError("invalid cursor", code="invalid_cursor")
-    return cast("dict[str, AttributeValueTypeDef]", key)
+    before = str(key["before"])
+    if "#" not in before or len(before.encode()) > 1024:
+        raise InvalidRequestError("invalid cursor", code="invalid_cursor")
+    return before
 
 
 class DynamoStore:
@@ -506,46 +513,61 @@ class DynamoStore:
         whenever more runs match, and the cursor is None exactly when none do."""
         if limit < 1:
             raise InvalidRequestError("limit must be at least 1", code="invalid_limit")
-        values: dict[str, AttributeValueTypeDef] = {":runs": {"S": LIST_PARTITION}}
+        before = _decode_cursor(cursor) if cursor else None
+        matches: list[Mapping[str, Any]] = []
+        for shard in range(LIST_SHARDS):
+            matches.extend(self._list_shard(shard, function_id, phase, outcome, before, limit + 1))
+        matches.sort(key=lambda item: str(item["list_sk"]["S"]), reverse=True)
+        page = matches[:limit]
+        ids = [_run_id_of(item) for item in page]
+        runs = self._get_many(ids)
+        next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
+        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor)
+
+    def _list_shard(
+        self,
+        shard: int,
+        function_id: str | None,
+        phase: str | None,
+        outcome: str | None,
+        before: str | None,
+        wanted: int,
+    ) -> list[Mapping[str, Any]]:
+        """Up to ``wanted`` index items of one shard that match the filters, newest first, below ``before``."""
+        values: dict[str, AttributeValueTypeDef] = {":runs": {"S": f"{LIST_PARTITION}#{shard}"}}
+        condition = "list_pk = :runs"
+        if before is not None:
+            condition += " AND list_sk < :before"
+            values[":before"] = {"S": before}
         filters: list[str] = []
         names: dict[str, str] = {}
-        for attribute, wanted in (("function_id", function_id), ("phase", phase), ("outcome", outcome)):
-            if wanted is not None:
+        for attribute, value in (("function_id", function_id), ("phase", phase), ("outcome", outcome)):
+            if value is not None:
                 filters.append(f"#{attribute} = :{attribute}")
                 names[f"#{attribute}"] = attribute
-                values[f":{attribute}"] = {"S": wanted}
+                values[f":{attribute}"] = {"S": value}
         query: QueryInputTypeDef = {
             "TableName": self.table_name,
             "IndexName": LIST_INDEX,
-            "KeyConditionExpression": "list_pk = :runs",
+            "KeyConditionExpression": condition,
             "ExpressionAttributeValues": values,
             "ScanIndexForward": False,
         }
         if filters:
             query["FilterExpression"] = " AND ".join(filters)
             query["ExpressionAttributeNames"] = names
-        start = _decode_cursor(cursor) if cursor else None
         matches: list[Mapping[str, Any]] = []
-        page_size = limit + 1
+        page_size = wanted
         while True:
-            if start is not None:
-                query["ExclusiveStartKey"] = start
             query["Limit"] = page_size  # items evaluated before the filter
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
-            for item in response.get("Items", []):
-                matches.append(item)
-                if len(matches) > limit:
-                    break
+            matches.extend(response.get("Items", []))
             start = response.get("LastEvaluatedKey")
-            if len(matches) > limit or not start:
-                break
+            if len(matches) >= wanted or not start:
+                return matches[:wanted]
+            query["ExclusiveStartKey"] = start
             page_size = min(page_size * 2, 1000)  # a selective filter: read more per request
-        page = matches[:limit]
-        ids = [_run_id_of(item) for item in page]
-        runs = self._get_many(ids)
-        next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
-        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor)
 
     def _get_many(self, run_ids: Sequence[str]) -> dict[str, RunState]:
         """Bodies of a page of runs, by id: BatchGetItem in chunks of 100, retrying unprocessed keys."""

@@ -596,6 +596,8 @@ class _Transition:
             step = s.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
+            if (too_long := self.timeout_over_maximum(plan)) is not None:
+                return self.definition_conflict(too_long)
             if step is None:
                 step = StepState(id=plan.id)
                 s.steps.append(step)
@@ -627,6 +629,20 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    def timeout_over_maximum(self, plan: StepPlan) -> InvalidStep | None:
+        """A step whose declared attempt timeout the deployment cannot hold (never clamped)."""
+        maximum = self.settings.max_attempt_timeout_s
+        if maximum is None:
+            return None
+        for what, declared in (("timeout", plan.timeout_s), ("compensate_timeout", plan.compensate_timeout_s)):
+            if declared is not None and declared > maximum:
+                message = (
+                    f"step {plan.id!r} declares {what}={declared:g}s; this deployment's maximum attempt"
+                    f" duration is {maximum:g}s"
+                )
+                return InvalidStep(step_id=plan.id, location=plan.location, message=message)
+        return None
 
     def too_many_steps(self, plan: StepPlan) -> None:
         """Discovery reached a step past ``max_steps``: the run fails, like an oversized output.

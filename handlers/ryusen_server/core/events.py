@@ -32,6 +32,10 @@ class EngineSettings:
         default_factory=lambda: RetryPolicyWire(max_attempts=10, initial_delay_s=1.0, backoff=2.0, max_delay_s=600.0)
     )
     attempt_timeout_s: float = 300.0
+    max_attempt_timeout_s: float | None = None
+    """The longest attempt timeout (forward or compensation) a step may declare; a deployment sets it (an
+    attempt's lease must fit what its dispatcher can hold). A step declaring more is an ``invalid_step``
+    blocker: refused, never clamped. None: no maximum (the local server)."""
     lease_grace_s: float = 60.0
     """How long past an attempt's response window a late result is waited for before the lease expires."""
     probe_initial_s: float = 60.0
