@@ -96,6 +96,9 @@ def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[d
 class ServerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     signing_key: str | None = None
+    signing_key_source: Callable[[], str | None] | None = None
+    """Where the signing key is read from when it is not fixed (a deployment's secret, cached and re-read so
+    that a rotation takes effect); it wins over ``signing_key``."""
     result_url: str | None = None
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
@@ -133,6 +136,10 @@ class Engine:
         self.new_id = new_id or (lambda: "run_" + uuid.uuid4().hex)
         self.hooks: list[Callable[[str, Any], None]] = []
         """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
+
+    def signing_key(self) -> str | None:
+        source = self.settings.signing_key_source
+        return source() if source is not None else self.settings.signing_key
 
     # ---- the decide/write/act loop ---------------------------------------------
 
@@ -375,7 +382,7 @@ class Engine:
         request = self._task_request(state, task, respond_by=listen_until)
         body = request.model_dump_json().encode()
         headers = {"content-type": "application/json"}
-        key = self.settings.signing_key
+        key = self.signing_key()
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
         self._emit("invoke", (task, release.url))
@@ -430,7 +437,7 @@ class Engine:
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
-        key = self.settings.signing_key
+        key = self.signing_key()
         lowered = {k.lower(): v for k, v in result.headers.items()}
         if key is not None:
             try:
@@ -470,7 +477,7 @@ class Engine:
 
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
         """The SDK's late submission (decisions 6.15): signed, and fenced like any result."""
-        key = self.settings.signing_key
+        key = self.signing_key()
         if key is not None:
             lowered = {k.lower(): v for k, v in headers.items()}
             try:

@@ -7,8 +7,10 @@ constructs boto3 clients.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import boto3
@@ -34,6 +36,8 @@ class AwsResources:
     schedule_group: str
     scheduler_role_arn: str
     scheduler_dlq_arn: str | None = None
+    signing_key_secret_arn: str | None = None
+    """The Secrets Manager secret holding the signing key (a deployment never puts the key in its environment)."""
     """Where a schedule whose target keeps failing leaves its input (the deployment's scheduler DLQ)."""
     endpoint_url: str | None = None
     region: str = "us-east-1"
@@ -48,6 +52,7 @@ class AwsResources:
             schedule_group=env.get("RYUSEN_SCHEDULE_GROUP", "ryusen"),
             scheduler_role_arn=env["RYUSEN_SCHEDULER_ROLE_ARN"],
             scheduler_dlq_arn=env.get("RYUSEN_SCHEDULER_DLQ_ARN") or None,
+            signing_key_secret_arn=env.get("RYUSEN_SIGNING_KEY_SECRET_ARN") or None,
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
         )
@@ -82,14 +87,42 @@ def aws_engine(
         dead_letter_arn=resources.scheduler_dlq_arn,
         counter=counter,
     )
+    settings = settings or server_settings()
+    if resources.signing_key_secret_arn is not None:
+        key = SecretKey(client("secretsmanager", resources), resources.signing_key_secret_arn)
+        settings = replace(settings, signing_key_source=key)
     engine = Engine(
         store=DynamoStore(client("dynamodb", resources), resources.table_name, counter),
         queue=SqsQueue(sqs, resources.queue_url, timers, counter),
         timers=timers,
         invoker=HttpInvoker(counter),
-        settings=settings or server_settings(),
+        settings=settings,
     )
     return AwsEngine(engine=engine, sqs=sqs, counter=counter)
+
+
+class SecretKey:
+    """The signing key in a Secrets Manager secret: read on first use (the Lambda's cold start) and again once
+    ``ttl_s`` has passed, so a rotated key takes effect within that time without a redeploy."""
+
+    def __init__(
+        self, client: Any, secret_id: str, *, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._client = client
+        self._secret_id = secret_id
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._value: str | None = None
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            if self._value is None or self._clock() - self._read_at > self._ttl_s:
+                secret = self._client.get_secret_value(SecretId=self._secret_id)
+                self._value = str(secret["SecretString"]).strip() or None
+                self._read_at = self._clock()
+            return self._value
 
 
 def fetch_manifest(url: str) -> Manifest:

@@ -159,3 +159,58 @@ def test_the_dispatcher_listens_no_longer_than_its_invocation_has_left_and_the_s
     )
     assert done["steps"][0]["result"] == {"report": "done"}
     assert [a["status"] for a in done["steps"][0]["attempts"]] == ["succeeded"]
+
+
+def test_the_signing_key_is_read_from_secrets_manager_and_a_rotation_takes_effect(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ryusen_server.wiring import AwsResources, SecretKey, aws_engine
+
+    secrets = boto3.client("secretsmanager")
+    arn = secrets.create_secret(Name="ryusen/signing-key", SecretString="key-1")["ARN"]
+    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
+    monkeypatch.delenv("RYUSEN_SIGNING_KEY", raising=False)
+    monkeypatch.setattr(api_lambda, "_resolver", None)
+    monkeypatch.setattr(dispatch_lambda, "_engine", None)
+    signed = Ryusen("box", signing_key="key-1")
+
+    @signed.function("quick")
+    def quick(data: dict[str, Any], step: Step) -> Any:
+        return step.run("charge", lambda: {"charged": True})
+
+    server = make_server("127.0.0.1", 0, signed.wsgi(), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        call(aws, "PUT", "/v1/apps/box", {"url": f"http://127.0.0.1:{server.server_port}/"})
+        run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+        for _ in range(3):
+            dispatch(aws, receive(aws))
+        assert call(aws, "GET", f"/v1/runs/{run['id']}")["outcome"] == "completed"  # signed and verified
+    finally:
+        server.shutdown()
+    # a rotation is read again once the cache's time is up, without a redeploy
+    now = [0.0]
+    key = SecretKey(secrets, arn, ttl_s=300, clock=lambda: now[0])
+    assert key() == "key-1"
+    secrets.put_secret_value(SecretId=arn, SecretString="key-2")
+    assert key() == "key-1"
+    now[0] = 301.0
+    assert key() == "key-2"
+    assert aws_engine(AwsResources.from_env()).engine.signing_key() == "key-2"
+
+
+def test_a_probe_of_a_blocked_run_reports_how_long_it_has_been_blocked(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    test_an_authorized_attempt_is_noticed_at_its_lease_when_the_dispatcher_dies(aws, monkeypatch)  # an Unknown
+    timers = dispatch_lambda.engine().engine.timers
+    [(_name, body)] = timers.due(datetime.now(UTC) + timedelta(hours=1))  # type: ignore[attr-defined]
+    assert json.loads(body)["timer"]["kind"] == "probe"
+    capsys.readouterr()
+    message = {"MessageId": "probe-1", "ReceiptHandle": "rh-probe-1", "Body": body}
+    result = dispatch_lambda.handler(sqs_batch([message]), LambdaContext())
+    assert result["batchItemFailures"] == []
+    emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
+    assert any("BlockedRunAge" in m for m in emitted), emitted

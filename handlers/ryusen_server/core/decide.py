@@ -559,6 +559,8 @@ class _Transition:
         self.block_on_unknown(step, attempt)
         if self.stopping and self.s.phase is RunPhase.RUNNING:
             self.s.phase = RunPhase.SETTLING
+        if self.s.probe_due_at is None:
+            self.schedule_probe()  # nothing wakes an Unknown, but the probe keeps a blocked run in view
 
     def block_on_unknown(self, step: StepState, attempt: Attempt) -> None:
         label = "compensation" if attempt.phase is Phase.COMPENSATION else "step"
@@ -782,11 +784,18 @@ class _Transition:
 
     def wake(self, event: WakeRequested) -> None:
         s = self.s
+        due = s.probe_due_at is not None and self.now >= s.probe_due_at
         if s.phase is RunPhase.FINISHED or not s.blocked_by_definition:
             if event.source == "operator":
                 self.reject("no_definition_blocker", "the run has no definition blocker to rediscover")
+            if event.source == "probe" and due and s.phase is not RunPhase.FINISHED and s.blockers:
+                self.schedule_probe()  # an Unknown waits for a person: keep looking, less and less often
+                return self.ignore("still blocked; nothing current code can repair")
+            if event.source == "probe" and due:
+                s.probe_interval_s = s.probe_due_at = None
+                self.touch()
             return self.ignore("nothing to wake")
-        if event.source == "probe" and (s.probe_due_at is None or self.now < s.probe_due_at):
+        if event.source == "probe" and not due:
             return self.ignore("probe is not due")
         if s.phase is RunPhase.COMPENSATING:
             entry = self.current_unwind_entry()

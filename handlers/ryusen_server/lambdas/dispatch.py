@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import UTC, datetime
 from typing import Any
 
 from aws_lambda_powertools import Logger, Metrics
@@ -24,6 +25,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
 from ..aws.queue import MAX_VISIBILITY_S
+from ..core.events import WakeRequested
 from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
 
@@ -50,7 +52,20 @@ def engine() -> AwsEngine:
     global _engine
     if _engine is None:
         _engine = aws_engine(AwsResources.from_env())
+        _engine.engine.hooks.append(_observe)
     return _engine
+
+
+def _observe(kind: str, payload: Any) -> None:
+    """Metrics of what the engine decided: how long a probed run has been blocked (the alarm's input)."""
+    if kind != "decided":
+        return
+    event, decision = payload
+    state = decision.state
+    if isinstance(event, WakeRequested) and event.source == "probe" and state.blockers:
+        oldest = min(blocker.first_seen_at for blocker in state.blockers)
+        age = (datetime.now(UTC) - oldest).total_seconds()
+        metrics.add_metric(name="BlockedRunAge", unit=MetricUnit.Seconds, value=max(0.0, age))
 
 
 def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None = None) -> None:
@@ -67,7 +82,15 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
     # the time this invocation has left bounds how long it listens for an endpoint's answer
     budget_s = lambda_context.get_remaining_time_in_millis() / 1000 if lambda_context is not None else None
     keep = lease_keeper(change_visibility, _queue_visibility_s())
-    done, redeliver_after_s = process_message(wired.engine, record.body, budget_s=budget_s, on_authorized=keep)
+    metrics.add_metric(name="MessagesReceived", unit=MetricUnit.Count, value=1)
+    try:
+        done, redeliver_after_s = process_message(wired.engine, record.body, budget_s=budget_s, on_authorized=keep)
+    except Exception:
+        # reported as a batch item failure: the message comes back (and goes to the DLQ after maxReceiveCount);
+        # Lambda's own Errors metric never sees it, so this metric is what the dispatch-errors alarm watches
+        metrics.add_metric(name="DispatchErrors", unit=MetricUnit.Count, value=1)
+        logger.exception("dispatch of a message failed; it will be redelivered")
+        raise
     metrics.add_metric(name="MessagesHandled", unit=MetricUnit.Count, value=1)
     if not done:
         change_visibility(redeliver_after_s)
