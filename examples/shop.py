@@ -131,3 +131,7 @@ def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
     if order.get("fail_after_ship"):
         raise RuntimeError("order rejected by the fraud check after shipping")
     return {"stock": stock, "charge": charge, "shipment": shipment}
+
+
+lambda_handler = app.lambda_handler
+"""The entry point when this app is deployed as a Lambda behind a Function URL (infra/ryusen_infra/example.py)."""

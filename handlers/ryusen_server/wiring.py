@@ -37,6 +37,8 @@ class AwsResources:
     scheduler_role_arn: str
     scheduler_dlq_arn: str | None = None
     signing_key_secret_arn: str | None = None
+    retention_days: float | None = None
+    """How long a finished run is kept (the table's TTL); None: forever."""
     """The Secrets Manager secret holding the signing key (a deployment never puts the key in its environment)."""
     """Where a schedule whose target keeps failing leaves its input (the deployment's scheduler DLQ)."""
     endpoint_url: str | None = None
@@ -53,6 +55,7 @@ class AwsResources:
             scheduler_role_arn=env["RYUSEN_SCHEDULER_ROLE_ARN"],
             scheduler_dlq_arn=env.get("RYUSEN_SCHEDULER_DLQ_ARN") or None,
             signing_key_secret_arn=env.get("RYUSEN_SIGNING_KEY_SECRET_ARN") or None,
+            retention_days=float(env["RYUSEN_RETENTION_DAYS"]) if env.get("RYUSEN_RETENTION_DAYS") else None,
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
         )
@@ -92,7 +95,12 @@ def aws_engine(
         key = SecretKey(client("secretsmanager", resources), resources.signing_key_secret_arn)
         settings = replace(settings, signing_key_source=key)
     engine = Engine(
-        store=DynamoStore(client("dynamodb", resources), resources.table_name, counter),
+        store=DynamoStore(
+            client("dynamodb", resources),
+            resources.table_name,
+            counter,
+            retention_s=resources.retention_days * 86_400 if resources.retention_days is not None else None,
+        ),
         queue=SqsQueue(sqs, resources.queue_url, timers, counter),
         timers=timers,
         invoker=HttpInvoker(counter),

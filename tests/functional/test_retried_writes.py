@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import boto3
@@ -177,3 +178,27 @@ def test_the_listing_index_spreads_runs_over_many_partition_keys(dynamo: tuple[D
     keys = {item["list_pk"]["S"] for item in items if "list_pk" in item}
     assert len(keys) >= 8, keys
     assert [r.id for r in store.list_runs(limit=5).runs] == [f"run_{i:03d}" for i in range(63, 58, -1)]
+
+
+def test_a_finished_run_and_everything_it_stored_expire_after_the_retention(
+    dynamo: tuple[DynamoStore, LostReplies],
+) -> None:
+    from ryusen_server.core.model import Outcome, RunPhase
+
+    store, replies = dynamo
+    replies.armed = False
+    kept = DynamoStore(store._client, store.table_name, retention_s=86_400)
+    state = new_run("run_1", key="order-9").model_copy(update={"input": {"blob": "x" * 5000}})
+    kept.create(state)
+    items = store._client.scan(TableName=store.table_name)["Items"]
+    assert not any("expires_at" in item for item in items)  # nothing expires while the run lives
+    finished_at = T0 + timedelta(hours=2)
+    done = state.model_copy(
+        update={"version": 2, "phase": RunPhase.FINISHED, "outcome": Outcome.COMPLETED, "finished_at": finished_at}
+    )
+    kept.save(done, expected_version=1)
+    items = store._client.scan(TableName=store.table_name)["Items"]
+    kinds = sorted(item["sk"]["S"].split("#")[0] for item in items)
+    assert kinds == ["IDEM", "RUN", "VAL"]
+    expected = str(int(finished_at.timestamp()) + 86_400)
+    assert all(item.get("expires_at", {}).get("N") == expected for item in items), items

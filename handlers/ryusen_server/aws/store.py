@@ -363,10 +363,19 @@ def _decode_cursor(cursor: str) -> str:
 class DynamoStore:
     """:class:`~ryusen_server.ports.RunStore` on one DynamoDB table (see the module docstring)."""
 
-    def __init__(self, client: DynamoDBClient, table_name: str, counter: RequestCounter | None = None) -> None:
+    def __init__(
+        self,
+        client: DynamoDBClient,
+        table_name: str,
+        counter: RequestCounter | None = None,
+        *,
+        retention_s: float | None = None,
+    ) -> None:
         self._client = client
         self.table_name = table_name
         self.counter = counter or RequestCounter()
+        self.retention_s = retention_s
+        """How long a finished run's items are kept (the table's TTL attribute ``expires_at``); None: forever."""
         self._values = _ValueCache(VALUE_CACHE_BYTES)
 
     # ---- runs -----------------------------------------------------------------------
@@ -475,6 +484,9 @@ class DynamoStore:
     def save(self, state: RunState, *, expected_version: int) -> None:
         encoded = self._write_values_and_encode(state)
         run, token = _with_write_token(encoded.item)
+        expires = self._expires_at(state)
+        if expires is not None:
+            run["expires_at"] = expires
         self.counter.add("dynamodb.write", _item_bytes(run))
         try:
             self._client.put_item(
@@ -494,6 +506,30 @@ class DynamoStore:
             if _is_item_too_large(exc):
                 raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
             raise
+        if expires is not None:
+            self._expire_with_run(state, encoded.values, expires)
+
+    def _expires_at(self, state: RunState) -> AttributeValueTypeDef | None:
+        if self.retention_s is None or state.finished_at is None:
+            return None
+        return {"N": str(int(state.finished_at.timestamp() + self.retention_s))}
+
+    def _expire_with_run(self, state: RunState, values: Mapping[str, bytes], expires: AttributeValueTypeDef) -> None:
+        """A finished run's value items and idempotency key expire with it (written again with the TTL)."""
+        items: list[dict[str, AttributeValueTypeDef]] = [
+            {**_value_key(state.id, digest), "value": {"B": zlib.compress(raw)}, "expires_at": expires}
+            for digest, raw in values.items()
+        ]
+        if state.idempotency_key is not None:
+            items.append(
+                {
+                    **_idempotency_key(state.function_id, state.idempotency_key),
+                    "run_id": {"S": state.id},
+                    "expires_at": expires,
+                }
+            )
+        if items:
+            self._batch_write(items)
 
     def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
         if len(_idempotency_pk(function_id, key).encode()) > MAX_KEY_BYTES:

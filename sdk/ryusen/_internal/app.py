@@ -93,7 +93,17 @@ class Ryusen:
 
     @property
     def signing_key(self) -> str | None:
-        return self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY") or None
+        """``signing_key``, else ``RYUSEN_SIGNING_KEY``, else the secret ``RYUSEN_SIGNING_KEY_SECRET_ARN`` names.
+
+        The secret (AWS Secrets Manager, the way a deployed engine shares its key with an app on Lambda) is
+        read with boto3, which the Lambda runtime provides, and read again after 5 minutes so a rotation
+        takes effect; the SDK itself does not depend on boto3.
+        """
+        key = self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY")
+        if key:
+            return key
+        secret = os.environ.get("RYUSEN_SIGNING_KEY_SECRET_ARN")
+        return _secret_value(secret, time.monotonic()) if secret else None
 
     @property
     def functions(self) -> dict[str, RegisteredFunction]:
@@ -340,6 +350,21 @@ class Ryusen:
         from .serve import handle_lambda_event
 
         return handle_lambda_event(self, event)
+
+
+_SECRETS: dict[str, tuple[float, str | None]] = {}
+SECRET_TTL_S = 300.0
+
+
+def _secret_value(secret_id: str, now: float) -> str | None:
+    cached = _SECRETS.get(secret_id)
+    if cached is not None and now - cached[0] <= SECRET_TTL_S:
+        return cached[1]
+    import boto3  # only here: the Lambda runtime has it; the SDK does not depend on it
+
+    value = str(boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]).strip() or None
+    _SECRETS[secret_id] = (now, value)
+    return value
 
 
 def _run_coroutine(coro: Any) -> TaskResponse:

@@ -1,0 +1,46 @@
+"""The CDK app: ``python infra/app.py`` (or ``cdk synth`` in infra/) writes the templates to infra/cdk.out.
+
+No AWS account, credentials or Docker are needed to synthesize: the Lambda code is bundled here with pip.
+Settings come from CDK context (``cdk deploy -c ryusen:example=true``) with RFD 1's defaults.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import aws_cdk as cdk
+from cdk_nag import AwsSolutionsChecks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ryusen_infra import RyusenSettings, RyusenStack
+
+
+def settings_from(app: cdk.App) -> RyusenSettings:
+    def seconds(name: str) -> cdk.Duration | None:
+        value = app.node.try_get_context(f"ryusen:{name}")
+        return cdk.Duration.seconds(float(value)) if value is not None else None
+
+    defaults = RyusenSettings()
+    retention_days = app.node.try_get_context("ryusen:retention_days")
+    return RyusenSettings(
+        default_run_timeout=seconds("default_run_timeout_s"),
+        max_run_timeout=seconds("max_run_timeout_s"),
+        max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
+        dispatch_concurrency=int(app.node.try_get_context("ryusen:dispatch_concurrency") or 50),
+        retention=cdk.Duration.days(float(retention_days)) if retention_days else defaults.retention,
+    )
+
+
+def main() -> cdk.App:
+    app = cdk.App(outdir=str(Path(__file__).resolve().parent / "cdk.out"))
+    example = str(app.node.try_get_context("ryusen:example") or "true").lower() == "true"
+    RyusenStack(app, "Ryusen", settings=settings_from(app), example=example)
+    cdk.Aspects.of(app).add(AwsSolutionsChecks())  # every finding is fixed or suppressed with its reason
+    app.synth()
+    return app
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+"""``RyusenEngine``: the whole server in one construct, to compose into your own CDK app.
+
+What it creates, and why each piece is shaped the way it is:
+
+* **table**: one DynamoDB table (``pk``/``sk``, on demand, point-in-time recovery, TTL on
+  ``expires_at``) with the two indexes the store reads (``runs_by_created`` over 16 partition keys,
+  ``runs_blocked_by_definition``, sparse). Its conditional writes are the engine's fencing.
+* **queue** and **dead_letter_queue**: the dispatch queue carries every task and timer message. Its
+  visibility timeout is at least the dispatch function's timeout (Lambda refuses less); a message that
+  fails ``max_receive_count`` times moves to the dead-letter queue, which an alarm watches.
+* **dispatch_function**: the SQS event source, one record per invocation (``batch_size=1``: an attempt
+  can use the whole 15 minutes) with ``ReportBatchItemFailures`` (a kept message is an attempt's lease
+  timer; without it the event source would delete it) and a maximum concurrency.
+* **api_function** and **api**: the server API as a REST API with IAM (SigV4) authorization on every
+  route except ``POST /v1/results``, where SDKs submit late results signed with the app's key (they
+  have no AWS credentials; the handler verifies the signature and refuses anything else).
+* **signing_key**: a Secrets Manager secret the functions read at cold start (never an environment
+  variable), re-read every 5 minutes so a rotation takes effect.
+* **scheduler_role**, **schedule_group**, **scheduler_dead_letter_queue**: EventBridge Scheduler puts
+  deadline, probe and long-delay messages on the dispatch queue through a role that may do exactly
+  that; a target that keeps failing leaves its input in a dead-letter queue, with an alarm.
+* **alarms** and **dashboard**: dead-letter queues not empty, API 5xx, dispatch errors, runs blocked for
+  long; and the figures an operator looks at first.
+
+Every function gets a policy of its own, listing the actions its code calls on the resources it calls
+them on (tests/infra proves the list against what the handlers really call on moto).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aws_cdk as cdk
+from aws_cdk import aws_apigateway as apigateway
+from aws_cdk import aws_cloudwatch as cloudwatch
+from aws_cdk import aws_cloudwatch_actions as cloudwatch_actions
+from aws_cdk import aws_dynamodb as dynamodb
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda
+from aws_cdk import aws_lambda_event_sources as event_sources
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_scheduler as scheduler
+from aws_cdk import aws_secretsmanager as secretsmanager
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sqs as sqs
+from constructs import Construct
+
+from .bundling import ARCHITECTURE, RUNTIME, lambda_code
+
+LIST_INDEX = "runs_by_created"
+BLOCKED_INDEX = "runs_blocked_by_definition"
+DISPATCH_TIMEOUT = cdk.Duration.minutes(15)
+"""A Lambda's longest life: the dispatcher listens for an endpoint's answer within it (and keeps a margin)."""
+LEASE_GRACE = cdk.Duration.minutes(1)
+MAX_VISIBILITY = cdk.Duration.hours(12)
+"""SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RyusenSettings:
+    """The deployment's settings (all optional; the defaults are RFD 1's, decisions 6.8)."""
+
+    default_run_timeout: cdk.Duration | None = None
+    """The deadline of runs whose function and start request declare none (shown on the run as its source)."""
+    max_run_timeout: cdk.Duration | None = None
+    """A larger declared run timeout is refused (at sync or at start), never clamped."""
+    attempt_timeout: cdk.Duration = cdk.Duration.minutes(5)
+    """A step attempt's timeout when the step declares none."""
+    max_attempt_timeout: cdk.Duration = cdk.Duration.minutes(15)
+    """The longest attempt timeout a step may declare (``invalid_step`` beyond it). Up to 12 hours minus a
+    minute; past the dispatcher's 15 minutes the SDK delivers the answer to the result route."""
+    forward_max_attempts: int = 4
+    forward_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
+    compensate_max_attempts: int = 10
+    compensate_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
+    retention: cdk.Duration | None = cdk.Duration.days(90)
+    """How long a finished run is kept (DynamoDB TTL); None keeps runs forever."""
+    dispatch_concurrency: int = 50
+    """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000)."""
+    log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH
+    alarm_topic: sns.ITopic | None = None
+    """Where alarms notify (optional)."""
+    blocked_alarm_after: cdk.Duration = cdk.Duration.hours(1)
+    """Alarm when a probed run has been blocked longer than this."""
+    api_rate_limit: int = 50
+    api_burst_limit: int = 100
+
+    def check(self) -> None:
+        if not 2 <= self.dispatch_concurrency <= 1000:
+            raise ValueError(f"dispatch_concurrency must be 2-1000, not {self.dispatch_concurrency}")
+        longest = MAX_VISIBILITY.to_seconds() - LEASE_GRACE.to_seconds()
+        if self.max_attempt_timeout.to_seconds() > longest:
+            raise ValueError(f"max_attempt_timeout may be at most {longest:g} s (an SQS visibility of 12 h)")
+        if self.attempt_timeout.to_seconds() > self.max_attempt_timeout.to_seconds():
+            raise ValueError("attempt_timeout must not exceed max_attempt_timeout")
+        default, maximum = self.default_run_timeout, self.max_run_timeout
+        if default and maximum and default.to_seconds() > maximum.to_seconds():
+            raise ValueError("default_run_timeout must not exceed max_run_timeout")
+
+    def environment(self) -> dict[str, str]:
+        """The settings as the server reads them (``ryusen_server.settings``)."""
+        env = {
+            "RYUSEN_ATTEMPT_TIMEOUT_S": _seconds(self.attempt_timeout),
+            "RYUSEN_MAX_ATTEMPT_TIMEOUT_S": _seconds(self.max_attempt_timeout),
+            "RYUSEN_LEASE_GRACE_S": _seconds(LEASE_GRACE),
+            "RYUSEN_RETRY_MAX_ATTEMPTS": str(self.forward_max_attempts),
+            "RYUSEN_RETRY_INITIAL_DELAY_S": _seconds(self.forward_initial_delay),
+            "RYUSEN_COMPENSATE_MAX_ATTEMPTS": str(self.compensate_max_attempts),
+            "RYUSEN_COMPENSATE_INITIAL_DELAY_S": _seconds(self.compensate_initial_delay),
+        }
+        if self.default_run_timeout is not None:
+            env["RYUSEN_DEFAULT_RUN_TIMEOUT_S"] = _seconds(self.default_run_timeout)
+        if self.max_run_timeout is not None:
+            env["RYUSEN_MAX_RUN_TIMEOUT_S"] = _seconds(self.max_run_timeout)
+        if self.retention is not None:
+            env["RYUSEN_RETENTION_DAYS"] = f"{self.retention.to_days():g}"
+        return env
+
+
+def function_role(scope: Construct, construct_id: str, log_group: logs.ILogGroup) -> iam.Role:
+    """A function's own role: it may write to its own log group, and nothing else until granted."""
+    role = iam.Role(scope, construct_id, assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
+    role.add_to_policy(
+        iam.PolicyStatement(
+            sid="Logs", actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[log_group.log_group_arn]
+        )
+    )
+    return role
+
+
+def _seconds(duration: cdk.Duration) -> str:
+    return f"{duration.to_seconds():g}"
+
+
+class RyusenEngine(Construct):
+    """The Ryusen server: table, queues, functions, API, schedules' role, secret, alarms, dashboard."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, settings: RyusenSettings | None = None) -> None:
+        super().__init__(scope, construct_id)
+        self.settings = settings = settings or RyusenSettings()
+        settings.check()
+        stack = cdk.Stack.of(self)
+
+        self.table = dynamodb.Table(
+            self,
+            "Table",
+            partition_key=dynamodb.Attribute(name="pk", type=dynamodb.AttributeType.STRING),
+            sort_key=dynamodb.Attribute(name="sk", type=dynamodb.AttributeType.STRING),
+            billing_mode=dynamodb.BillingMode.PAY_PER_REQUEST,
+            point_in_time_recovery_specification=dynamodb.PointInTimeRecoverySpecification(
+                point_in_time_recovery_enabled=True
+            ),
+            time_to_live_attribute="expires_at",
+            removal_policy=cdk.RemovalPolicy.RETAIN,
+        )
+        self.table.add_global_secondary_index(
+            index_name=LIST_INDEX,
+            partition_key=dynamodb.Attribute(name="list_pk", type=dynamodb.AttributeType.STRING),
+            sort_key=dynamodb.Attribute(name="list_sk", type=dynamodb.AttributeType.STRING),
+            projection_type=dynamodb.ProjectionType.INCLUDE,
+            non_key_attributes=["function_id", "phase", "outcome"],
+        )
+        self.table.add_global_secondary_index(
+            index_name=BLOCKED_INDEX,
+            partition_key=dynamodb.Attribute(name="blocked_fn", type=dynamodb.AttributeType.STRING),
+            sort_key=dynamodb.Attribute(name="list_sk", type=dynamodb.AttributeType.STRING),
+            projection_type=dynamodb.ProjectionType.KEYS_ONLY,
+        )
+
+        retention = cdk.Duration.days(14)
+        self.dead_letter_queue = sqs.Queue(
+            self,
+            "DeadLetterQueue",
+            retention_period=retention,
+            enforce_ssl=True,
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+        )
+        self.queue = sqs.Queue(
+            self,
+            "DispatchQueue",
+            visibility_timeout=DISPATCH_TIMEOUT,
+            retention_period=retention,
+            enforce_ssl=True,
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=10, queue=self.dead_letter_queue),
+        )
+        self.scheduler_dead_letter_queue = sqs.Queue(
+            self,
+            "SchedulerDeadLetterQueue",
+            retention_period=retention,
+            enforce_ssl=True,
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+        )
+
+        self.signing_key = secretsmanager.Secret(
+            self,
+            "SigningKey",
+            description="Ryusen's HMAC key for signing task requests and results (read by the functions)",
+            generate_secret_string=secretsmanager.SecretStringGenerator(password_length=64, exclude_punctuation=True),
+        )
+
+        self.schedule_group = scheduler.CfnScheduleGroup(self, "ScheduleGroup")
+        self.scheduler_role = iam.Role(
+            self,
+            "SchedulerRole",
+            description="EventBridge Scheduler puts Ryusen's timer and delayed task messages on the dispatch queue",
+            assumed_by=iam.ServicePrincipal(
+                "scheduler.amazonaws.com", conditions={"StringEquals": {"aws:SourceAccount": stack.account}}
+            ),
+        )
+        self.scheduler_role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["sqs:SendMessage"],
+                resources=[self.queue.queue_arn, self.scheduler_dead_letter_queue.queue_arn],
+            )
+        )
+
+        code = lambda_code()
+        common = {
+            "RYUSEN_TABLE": self.table.table_name,
+            "RYUSEN_QUEUE_URL": self.queue.queue_url,
+            "RYUSEN_QUEUE_ARN": self.queue.queue_arn,
+            "RYUSEN_QUEUE_VISIBILITY_S": _seconds(DISPATCH_TIMEOUT),
+            "RYUSEN_SCHEDULE_GROUP": self.schedule_group.ref,
+            "RYUSEN_SCHEDULER_ROLE_ARN": self.scheduler_role.role_arn,
+            "RYUSEN_SCHEDULER_DLQ_ARN": self.scheduler_dead_letter_queue.queue_arn,
+            "RYUSEN_SIGNING_KEY_SECRET_ARN": self.signing_key.secret_arn,
+            "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
+            **settings.environment(),
+        }
+        self.api_function = self._function(
+            "ApiFunction", "ryusen_server.lambdas.api.handler", code, common, cdk.Duration.seconds(29), "api"
+        )
+        self.api = apigateway.RestApi(
+            self,
+            "Api",
+            description="Ryusen's server API (contract 2): SigV4 on every route but the late-result route",
+            deploy_options=apigateway.StageOptions(
+                stage_name="v1api",
+                throttling_rate_limit=settings.api_rate_limit,
+                throttling_burst_limit=settings.api_burst_limit,
+                access_log_destination=apigateway.LogGroupLogDestination(
+                    logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
+                ),
+                access_log_format=apigateway.AccessLogFormat.json_with_standard_fields(
+                    caller=True,
+                    http_method=True,
+                    ip=True,
+                    protocol=True,
+                    request_time=True,
+                    resource_path=True,
+                    response_length=True,
+                    status=True,
+                    user=True,
+                ),
+            ),
+            cloud_watch_role=False,
+        )
+        integration = apigateway.LambdaIntegration(self.api_function)
+        v1 = self.api.root.add_resource("v1")
+        v1.add_resource("{proxy+}").add_method("ANY", integration, authorization_type=apigateway.AuthorizationType.IAM)
+        # SDKs submit late results here without AWS credentials; the handler verifies the app's signature
+        v1.add_resource("results").add_method("POST", integration, authorization_type=apigateway.AuthorizationType.NONE)
+
+        self.dispatch_function = self._function(
+            "DispatchFunction",
+            "ryusen_server.lambdas.dispatch.handler",
+            code,
+            {**common, "RYUSEN_RESULT_URL": self.api.url_for_path("/v1/results")},
+            DISPATCH_TIMEOUT,
+            "dispatch",
+        )
+        self.dispatch_function.add_event_source(
+            event_sources.SqsEventSource(
+                self.queue,
+                batch_size=1,
+                report_batch_item_failures=True,
+                max_concurrency=settings.dispatch_concurrency,
+            )
+        )
+        for function in (self.api_function, self.dispatch_function):
+            self._grant_runtime(function)
+        self.dispatch_function.add_to_role_policy(
+            iam.PolicyStatement(actions=["sqs:ChangeMessageVisibility"], resources=[self.queue.queue_arn])
+        )
+
+        self.alarms = self._alarms(settings)
+        self.dashboard = self._dashboard()
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    def _function(
+        self,
+        construct_id: str,
+        handler: str,
+        code: aws_lambda.Code,
+        environment: dict[str, str],
+        timeout: cdk.Duration,
+        service: str,
+    ) -> aws_lambda.Function:
+        log_group = logs.LogGroup(self, f"{construct_id}Logs", retention=self.settings.log_retention)
+        return aws_lambda.Function(
+            self,
+            construct_id,
+            runtime=RUNTIME,
+            architecture=ARCHITECTURE,
+            role=function_role(self, f"{construct_id}Role", log_group),
+            handler=handler,
+            code=code,
+            timeout=timeout,
+            memory_size=512,
+            environment={**environment, "POWERTOOLS_SERVICE_NAME": f"ryusen-{service}"},
+            log_group=log_group,
+        )
+
+    def _grant_runtime(self, function: aws_lambda.Function) -> None:
+        """What the engine calls, on exactly these resources (tests/infra/test_iam.py keeps the list)."""
+        index_arns = f"{self.table.table_arn}/index/*"
+        statements = [
+            iam.PolicyStatement(
+                sid="RunStore",
+                actions=[
+                    "dynamodb:GetItem",
+                    "dynamodb:PutItem",
+                    "dynamodb:Query",
+                    "dynamodb:BatchGetItem",
+                    "dynamodb:BatchWriteItem",  # a transaction (a run with its idempotency key) needs PutItem only
+                ],
+                resources=[self.table.table_arn, index_arns],
+            ),
+            iam.PolicyStatement(sid="Dispatch", actions=["sqs:SendMessage"], resources=[self.queue.queue_arn]),
+            iam.PolicyStatement(
+                sid="Timers",
+                actions=["scheduler:CreateSchedule", "scheduler:DeleteSchedule"],
+                resources=[
+                    cdk.Stack.of(self).format_arn(
+                        service="scheduler",
+                        resource="schedule",
+                        resource_name=f"{self.schedule_group.ref}/*",
+                        arn_format=cdk.ArnFormat.SLASH_RESOURCE_NAME,
+                    )
+                ],
+            ),
+            iam.PolicyStatement(
+                sid="PassSchedulerRole",
+                actions=["iam:PassRole"],
+                resources=[self.scheduler_role.role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": "scheduler.amazonaws.com"}},
+            ),
+            iam.PolicyStatement(
+                sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.signing_key.secret_arn]
+            ),
+        ]
+        for statement in statements:
+            function.add_to_role_policy(statement)
+
+    def _alarms(self, settings: RyusenSettings) -> list[cloudwatch.Alarm]:
+        period = cdk.Duration.minutes(5)
+        alarms = [
+            cloudwatch.Alarm(
+                self,
+                "DeadLetterQueueNotEmpty",
+                alarm_description="Dispatch messages failed 10 times and were set aside: see docs/deploy.md",
+                metric=self.dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
+                threshold=0,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            cloudwatch.Alarm(
+                self,
+                "SchedulerDeadLetterQueueNotEmpty",
+                alarm_description="EventBridge Scheduler could not deliver a deadline, probe or delayed task",
+                metric=self.scheduler_dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
+                threshold=0,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            cloudwatch.Alarm(
+                self,
+                "ApiServerErrors",
+                alarm_description="The server API answered 5xx",
+                metric=self.api.metric_server_error(period=period, statistic="Sum"),
+                threshold=0,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            cloudwatch.Alarm(
+                self,
+                "DispatchErrors",
+                alarm_description="Dispatch records failed (they are retried, then set aside in the DLQ)",
+                metric=cloudwatch.Metric(
+                    namespace="Ryusen",
+                    metric_name="DispatchErrors",
+                    dimensions_map={"service": "dispatch"},
+                    period=period,
+                    statistic="Sum",
+                ),
+                threshold=0,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            cloudwatch.Alarm(
+                self,
+                "DispatchFunctionErrors",
+                alarm_description="The dispatch function itself failed (timeouts, crashes)",
+                metric=self.dispatch_function.metric_errors(period=period, statistic="Sum"),
+                threshold=0,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+            cloudwatch.Alarm(
+                self,
+                "RunsBlockedForLong",
+                alarm_description=(
+                    "A run has waited on a blocker (an Unknown outcome, a definition conflict) for long:"
+                    " `ryusen runs` and `ryusen show RUN` say why and what to do"
+                ),
+                metric=cloudwatch.Metric(
+                    namespace="Ryusen",
+                    metric_name="BlockedRunAge",
+                    dimensions_map={"service": "dispatch"},
+                    period=cdk.Duration.hours(1),
+                    statistic="Maximum",
+                ),
+                threshold=settings.blocked_alarm_after.to_seconds(),
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            ),
+        ]
+        if settings.alarm_topic is not None:
+            for alarm in alarms:
+                alarm.add_alarm_action(cloudwatch_actions.SnsAction(settings.alarm_topic))
+        return alarms
+
+    def _dashboard(self) -> cloudwatch.Dashboard:
+        dashboard = cloudwatch.Dashboard(self, "Dashboard")
+        dashboard.add_widgets(
+            cloudwatch.GraphWidget(
+                title="Dispatch queue",
+                left=[
+                    self.queue.metric_approximate_number_of_messages_visible(),
+                    self.queue.metric_approximate_age_of_oldest_message(),
+                ],
+                right=[self.dead_letter_queue.metric_approximate_number_of_messages_visible()],
+            ),
+            cloudwatch.GraphWidget(
+                title="Dispatch function",
+                left=[self.dispatch_function.metric_invocations(), self.dispatch_function.metric_errors()],
+                right=[self.dispatch_function.metric_duration(statistic="p99")],
+            ),
+            cloudwatch.GraphWidget(
+                title="API",
+                left=[self.api.metric_count(), self.api.metric_client_error(), self.api.metric_server_error()],
+                right=[self.api.metric_latency(statistic="p99")],
+            ),
+            cloudwatch.GraphWidget(
+                title="Runs blocked (seconds, max)",
+                left=[
+                    cloudwatch.Metric(
+                        namespace="Ryusen",
+                        metric_name="BlockedRunAge",
+                        dimensions_map={"service": "dispatch"},
+                        statistic="Maximum",
+                    )
+                ],
+            ),
+        )
+        return dashboard

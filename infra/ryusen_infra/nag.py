@@ -1,0 +1,85 @@
+"""cdk-nag's AwsSolutions rules that Ryusen's design deliberately does not follow, each with its reason."""
+
+from __future__ import annotations
+
+import aws_cdk as cdk
+from cdk_nag import NagPackSuppression, NagSuppressions
+
+from .engine import RyusenEngine
+
+
+def suppress(engine: RyusenEngine) -> None:
+    """Record why each finding below is by design (cdk-nag then reports it as suppressed, with the reason)."""
+    stack = cdk.Stack.of(engine)
+    results = engine.api.root.get_resource("v1").get_resource("results")  # type: ignore[union-attr]
+    assert results is not None
+    NagSuppressions.add_resource_suppressions(
+        results,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-APIG4",
+                reason="SDKs post late results without AWS credentials; every result carries the app's HMAC"
+                " signature, which the handler verifies before it reads the body (decisions 6.15, 21)",
+            ),
+            NagPackSuppression(id="AwsSolutions-COG4", reason="authenticated by the app's HMAC signature"),
+        ],
+        apply_to_children=True,
+    )
+    NagSuppressions.add_resource_suppressions(
+        engine.api,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-COG4", reason="operators and CI call the API with IAM (SigV4), not Cognito users"
+            ),
+            NagPackSuppression(
+                id="AwsSolutions-APIG2",
+                reason="the handler validates every body strictly (pydantic models, extra fields refused) and"
+                " answers a structured 4xx; a gateway validator would duplicate that schema",
+            ),
+            NagPackSuppression(
+                id="AwsSolutions-APIG6",
+                reason="access logs are on; execution logging needs the account-wide API Gateway CloudWatch role,"
+                " which one stack should not set for the whole account",
+            ),
+            NagPackSuppression(
+                id="AwsSolutions-APIG3",
+                reason="IAM-authorized API with stage throttling; attach a WAF web ACL in the account if wanted",
+            ),
+        ],
+        apply_to_children=True,
+    )
+    for function in (engine.api_function, engine.dispatch_function):
+        NagSuppressions.add_resource_suppressions(
+            function.role,  # type: ignore[arg-type]
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM5",
+                    reason="the table's own indexes (index/*), and the schedules of Ryusen's own group, whose"
+                    " names are made per run and timer",
+                    applies_to=[
+                        f"Resource::<{stack.get_logical_id(engine.table.node.default_child)}.Arn>/index/*",  # type: ignore[arg-type]
+                        "Resource::arn:<AWS::Partition>:scheduler:<AWS::Region>:<AWS::AccountId>:schedule/"
+                        f"<{stack.get_logical_id(engine.schedule_group)}>/*",
+                    ],
+                )
+            ],
+            apply_to_children=True,
+        )
+    NagSuppressions.add_resource_suppressions(
+        engine.scheduler_dead_letter_queue,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-SQS3",
+                reason="it is a dead-letter queue: EventBridge Scheduler's, set on each schedule's target",
+            )
+        ],
+    )
+    NagSuppressions.add_resource_suppressions(
+        engine.signing_key,
+        [
+            NagPackSuppression(
+                id="AwsSolutions-SMG4",
+                reason="the signing key is shared with the apps; docs/deploy.md gives the rotation procedure",
+            )
+        ],
+    )
