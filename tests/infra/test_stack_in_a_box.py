@@ -1,0 +1,390 @@
+"""The synthesized stack, created in moto and driven end to end (no AWS account): see tests/infra/box.py.
+
+Runs of examples/shop.py (served as its Lambda behind a loopback Function URL) go through the API
+function behind the template's routes and the dispatch function fed by the template's event source: a
+completed checkout, a compensated one, a cancel, a deadline fired by the schedule the engine created, and
+a late result that reaches the result route without AWS credentials. tests/infra/test_iam.py then checks
+every AWS call these made against the template's roles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+from moto import mock_aws
+
+from tests.infra.box import Box, Call, caller, due_schedules, load_example, sigv4_headers
+from tests.infra.conftest import Synthesized
+from tests.lambda_http import ApiGateway, LambdaContext, sqs_batch
+from tests.stack import wait_for
+
+
+@dataclass
+class Deployed:
+    box: Box
+    api_url: str
+    shop_url: str
+    env: dict[str, str]
+    budget_s: float = 900.0
+
+    def api(self, method: str, path: str, body: Any = None, *, signed: bool = True) -> httpx.Response:
+        url = self.api_url + path
+        content = json.dumps(body).encode() if body is not None else b""
+        headers = sigv4_headers(method, url, content) if signed else {"content-type": "application/json"}
+        return httpx.request(method, url, content=content, headers=headers, timeout=60)
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        response = self.api("GET", f"/v1/runs/{run_id}")
+        assert response.status_code == 200, response.text
+        view: dict[str, Any] = response.json()
+        return view
+
+    def start(self, data: dict[str, Any], **extra: Any) -> str:
+        response = self.api("POST", "/v1/functions/checkout/runs", {"input": data, **extra})
+        assert response.status_code == 201, response.text
+        return str(response.json()["id"])
+
+    def finished(self, run_id: str, timeout: float = 60) -> dict[str, Any]:
+        return wait_for(
+            lambda: (r := self.run(run_id))["phase"] == "finished" and r,
+            timeout=timeout,
+            what=f"run {run_id} to finish",
+        )
+
+
+class EventSource:
+    """The template's SQS event source: batches of its size to the dispatch function, deletions as AWS does."""
+
+    def __init__(self, deployed: Deployed, handler: Any) -> None:
+        mapping = next(iter(deployed.box.resources("AWS::Lambda::EventSourceMapping").values()))["Properties"]
+        self.batch_size = int(mapping["BatchSize"])
+        self.reports_failures = "ReportBatchItemFailures" in mapping.get("FunctionResponseTypes", [])
+        self.queue_url = deployed.env["RYUSEN_QUEUE_URL"]
+        assert deployed.box.resolve(mapping["EventSourceArn"]) == deployed.env["RYUSEN_QUEUE_ARN"]
+        self.deployed = deployed
+        self.handler = handler
+        self.stop = threading.Event()
+        self.sqs = boto3.client("sqs", region_name="us-east-1")
+        # the event source runs several invocations at once; the Scheduler fires on its own
+        self.threads = [threading.Thread(target=self.loop, daemon=True) for _ in range(4)]
+        self.threads.append(threading.Thread(target=self.scheduler, daemon=True))
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+    def scheduler(self) -> None:
+        while not self.stop.wait(0.2):
+            try:
+                self.deliver_schedules()
+            except Exception:
+                logging.getLogger("box").exception("delivering schedules failed")
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            messages = self.sqs.receive_message(
+                QueueUrl=self.queue_url, MaxNumberOfMessages=self.batch_size, WaitTimeSeconds=1
+            ).get("Messages", [])
+            if not messages:
+                continue
+            token = caller.set("dispatch")
+            try:
+                result = self.handler(sqs_batch(messages), LambdaContext(self.deployed.budget_s))
+            finally:
+                caller.reset(token)
+            kept = (
+                {f["itemIdentifier"] for f in result.get("batchItemFailures", [])} if self.reports_failures else set()
+            )
+            for message in messages:
+                if message["MessageId"] not in kept:
+                    self.sqs.delete_message(QueueUrl=self.queue_url, ReceiptHandle=message["ReceiptHandle"])
+
+    def deliver_schedules(self) -> None:
+        """EventBridge Scheduler: a due schedule's input goes to its target, then the schedule is deleted."""
+        env = self.deployed.env
+        client = boto3.client("scheduler", region_name="us-east-1")
+        for schedule in due_schedules(env["RYUSEN_SCHEDULE_GROUP"]):
+            target = schedule["Target"]
+            assert target["Arn"] == env["RYUSEN_QUEUE_ARN"]
+            assert target["RoleArn"] == env["RYUSEN_SCHEDULER_ROLE_ARN"]
+            assert target["DeadLetterConfig"]["Arn"] == env["RYUSEN_SCHEDULER_DLQ_ARN"]
+            self.sqs.send_message(QueueUrl=self.queue_url, MessageBody=target["Input"])
+            with contextlib.suppress(client.exceptions.ResourceNotFoundException):
+                client.delete_schedule(Name=schedule["Name"], GroupName=env["RYUSEN_SCHEDULE_GROUP"])
+
+
+@pytest.fixture(scope="module")
+def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
+    saved = dict(os.environ)
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
+    with mock_aws():
+        boto3.setup_default_session(region_name="us-east-1")
+        box = Box(synthesized.template)
+        box.create()
+        session = boto3.DEFAULT_SESSION._session  # type: ignore[union-attr]
+        session.get_component("event_emitter").register(
+            "before-parameter-build", lambda **kw: box.record(caller.get())(**kw)
+        )
+
+        from ryusen_server.lambdas import api as api_lambda
+        from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+        api_lambda._resolver = None
+        dispatch_lambda._engine = None
+
+        def api_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
+            token = caller.set("api")
+            try:
+                return api_lambda.handler(event, context)
+            finally:
+                caller.reset(token)
+
+        gateway = ApiGateway(api_handler, authorize=box.authorize)
+        base = {k: v for k, v in saved.items() if not k.startswith(("RYUSEN_", "POWERTOOLS_"))}
+        # each function starts cold with exactly the environment the template gives it
+        api_env = box.environment("ryusen_server.lambdas.api.handler", gateway.url)
+        dispatch_env = box.environment("ryusen_server.lambdas.dispatch.handler", gateway.url)
+        shop_env = box.environment("shop.lambda_handler", gateway.url)
+        os.environ.clear()
+        os.environ.update({**base, **api_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+        token = caller.set("api")
+        api_lambda.resolver()
+        caller.reset(token)
+        os.environ.clear()
+        os.environ.update(
+            {**base, **dispatch_env, **shop_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        )
+        token = caller.set("dispatch")
+        dispatch_lambda.engine()
+        caller.reset(token)
+        shop = load_example()
+        shop_url = box.function_url(shop.lambda_handler)
+        deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env)
+        source = EventSource(deployed, dispatch_lambda.handler)
+        source.start()
+        try:
+            response = deployed.api("PUT", "/v1/apps/shop", {"url": shop_url})
+            assert response.status_code == 200, response.text
+            yield deployed
+        finally:
+            source.close()
+            gateway.close()
+            box.close()
+            api_lambda._resolver = None
+            dispatch_lambda._engine = None
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_iam_routes_refuse_unsigned_requests(deployed: Deployed) -> None:
+    assert deployed.api("GET", "/v1/runs", signed=False).status_code == 403
+    assert deployed.api("GET", "/v1/functions").status_code == 200
+
+
+def test_a_checkout_completes(deployed: Deployed) -> None:
+    run = deployed.finished(deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}))
+    assert run["outcome"] == "completed" and [s["id"] for s in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
+
+
+def test_a_declined_card_is_compensated(deployed: Deployed) -> None:
+    run = deployed.finished(deployed.start({"sku": "lamp", "qty": 1, "card": "4000", "amount": 30}))
+    assert run["summary"] == "failed, fully compensated"
+    assert [u["step_id"] for u in run["unwind"]] == ["reserve-stock"]
+
+
+def test_a_cancel_while_shipping_settles_then_compensates(deployed: Deployed) -> None:
+    run_id = deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30, "slow_ship_s": 3})
+    wait_for(
+        lambda: any(s["id"] == "ship" and s["status"] == "running" for s in deployed.run(run_id)["steps"]),
+        what="shipping to start",
+    )
+    assert deployed.api("POST", f"/v1/runs/{run_id}/cancel", {"reason": "customer"}).status_code == 202
+    run = deployed.finished(run_id)
+    assert run["summary"] == "cancelled, fully compensated"
+    assert [u["step_id"] for u in run["unwind"]] == ["ship", "charge-card", "reserve-stock"]
+
+
+def test_a_deadline_fires_from_the_schedule_the_engine_created(deployed: Deployed) -> None:
+    run_id = deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30, "slow_ship_s": 4}, timeout_s=1)
+    run = deployed.finished(run_id)
+    assert run["summary"] == "timed out, fully compensated" and run["stop_intent"]["kind"] == "timeout"
+
+
+def test_a_late_result_reaches_the_result_route_without_aws_credentials(deployed: Deployed) -> None:
+    deployed.budget_s = 16  # the dispatcher stops listening after about 4 s, the shipment takes 7
+    try:
+        run_id = deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30, "slow_ship_s": 7})
+        run = deployed.finished(run_id)
+    finally:
+        deployed.budget_s = 900
+    assert run["outcome"] == "completed"
+    [ship] = [s for s in run["steps"] if s["id"] == "ship"]
+    assert [a["status"] for a in ship["attempts"]] == ["succeeded"]
+    late = [c for c in deployed.box.calls if c.function == "api" and c.operation == "PutItem"]
+    assert late, "the late result was recorded by the API function"
+    assert deployed.api("POST", "/v1/results", {"run_id": run_id}, signed=False).status_code == 401  # unsigned
+
+
+def calls_of(deployed: Deployed, function: str) -> list[Call]:
+    return [c for c in deployed.box.calls if c.function == function]
+
+
+def test_every_function_called_aws(deployed: Deployed) -> None:
+    """What tests/infra/test_iam.py checks against the template's roles was actually exercised."""
+    for function in ("api", "dispatch", "shop"):
+        assert calls_of(deployed, function), function
+    time.sleep(0)
+
+
+# ---- IAM proven against use ------------------------------------------------------------------------
+
+KEPT = {
+    "api": {
+        "dynamodb:BatchGetItem",
+        "dynamodb:BatchWriteItem",
+        "dynamodb:GetItem",
+        "dynamodb:PutItem",
+        "dynamodb:Query",
+        "sqs:SendMessage",
+        "scheduler:CreateSchedule",
+        "scheduler:DeleteSchedule",
+        "iam:PassRole",
+        "secretsmanager:GetSecretValue",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+    },
+    "dispatch": {
+        "dynamodb:BatchGetItem",
+        "dynamodb:BatchWriteItem",
+        "dynamodb:GetItem",
+        "dynamodb:PutItem",
+        "dynamodb:Query",
+        "sqs:SendMessage",
+        "sqs:ChangeMessageVisibility",
+        # what the SQS event source does on the function's behalf
+        "sqs:ReceiveMessage",
+        "sqs:DeleteMessage",
+        "sqs:GetQueueAttributes",
+        "sqs:GetQueueUrl",
+        "scheduler:CreateSchedule",
+        "scheduler:DeleteSchedule",
+        "iam:PassRole",
+        "secretsmanager:GetSecretValue",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+    },
+    "shop": {"secretsmanager:GetSecretValue", "logs:CreateLogStream", "logs:PutLogEvents"},
+}
+"""Every action each role grants. A new grant must be added here on purpose (and be needed by the code)."""
+HANDLER_OF = {
+    "api": "ryusen_server.lambdas.api.handler",
+    "dispatch": "ryusen_server.lambdas.dispatch.handler",
+    "shop": "shop.lambda_handler",
+}
+
+
+def granted(box: Box, handler: str) -> list[tuple[set[str], list[str], dict[str, Any]]]:
+    """(actions, resources, conditions) of each Allow statement of the function's role, resolved."""
+    role = box.function(handler)["Properties"]["Role"]["Fn::GetAtt"][0]
+    statements: list[tuple[set[str], list[str], dict[str, Any]]] = []
+    for policy in box.resources("AWS::IAM::Policy").values():
+        if {"Ref": role} not in policy["Properties"]["Roles"]:
+            continue
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            assert statement["Effect"] == "Allow"
+            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+            statements.append((set(actions), [str(box.resolve(r)) for r in resources], statement.get("Condition", {})))
+    return statements
+
+
+def needed(box: Box, call: Call) -> list[tuple[str, str]]:
+    """The IAM (action, resource ARN) pairs one recorded API call needs."""
+    region_account = "us-east-1:123456789012"
+    table_arn = lambda name: f"arn:aws:dynamodb:{region_account}:table/{name}"  # noqa: E731
+    queue_arn = {url: box.arns[name] for name, url in box.refs.items() if url.startswith("http")}
+    params = call.params
+    if call.service == "dynamodb":
+        if call.operation == "TransactWriteItems":  # authorized as the item actions it contains
+            kinds = {
+                "Put": "PutItem",
+                "Update": "UpdateItem",
+                "Delete": "DeleteItem",
+                "ConditionCheck": "ConditionCheckItem",
+            }
+            return [
+                (f"dynamodb:{kinds[kind]}", table_arn(item[kind]["TableName"]))
+                for item in params["TransactItems"]
+                for kind in item
+            ]
+        if call.operation in ("BatchGetItem", "BatchWriteItem"):
+            return [(f"dynamodb:{call.operation}", table_arn(name)) for name in params["RequestItems"]]
+        arn = table_arn(params["TableName"])
+        if "IndexName" in params:
+            arn += f"/index/{params['IndexName']}"
+        return [(f"dynamodb:{call.operation}", arn)]
+    if call.service == "sqs":
+        return [(f"sqs:{call.operation}", queue_arn[params["QueueUrl"]])]
+    if call.service == "scheduler":
+        arn = f"arn:aws:scheduler:{region_account}:schedule/{params['GroupName']}/{params['Name']}"
+        pairs = [(f"scheduler:{call.operation}", arn)]
+        if call.operation == "CreateSchedule":
+            pairs.append(("iam:PassRole", params["Target"]["RoleArn"]))
+        return pairs
+    if call.service == "secretsmanager":
+        return [(f"secretsmanager:{call.operation}", params["SecretId"])]
+    raise AssertionError(f"an AWS call the IAM check does not know: {call.service}.{call.operation}")
+
+
+def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_more_is(deployed: Deployed) -> None:
+    import fnmatch
+
+    # one more run that exercises the rest: an idempotency key (a transaction), a deadline schedule deleted
+    run_id = deployed.start(
+        {"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}, idempotency_key="iam-1", timeout_s=3600
+    )
+    deployed.finished(run_id)
+    box = deployed.box
+    operations = {(c.function, c.operation) for c in box.calls}
+    for expected in [
+        ("api", "TransactWriteItems"),
+        ("api", "CreateSchedule"),
+        ("dispatch", "DeleteSchedule"),
+        ("dispatch", "ChangeMessageVisibility"),
+        ("dispatch", "PutItem"),
+        ("api", "GetSecretValue"),
+        ("dispatch", "GetSecretValue"),
+        ("shop", "GetSecretValue"),
+        ("api", "Query"),
+    ]:
+        assert expected in operations, f"the scenarios never made {expected}: the check would prove nothing"
+    for function, handler in HANDLER_OF.items():
+        statements = granted(box, handler)
+        actions = set().union(*(a for a, _, _ in statements))
+        assert actions == KEPT[function], (function, actions ^ KEPT[function])
+        for resources in (r for _, r, _ in statements):
+            assert "*" not in resources, (function, resources)  # every grant names its resources
+        for call in (c for c in box.calls if c.function == function):
+            for action, resource in needed(box, call):
+                assert any(
+                    action in allowed and any(fnmatch.fnmatchcase(resource, pattern) for pattern in patterns)
+                    for allowed, patterns, _ in statements
+                ), f"{function} called {call.service}.{call.operation}: its role does not allow {action} on {resource}"

@@ -1,0 +1,212 @@
+"""The synthesized template has the properties the runtime depends on (Match and Capture; no logical ids)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aws_cdk.assertions import Capture, Match
+
+from ryusen_server.aws.store import BLOCKED_INDEX, LIST_INDEX
+from tests.infra.conftest import Synthesized, synthesize
+
+HANDLERS = ("ryusen_server.lambdas.api.handler", "ryusen_server.lambdas.dispatch.handler")
+
+
+def test_the_dispatch_event_source_reports_item_failures_one_record_at_a_time(synthesized: Synthesized) -> None:
+    synthesized.assertions.has_resource_properties(
+        "AWS::Lambda::EventSourceMapping",
+        {
+            "BatchSize": 1,  # one attempt per invocation: each can use the whole 15 minutes
+            "FunctionResponseTypes": ["ReportBatchItemFailures"],  # a kept message is an attempt's lease
+            "ScalingConfig": {"MaximumConcurrency": 50},
+        },
+    )
+
+
+def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(synthesized: Synthesized) -> None:
+    _, dispatch = synthesized.function("ryusen_server.lambdas.dispatch.handler")
+    timeout = dispatch["Properties"]["Timeout"]
+    assert timeout == 900
+    dlq = Capture()
+    synthesized.assertions.has_resource_properties(
+        "AWS::SQS::Queue",
+        {
+            "VisibilityTimeout": Match.any_value(),
+            "RedrivePolicy": {"deadLetterTargetArn": {"Fn::GetAtt": [dlq, "Arn"]}, "maxReceiveCount": 10},
+        },
+    )
+    [queue] = [r for r in synthesized.resources("AWS::SQS::Queue").values() if "RedrivePolicy" in r["Properties"]]
+    assert queue["Properties"]["VisibilityTimeout"] >= timeout
+    assert synthesized.template["Resources"][dlq.as_string()]["Type"] == "AWS::SQS::Queue"
+    visibility = dispatch["Properties"]["Environment"]["Variables"]["RYUSEN_QUEUE_VISIBILITY_S"]
+    assert float(visibility) == queue["Properties"]["VisibilityTimeout"]  # what lease_keeper compares with
+
+
+def test_no_secret_is_in_any_environment_variable(synthesized: Synthesized) -> None:
+    [secret] = synthesized.resources("AWS::SecretsManager::Secret")
+    synthesized.assertions.has_resource_properties(
+        "AWS::SecretsManager::Secret", {"GenerateSecretString": {"PasswordLength": 64, "ExcludePunctuation": True}}
+    )
+    for name, function in synthesized.resources("AWS::Lambda::Function").items():
+        variables: dict[str, Any] = function["Properties"]["Environment"]["Variables"]
+        assert "RYUSEN_SIGNING_KEY" not in variables, name
+        assert variables["RYUSEN_SIGNING_KEY_SECRET_ARN"] == {"Ref": secret}, name  # where to read it, not it
+        for key, value in variables.items():
+            if isinstance(value, str):  # a literal: a setting, never a long random string
+                assert not re.fullmatch(r"[A-Za-z0-9+/=_-]{24,}", value), (name, key)
+
+
+def test_every_route_is_iam_authorized_but_the_late_result_route(synthesized: Synthesized) -> None:
+    methods = synthesized.resources("AWS::ApiGateway::Method")
+    resources = synthesized.resources("AWS::ApiGateway::Resource")
+
+    def path(resource_ref: dict[str, Any]) -> str:
+        parts: list[str] = []
+        ref = resource_ref
+        while "Ref" in ref and ref["Ref"] in resources:
+            props = resources[ref["Ref"]]["Properties"]
+            parts.insert(0, props["PathPart"])
+            ref = props["ParentId"]
+        return "/" + "/".join(parts)
+
+    auth = {
+        (path(m["Properties"]["ResourceId"]), m["Properties"]["HttpMethod"]): m["Properties"]["AuthorizationType"]
+        for m in methods.values()
+    }
+    assert auth == {("/v1/{proxy+}", "ANY"): "AWS_IAM", ("/v1/results", "POST"): "NONE"}
+    synthesized.assertions.has_resource_properties(
+        "AWS::ApiGateway::Stage", {"MethodSettings": Match.array_with([Match.object_like({"ThrottlingRateLimit": 50})])}
+    )
+
+
+def test_the_scheduler_role_may_only_send_to_the_dispatch_queues(synthesized: Synthesized) -> None:
+    synthesized.assertions.has_resource_properties(
+        "AWS::IAM::Role",
+        {
+            "AssumeRolePolicyDocument": {
+                "Statement": [
+                    {
+                        "Action": "sts:AssumeRole",
+                        "Effect": "Allow",
+                        "Principal": {"Service": "scheduler.amazonaws.com"},
+                        "Condition": {"StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}},
+                    }
+                ]
+            }
+        },
+    )
+    policies = [
+        p
+        for p in synthesized.resources("AWS::IAM::Policy").values()
+        if any("Scheduler" in r["Ref"] for r in p["Properties"]["Roles"])
+    ]
+    [policy] = policies
+    [statement] = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Action"] == "sqs:SendMessage" and statement["Effect"] == "Allow"
+    assert len(statement["Resource"]) == 2  # the dispatch queue and the scheduler's dead-letter queue
+
+
+def test_alarms_watch_dead_letters_api_errors_dispatch_errors_and_blocked_runs(synthesized: Synthesized) -> None:
+    alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
+    metrics = sorted(a["Properties"].get("MetricName") for a in alarms)
+    assert metrics == sorted(
+        [
+            "ApproximateNumberOfMessagesVisible",
+            "ApproximateNumberOfMessagesVisible",
+            "5XXError",
+            "DispatchErrors",
+            "Errors",
+            "BlockedRunAge",
+        ]
+    )
+    synthesized.assertions.has_resource_properties(
+        "AWS::CloudWatch::Alarm",
+        {"MetricName": "BlockedRunAge", "Namespace": "Ryusen", "Statistic": "Maximum", "Threshold": 3600},
+    )
+    synthesized.assertions.resource_count_is("AWS::CloudWatch::Dashboard", 1)
+
+
+def test_functions_are_arm64_on_a_current_python_with_their_own_log_groups(synthesized: Synthesized) -> None:
+    functions = synthesized.resources("AWS::Lambda::Function")
+    for name, function in functions.items():
+        props = function["Properties"]
+        assert props["Architectures"] == ["arm64"] and props["Runtime"] == "python3.14", name
+        assert "LoggingConfig" in props, name
+    for group in synthesized.resources("AWS::Logs::LogGroup").values():
+        assert group["Properties"]["RetentionInDays"] == 30
+    _, api = synthesized.function("ryusen_server.lambdas.api.handler")
+    assert api["Properties"]["Timeout"] == 29
+
+
+def test_the_table_has_the_keys_and_indexes_the_store_reads(synthesized: Synthesized) -> None:
+    synthesized.assertions.has_resource_properties(
+        "AWS::DynamoDB::Table",
+        {
+            "KeySchema": [{"AttributeName": "pk", "KeyType": "HASH"}, {"AttributeName": "sk", "KeyType": "RANGE"}],
+            "BillingMode": "PAY_PER_REQUEST",
+            "PointInTimeRecoverySpecification": {"PointInTimeRecoveryEnabled": True},
+            "TimeToLiveSpecification": {"AttributeName": "expires_at", "Enabled": True},
+            "GlobalSecondaryIndexes": Match.array_with(
+                [
+                    Match.object_like(
+                        {
+                            "IndexName": LIST_INDEX,
+                            "Projection": Match.object_like({"NonKeyAttributes": ["function_id", "phase", "outcome"]}),
+                        }
+                    ),
+                    Match.object_like({"IndexName": BLOCKED_INDEX}),
+                ]
+            ),
+        },
+    )
+
+
+def test_settings_reach_the_functions_and_impossible_ones_are_refused(tmp_path: Path) -> None:
+    import aws_cdk as cdk
+
+    custom = synthesize(
+        tmp_path,
+        default_run_timeout=cdk.Duration.hours(1),
+        max_run_timeout=cdk.Duration.days(2),
+        dispatch_concurrency=10,
+        retention=None,
+    )
+    for handler in HANDLERS:
+        variables = custom.function(handler)[1]["Properties"]["Environment"]["Variables"]
+        assert variables["RYUSEN_DEFAULT_RUN_TIMEOUT_S"] == "3600"
+        assert variables["RYUSEN_MAX_RUN_TIMEOUT_S"] == "172800"
+        assert "RYUSEN_RETENTION_DAYS" not in variables
+        assert variables["RYUSEN_MAX_ATTEMPT_TIMEOUT_S"] == "900"
+    custom.assertions.has_resource_properties(
+        "AWS::Lambda::EventSourceMapping", {"ScalingConfig": {"MaximumConcurrency": 10}}
+    )
+    from ryusen_infra import RyusenSettings
+
+    with pytest.raises(ValueError, match="max_attempt_timeout"):
+        RyusenSettings(max_attempt_timeout=cdk.Duration.hours(13)).check()
+    with pytest.raises(ValueError, match="dispatch_concurrency"):
+        RyusenSettings(dispatch_concurrency=1).check()
+
+
+def test_cdk_nag_finds_nothing_unexplained(synthesized: Synthesized) -> None:
+    findings = [m.entry.data for m in synthesized.messages if "AwsSolutions" in str(m.entry.data)]
+    assert findings == []
+
+
+def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> None:
+    template = tmp_path / "Ryusen.template.json"
+    template.write_text(json.dumps(synthesized.template))
+    # W3005: CDK adds a DependsOn on each function's role policy next to the GetAtt of the role; harmless
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "cfn-lint"), "--ignore-checks", "W3005", "--", str(template)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
