@@ -226,7 +226,7 @@ def test_a_function_that_ends_before_the_target_skips_it_as_removed_from_current
     assert run.summary == "failed, fully compensated"
     assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [("c", "skipped"), ("a", "compensated")]
     assert calls == Counter({"undo-a": 1})
-    assert run.attempts("c", "compensation")[0]["detail"].startswith("target_not_found")
+    assert run.attempts("c", "compensation")[-1]["detail"].startswith("target_not_found")  # after a second pass
 
 
 # ---- decision 18: one step at a time --------------------------------------------------------

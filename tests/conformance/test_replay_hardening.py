@@ -444,3 +444,186 @@ def test_a_step_timeout_over_the_deployments_maximum_attempt_duration_is_refused
     assert "1200" in blocker["message"] and "840" in blocker["message"] and calls["report"] == 0
     env.sync(build(10))
     assert env.wait(run_id).outcome == "completed" and calls["report"] == 1
+
+
+# ---- a second review ------------------------------------------------------------------------------
+
+
+@pytest.mark.rfd("D6", "D7", "C2")
+def test_a_blocked_unwind_is_probed_less_and_less_often_and_counts_the_conflict() -> None:
+    def build(v2: bool) -> Ryusen:
+        app = Ryusen("shop", release_id=f"v{int(v2)}", build_id=f"b{int(v2)}")
+
+        @app.function("checkout")
+        def checkout(order: Any, step: Step) -> Any:
+            if v2:
+                step.run("fraud-check", lambda: "ok")
+            step.run("charge", lambda: "ch_1", compensate=lambda r: None)
+            raise RuntimeError("warehouse rejected the order")
+
+        return app
+
+    env = WorkflowEnvironment(build(False))
+    run_id = env.start("checkout")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(build(True))
+    start = env.clock.now
+    env.drive(until=lambda: env.clock.now >= start + timedelta(hours=12), horizon=timedelta(hours=12))
+    state = env.engine.get_run(run_id)
+    [blocker] = state.blockers
+    assert blocker.count >= 5 and state.probe_interval_s == 3600  # doubled up to the hourly cap
+    assert len(state.step("charge").attempts) < 30  # one pass per probe, not one a minute
+
+
+@pytest.mark.rfd("C2")
+def test_a_removed_step_whose_pass_ends_with_a_wrapped_recorded_failure_is_skipped() -> None:
+    calls: Counter[str] = Counter()
+
+    class ShippingError(Exception):
+        pass
+
+    def ship() -> None:
+        from ryusen import NonRetryableError
+
+        raise NonRetryableError("no courier")
+
+    def build(v2: bool) -> Ryusen:
+        app = Ryusen("shop", release_id=f"v{int(v2)}", build_id=f"b{int(v2)}")
+
+        @app.function("checkout")
+        def checkout(order: Any, step: Step) -> Any:
+            step.run("reserve", lambda: "r1", compensate=lambda r: calls.update(["release"]))
+            if not v2:  # v2 moved payment out of this workflow
+                step.run("charge", lambda: "ch_1", compensate=lambda r: calls.update(["refund"]))
+            try:
+                step.run("ship", ship)
+            except StepFailed as failure:
+                raise ShippingError("could not ship the order") from failure
+            return "ok"
+
+        return app
+
+    env = WorkflowEnvironment(build(False))
+    run_id = env.start("checkout")
+    env.drive(until=lambda: env.get(run_id).outcome is not None)
+    env.sync(build(True))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated" and calls == Counter({"release": 1})
+    assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [("charge", "skipped"), ("reserve", "compensated")]
+
+
+@pytest.mark.rfd("C2", "C4")
+def test_an_early_return_after_an_unrelated_redeploy_is_confirmed_before_it_is_a_skip() -> None:
+    calls: Counter[str] = Counter()
+    blip = {"once": False}
+
+    def build(n: int) -> Ryusen:
+        app = Ryusen("shop", release_id=f"r{n}", build_id=f"b{n}")
+
+        @app.function("checkout")
+        def checkout(order: Any, step: Step) -> Any:
+            if blip["once"]:
+                blip["once"] = False
+                return {"status": "config unavailable, retry later"}  # a transient early return
+            step.run("charge", lambda: "ch_1", compensate=lambda r: calls.update(["refund"]))
+            raise RuntimeError("warehouse rejected the order")
+
+        return app
+
+    env = WorkflowEnvironment(build(1))
+    run_id = env.start("checkout")
+    env.drive(until=lambda: env.get(run_id).phase == "compensating")
+    env.sync(build(2))  # any unrelated deploy gives a new build id
+    blip["once"] = True
+    run = env.wait(run_id)
+    assert calls["refund"] == 1 and run.summary == "failed, fully compensated"
+    statuses = [a["status"] for a in run.attempts("charge", "compensation")]
+    assert statuses == ["fenced", "succeeded"]
+
+
+@pytest.mark.rfd("F2")
+def test_a_callback_that_finishes_just_as_the_function_gives_up_on_it_is_reported() -> None:
+    tally: Counter[str] = Counter()
+    for i in range(8):
+        pool = ThreadPoolExecutor(max_workers=2)
+        app = Ryusen(f"thr{i}")
+
+        def charge() -> dict[str, Any]:
+            time.sleep(0.1)
+            return {"receipt": list(range(20_000))}  # checking the result takes a while
+
+        @app.function("pay")
+        def pay(data: Any, step: Step, pool: ThreadPoolExecutor = pool) -> Any:
+            future = pool.submit(step.run, "charge", charge)
+            try:
+                return future.result(timeout=0.02)
+            except FutureTimeout:
+                raise RuntimeError("charge took too long") from None
+
+        run = WorkflowEnvironment(app).run("pay")
+        tally[run.attempts("charge")[0]["status"]] += 1
+        pool.shutdown(wait=True)
+    assert tally == Counter({"succeeded": 8})
+
+
+@pytest.mark.rfd("F2", "D1")
+def test_steps_gathered_inside_a_callback_are_refused_not_hung() -> None:
+    from ryusen import ConcurrentStepError
+
+    app = Ryusen("nest")
+    seen: list[str] = []
+
+    @app.function("wf")
+    async def wf(data: Any, step: AsyncStep) -> Any:
+        async def outer() -> int:
+            try:
+                a, b = await asyncio.gather(step.run("x", lambda: 1), step.run("y", lambda: 2))
+            except ConcurrentStepError as exc:
+                seen.append(exc.step_id)
+                return -1
+            return a + b
+
+        return await step.run("outer", outer)
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.output == -1 and seen
+
+
+@pytest.mark.rfd("F10")
+def test_a_sync_workflow_served_by_asgi_runs_off_the_event_loop() -> None:
+    app = Ryusen("asgi-sync")
+
+    def fetch_rate() -> float:
+        async def call() -> float:
+            return 1.08
+
+        return asyncio.run(call())  # a sync callback that runs its own event loop
+
+    @app.function("quote")
+    def quote(data: Any, step: Step) -> Any:
+        return step.run("rate", fetch_rate)
+
+    from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
+
+    request = TaskRequest(
+        kind=TaskKind.FORWARD,
+        run_id="r",
+        function_id="quote",
+        step_id="rate",
+        operation=OperationInfo(id="op", phase=Phase.FORWARD, generation=1),
+    )
+    response = asyncio.run(app.handle_async("POST", {}, request.model_dump_json().encode()))
+    assert '"succeeded"' in response.body.decode() and "1.08" in response.body.decode()
+
+
+@pytest.mark.rfd("F7")
+def test_a_system_exit_from_user_code_is_the_functions_failure() -> None:
+    app = Ryusen("argparse")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("charge", lambda: "ok", compensate=lambda r: None)
+        raise SystemExit(2)  # argparse, on bad arguments
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.summary == "failed, fully compensated" and run.error["type"] == "SystemExit"

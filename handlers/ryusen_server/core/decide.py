@@ -110,6 +110,10 @@ def _conflict_key(blocker: Blocker) -> tuple[object, ...]:
     return (blocker.type, blocker.step_id, *(c.step_id if c else None for c in calls))
 
 
+CONFIRMING = "target_not_found, to be confirmed by a second pass"
+"""The detail of a compensation pass that found current code ending before its step, asked once more."""
+
+
 class IllegalEventError(Exception):
     """An event that cannot apply to this state at all (a programming error, not a race)."""
 
@@ -462,6 +466,24 @@ class _Transition:
         if pending and not overdue:
             self.commands.append(RedeliverLater(delay_s=(min(pending) - self.now).total_seconds()))
 
+    def reemit_queued(self) -> None:
+        """Send every queued task of the run again (an API request retried after its first try's sends
+        failed; no message of the run may be in flight to repair it). A duplicate delivery is harmless."""
+        s = self.s
+        if s.phase is RunPhase.FINISHED:
+            return
+        if s.discovery is not None and s.discovery.status is AttemptStatus.QUEUED:
+            self.commands.append(EnqueueTask(task=TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=s.discovery.seq)))
+        for step in s.steps:
+            for phase, kind in ((Phase.FORWARD, TaskKind.FORWARD), (Phase.COMPENSATION, TaskKind.COMPENSATE)):
+                a = step.current(phase)
+                if a is not None and a.status is AttemptStatus.QUEUED:
+                    task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation)
+                    self.commands.append(EnqueueTask(task=task))
+                elif a is not None and a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
+                    task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
+                    self.commands.append(EnqueueTask(task=task))
+
     def invocation_failed(self, event: InvocationFailed) -> None:
         task = event.task
         if task.kind is TaskKind.DISCOVER:
@@ -803,7 +825,7 @@ class _Transition:
             current = step.current(Phase.COMPENSATION) if step else None
             if step is None or (current is not None and current.status in LIVE_ATTEMPT):
                 return self.ignore("compensation already in progress")
-            self.clear_definition_blockers()
+            # the blocker stays until a pass gets past it, so the probe keeps doubling (D7, decisions 6.8)
             self.queue_attempt(step, Phase.COMPENSATION)
             return None
         if s.discovery is not None:
@@ -830,9 +852,13 @@ class _Transition:
             )
             self.record_stale(attempt, event, reason)
             self.touch()
+            if event.source == "late_submission":
+                self.reemit_queued()  # a retried submission may follow one whose sends failed after its write
             return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
         self.clear_blockers_for(step, attempt)
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
+        if not isinstance(event.response, ConflictFound | FunctionNotFound):
+            self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
         self.apply_outcome(step, attempt, event.response)
 
     def record_stale(self, attempt: Attempt, event: AttemptReported, reason: str) -> None:
@@ -889,6 +915,11 @@ class _Transition:
                 if not (b.type is BlockerType.UNKNOWN_OUTCOME and b.step_id == step.id and b.phase is attempt.phase)
             ]
             self.touch()
+
+    def skip_confirmed(self, step: StepState, attempt: Attempt) -> bool:
+        """The compensation pass before this one also found current code ending before the step."""
+        previous = step.attempt(Phase.COMPENSATION, attempt.generation - 1)
+        return previous is not None and (previous.detail or "").startswith(CONFIRMING)
 
     def completed_by_this_build(self, step: StepState, attempt: Attempt) -> bool:
         """Did the build serving this compensation attempt also complete the step's forward attempt?"""
@@ -1012,6 +1043,15 @@ class _Transition:
                 return self.attempt_failed(
                     step, attempt, error, detail="target_not_reached: the compensator did not run"
                 )
+            if response.reason == "not_reached" and not self.skip_confirmed(step, attempt):
+                # Other code ends before the step: likely removed, but one pass is not proof (it may have
+                # returned early on a failed read). Ask once more before the skip becomes durable.
+                self.settle(attempt, AttemptStatus.FENCED, detail=f"{CONFIRMING}: {response.detail}")
+                step.compensation_status = CompensationStatus.PENDING
+                policy = self.policy(step, Phase.COMPENSATION)
+                delay = backoff_delay(policy, 1, seed=f"{attempt.operation_id}:{attempt.generation}")
+                self.queue_attempt(step, Phase.COMPENSATION, delay)
+                return None
             self.settle(attempt, AttemptStatus.SUCCEEDED, detail=f"target_not_found: {response.detail}")
             step.compensation_status = CompensationStatus.SKIPPED
             self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
@@ -1093,6 +1133,7 @@ class _Transition:
         s = self.s
         kind = StopKind.CANCEL if event.kind == "cancel" else StopKind.TIMEOUT
         if s.stop_intent is not None:
+            self.reemit_queued()  # a retried cancel may follow one whose sends failed after its write
             return self.ignore("the stop intent is already recorded")
         if s.phase is RunPhase.FINISHED or s.outcome is not None:
             if event.kind == "cancel":
@@ -1148,6 +1189,7 @@ class _Transition:
             )
         if attempt.status is not AttemptStatus.UNKNOWN:
             if self._same_resolution(attempt, event, step):
+                self.reemit_queued()  # a retried request may follow one whose sends failed after its write
                 return self.ignore("resolution already applied")
             return self.reject(
                 "generation_settled", f"generation {event.generation} is already {attempt.status}; nothing to resolve"

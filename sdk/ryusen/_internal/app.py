@@ -191,14 +191,13 @@ class Ryusen:
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
+        if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
+            return await asyncio.to_thread(self.execute, request)
         replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
         raised: BaseException | None = None
         output: Any = None
         try:
-            if registered.is_async:
-                output = await registered.fn(request.input, AsyncStep(replay))
-            else:
-                output = registered.fn(request.input, Step(replay))
+            output = await registered.fn(request.input, AsyncStep(replay))
         except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
             raised = exc
         await replay.wait_for_callback()

@@ -240,9 +240,6 @@ _PLAN_PROBLEMS = {
 }
 """What a rejected StepPlan field means in the words of ``step.run``'s arguments."""
 
-INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
-"""What stops a process or a task rather than the function: never reported as the function's failure."""
-
 
 @dataclass(slots=True)
 class _Seen:
@@ -434,9 +431,16 @@ class _Replay:
         sequential = first.context[0] == context[0] and first.context[1] is context[1]
         if self.outcome is not None and sequential:
             raise Suspend(self.outcome)  # the code swallowed the suspension and went on: nothing more runs
-        if self.entered and self.outcome is None and context[1] is not None and context[1] is not first.context[1]:
-            # another asyncio task while the target callback runs: wait for the pass to end instead of
-            # raising, so that a task group does not cancel the running callback (decisions 16)
+        inside_callback = _current_operation.get() is not None  # tasks a callback spawns inherit its operation
+        if (
+            self.entered
+            and self.outcome is None
+            and not inside_callback
+            and context[1] is not None
+            and context[1] is not first.context[1]
+        ):
+            # another asyncio task of the function while the target callback runs: wait for the callback to
+            # finish instead of raising, so that a task group does not cancel it (decisions 16)
             return "park", None
         if not self.entered:
             second = Occurrence(step_id=step_id, location=location, name=name)
@@ -452,38 +456,61 @@ class _Replay:
 
     def run_callback(self, step_id: str, call: Callable[[], Any]) -> NoReturn:
         token = _current_operation.set(self.operation_context())
+        outcome: Any = None
         try:
-            result = call()
-            if inspect.isawaitable(result):
-                _close(result)
-                raise NonRetryableError(
-                    f"step {step_id!r}: an async callback needs an async workflow function (async def)"
-                )
-        except Exception as exc:  # noqa: BLE001 - every callback failure is reported
-            self._finish(self._failed(exc))
+            try:
+                result = call()
+                if inspect.isawaitable(result):
+                    _close(result)
+                    raise NonRetryableError(
+                        f"step {step_id!r}: an async callback needs an async workflow function (async def)"
+                    )
+            except Exception as exc:  # noqa: BLE001 - every callback failure is reported
+                outcome = self._failed(exc)
+            else:
+                outcome = self._succeeded(result)
         finally:
             _current_operation.reset(token)
-            self.callback_done.set()
-        self._finish(self._succeeded(result))
+            self._callback_finished(outcome)
+        raise Suspend(outcome)
 
     async def run_callback_async(self, call: Callable[[], Any]) -> NoReturn:
         token = _current_operation.set(self.operation_context())
+        outcome: Any = None
         try:
-            result = call()
-            if inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:  # noqa: BLE001
-            self._finish(self._failed(exc))
+            try:
+                result = call()
+                if inspect.isawaitable(result):
+                    result = await result
+            except Exception as exc:  # noqa: BLE001
+                outcome = self._failed(exc)
+            else:
+                outcome = self._succeeded(result)
         finally:
             _current_operation.reset(token)
-            self.callback_done.set()
-        self._finish(self._succeeded(result))
+            self._callback_finished(outcome)
+        raise Suspend(outcome)
+
+    def _callback_finished(self, outcome: Any) -> None:
+        """Record the callback's outcome (None: it was interrupted) before anyone is told it finished."""
+        with self._lock:
+            if outcome is not None:
+                self.outcome = outcome
+            parked, self.parked = self.parked, []
+        self.callback_done.set()
+        for waiter in parked:  # other tasks that waited for it end their pass now
+            if not waiter.done():
+                waiter.get_loop().call_soon_threadsafe(_release, waiter)
 
     async def park(self) -> NoReturn:
-        """Wait, without running anything, until the task answers (a second step while a callback runs)."""
+        """Wait, without running anything, until the target callback finishes (a second step meanwhile)."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.parked.append(waiter)
-        await waiter
+        with self._lock:
+            finished = self.callback_done.is_set()
+            if not finished:
+                self.parked.append(waiter)
+        if not finished:
+            await waiter
         raise Suspend(self.outcome)
 
     def _failed(self, exc: Exception) -> CallbackFailed:
@@ -494,11 +521,6 @@ class _Replay:
         if problem is not None:
             return CallbackFailed(error=problem)
         return CallbackSucceeded(result=checked)
-
-    def _finish(self, outcome: Any) -> NoReturn:
-        with self._lock:
-            self.outcome = outcome
-        raise Suspend(outcome)
 
     # ---- what the pass reports --------------------------------------------------------
 
@@ -526,31 +548,61 @@ class _Replay:
             return self.outcome
         if self.outcome is not None:
             return self.outcome
-        if raised is not None and _interrupted(raised):
-            raise raised
         if self.target_without_compensator is not None:
             return TargetNotFound(
                 detail=f"current code declares no compensator for step {self.target!r}", reason="no_compensator"
             )
+        if raised is not None and _interrupted(raised):
+            raise raised
         if self.kind is TaskKind.DISCOVER:
             if raised is not None:
                 return FunctionFailed(error=error_info(raised))
             return _completed(output)
         if raised is None:
             return TargetNotFound(detail=f"current code completes without reaching step {self.target!r}")
-        if any(raised is failure for failure in self.recorded_failures):
-            assert isinstance(raised, StepFailed)
+        if (failure := self._recorded_failure_in(raised)) is not None:
             return TargetNotFound(
-                detail=f"current code ends with the recorded failure of step {raised.step_id!r}"
+                detail=f"current code ends with the recorded failure of step {failure.step_id!r}"
                 f" before reaching step {self.target!r}"
             )
         return ReplayFailed(error=error_info(raised))
 
+    def _recorded_failure_in(self, raised: BaseException) -> StepFailed | None:
+        """A recorded ``StepFailed`` this pass raised, if ``raised`` is it, wraps it (``raise ... from``, or
+        raised while handling it) or groups it (a TaskGroup): the function ended as its recorded run did."""
+        seen: set[int] = set()
+        pending = [raised]
+        while pending:
+            exc = pending.pop()
+            if id(exc) in seen:
+                continue
+            seen.add(id(exc))
+            if any(exc is failure for failure in self.recorded_failures):
+                assert isinstance(exc, StepFailed)
+                return exc
+            if isinstance(exc, BaseExceptionGroup):
+                pending.extend(exc.exceptions)
+            pending.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
+        return None
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
 
 def _interrupted(exc: BaseException) -> bool:
+    """A process or task being stopped, not the function failing: a ``KeyboardInterrupt``, or a cancellation
+    of a task that is being cancelled. (A ``SystemExit`` from ``argparse``, say, is the function's failure.)"""
     if isinstance(exc, BaseExceptionGroup):
         return any(_interrupted(e) for e in exc.exceptions)
-    return isinstance(exc, INTERRUPTS)
+    if isinstance(exc, asyncio.CancelledError):
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return True
+        return task is None or task.cancelling() > 0
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _completed(output: Any) -> FunctionCompleted | ConflictFound:
