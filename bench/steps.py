@@ -70,6 +70,39 @@ def per_step_ms(view: dict[str, Any]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
+PRICES = {
+    "wru": 0.625,  # DynamoDB on-demand, per million write request units (1 KB each)
+    "rru": 0.125,  # per million read request units (a strongly consistent read up to 4 KB)
+    "sqs": 0.40,  # SQS standard, per million requests
+    "lambda": 0.20,  # Lambda, per million requests (duration is billed apart: see docs/deploy.md)
+    "scheduler": 1.00,  # EventBridge Scheduler, per million invocations
+}
+"""us-east-1 on-demand prices (shared/facts/aws.md), dollars per million."""
+
+
+def cost_per_million_steps(steps: int, counts: dict[str, int], sent: dict[str, int]) -> dict[str, float]:
+    """Ryusen's own AWS cost per million steps, from the requests counted for one run.
+
+    Write units: each write is at least one unit, and every KB written is one (an estimate from the
+    bytes written: requests of a few KB dominate). Reads: one unit each. Lambda requests: one dispatch
+    invocation per message sent (the event source delivers one record per invocation).
+    """
+
+    def per(*kinds: str) -> float:
+        return sum(counts.get(k, 0) for k in kinds) / steps
+
+    writes = per("store.write", "dynamodb.write")
+    written = (sent.get("store.write", 0) + sent.get("dynamodb.write", 0)) / steps
+    wru = max(writes, written / 1024)
+    messages = per("sqs.send", "queue.send")
+    return {
+        "dynamodb": wru * PRICES["wru"] + per("store.read", "dynamodb.read") * PRICES["rru"],
+        "sqs": per(*SQS_KINDS) * PRICES["sqs"],
+        "lambda": messages * PRICES["lambda"],
+        "scheduler": per("timers.schedule", "scheduler.create_schedule") * PRICES["scheduler"],
+    }
+
+
 def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], ms: float, wall_s: float) -> None:
     def per(kinds: tuple[str, ...]) -> float:
         return sum(counts.get(k, 0) for k in kinds) / steps
@@ -83,6 +116,11 @@ def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], m
         f" | per run: endpoint bytes {sent.get('endpoint.invoke', 0):,}"
         f"  store bytes {sent.get('store.write', 0) + sent.get('dynamodb.write', 0):,}"
         f" | median {ms:.1f} ms/step  (wall {wall_s:.2f} s)"
+    )
+    cost = cost_per_million_steps(steps, counts, sent)
+    parts = "  ".join(f"{k} ${v:.2f}" for k, v in cost.items())
+    print(
+        f"{'':15} {'':10} | Ryusen-side cost ${sum(cost.values()):.2f} per million steps ({parts}; Lambda duration apart)"
     )
 
 
