@@ -117,11 +117,11 @@ def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], m
         f"  store bytes {sent.get('store.write', 0) + sent.get('dynamodb.write', 0):,}"
         f" | median {ms:.1f} ms/step  (wall {wall_s:.2f} s)"
     )
-    cost = cost_per_million_steps(steps, counts, sent)
-    parts = "  ".join(f"{k} ${v:.2f}" for k, v in cost.items())
-    print(
-        f"{'':15} {'':10} | Ryusen-side cost ${sum(cost.values()):.2f} per million steps ({parts}; Lambda duration apart)"
-    )
+    if "dynamodb.write" in counts:  # the in-memory store's byte counts are not DynamoDB's: no cost line
+        cost = cost_per_million_steps(steps, counts, sent)
+        parts = "  ".join(f"{k} ${v:.2f}" for k, v in cost.items())
+        total = sum(cost.values())
+        print(f"{'':26} | Ryusen-side cost ${total:.2f} per million steps ({parts}; Lambda duration apart)")
 
 
 def bench_testing(steps: int, result_bytes: int | None) -> None:
