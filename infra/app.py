@@ -6,6 +6,7 @@ Settings come from CDK context (``cdk deploy -c ryusen:example=true``) with RFD 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def settings_from(app: cdk.App) -> RyusenSettings:
 
 
 def main() -> cdk.App:
-    app = cdk.App(outdir=str(Path(__file__).resolve().parent / "cdk.out"))
+    app = cdk.App(outdir=os.environ.get("CDK_OUTDIR") or str(Path(__file__).resolve().parent / "cdk.out"))
     example = str(app.node.try_get_context("ryusen:example") or "true").lower() == "true"
     RyusenStack(app, "Ryusen", settings=settings_from(app), example=example)
     cdk.Aspects.of(app).add(AwsSolutionsChecks())  # every finding is fixed or suppressed with its reason

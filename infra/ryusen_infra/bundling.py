@@ -60,8 +60,11 @@ class LocalPip:
 
     def try_bundle(self, output_dir: str, options: Any = None, **_: Any) -> bool:
         out = Path(output_dir)
-        for package in PACKAGES:
-            shutil.copytree(self._source / package.name, out / package.name, dirs_exist_ok=True)
+        for entry in self._source.iterdir():  # the packages, and an app module staged beside them
+            if entry.is_dir():
+                shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
+            elif entry.name != "requirements.txt":
+                shutil.copy2(entry, out / entry.name)
         command = [
             sys.executable,
             "-m",
