@@ -6,10 +6,11 @@ What it creates, and why each piece is shaped the way it is:
   ``expires_at``) with the two indexes the store reads (``runs_by_created`` over 16 partition keys,
   ``runs_blocked_by_definition``, sparse). Its conditional writes are the engine's fencing.
 * **queue** and **dead_letter_queue**: the dispatch queue carries every task and timer message. Its
-  visibility timeout is at least the dispatch function's timeout (Lambda refuses less); a message that
-  fails ``max_receive_count`` times moves to the dead-letter queue, which an alarm watches.
+  visibility timeout equals the dispatch function's timeout (Lambda refuses less), which is the default
+  attempt's lease; a message that fails ``max_receive_count`` times moves to the dead-letter queue, which
+  an alarm watches.
 * **dispatch_function**: the SQS event source, one record per invocation (``batch_size=1``: an attempt
-  can use the whole 15 minutes) with ``ReportBatchItemFailures`` (a kept message is an attempt's lease
+  can use the whole invocation) with ``ReportBatchItemFailures`` (a kept message is an attempt's lease
   timer; without it the event source would delete it) and a maximum concurrency.
 * **api_function** and **api**: the server API as a REST API with IAM (SigV4) authorization on every
   route except ``POST /v1/results``, where SDKs submit late results signed with the app's key (they
@@ -49,8 +50,7 @@ from .bundling import ARCHITECTURE, RUNTIME, lambda_code
 
 LIST_INDEX = "runs_by_created"
 BLOCKED_INDEX = "runs_blocked_by_definition"
-DISPATCH_TIMEOUT = cdk.Duration.minutes(15)
-"""A Lambda's longest life: the dispatcher listens for an endpoint's answer within it (and keeps a margin)."""
+LAMBDA_MAX_TIMEOUT = cdk.Duration.minutes(15)
 LEASE_GRACE = cdk.Duration.minutes(1)
 MAX_VISIBILITY = cdk.Duration.hours(12)
 """SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
@@ -96,6 +96,15 @@ class RyusenSettings:
         default, maximum = self.default_run_timeout, self.max_run_timeout
         if default and maximum and default.to_seconds() > maximum.to_seconds():
             raise ValueError("default_run_timeout must not exceed max_run_timeout")
+
+    @property
+    def dispatch_timeout(self) -> cdk.Duration:
+        """The dispatch function's timeout, and the queue's visibility: the default attempt's lease (its
+        timeout plus the grace), so that for most attempts the message is already invisible for exactly the
+        lease and needs no ChangeMessageVisibility; capped at Lambda's 15 minutes. The dispatcher stops
+        listening before its time is up, and a later answer reaches the result route."""
+        lease = self.attempt_timeout.to_seconds() + LEASE_GRACE.to_seconds()
+        return cdk.Duration.seconds(min(lease, LAMBDA_MAX_TIMEOUT.to_seconds()))
 
     def environment(self) -> dict[str, str]:
         """The settings as the server reads them (``ryusen_server.settings``)."""
@@ -178,7 +187,7 @@ class RyusenEngine(Construct):
         self.queue = sqs.Queue(
             self,
             "DispatchQueue",
-            visibility_timeout=DISPATCH_TIMEOUT,
+            visibility_timeout=settings.dispatch_timeout,
             retention_period=retention,
             enforce_ssl=True,
             encryption=sqs.QueueEncryption.SQS_MANAGED,
@@ -220,7 +229,7 @@ class RyusenEngine(Construct):
             "RYUSEN_TABLE": self.table.table_name,
             "RYUSEN_QUEUE_URL": self.queue.queue_url,
             "RYUSEN_QUEUE_ARN": self.queue.queue_arn,
-            "RYUSEN_QUEUE_VISIBILITY_S": _seconds(DISPATCH_TIMEOUT),
+            "RYUSEN_QUEUE_VISIBILITY_S": _seconds(settings.dispatch_timeout),
             "RYUSEN_SCHEDULE_GROUP": self.schedule_group.ref,
             "RYUSEN_SCHEDULER_ROLE_ARN": self.scheduler_role.role_arn,
             "RYUSEN_SCHEDULER_DLQ_ARN": self.scheduler_dead_letter_queue.queue_arn,
@@ -267,7 +276,7 @@ class RyusenEngine(Construct):
             "ryusen_server.lambdas.dispatch.handler",
             code,
             {**common, "RYUSEN_RESULT_URL": self.api.url_for_path("/v1/results")},
-            DISPATCH_TIMEOUT,
+            settings.dispatch_timeout,
             "dispatch",
         )
         self.dispatch_function.add_event_source(

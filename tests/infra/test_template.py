@@ -32,7 +32,7 @@ def test_the_dispatch_event_source_reports_item_failures_one_record_at_a_time(sy
 def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(synthesized: Synthesized) -> None:
     _, dispatch = synthesized.function("ryusen_server.lambdas.dispatch.handler")
     timeout = dispatch["Properties"]["Timeout"]
-    assert timeout == 900
+    assert timeout == 360  # the default attempt's lease: 5 minutes and the 1-minute grace
     dlq = Capture()
     synthesized.assertions.has_resource_properties(
         "AWS::SQS::Queue",
