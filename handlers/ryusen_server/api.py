@@ -9,6 +9,7 @@ a 4xx status. Nothing is written unless the request is valid.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -23,6 +24,8 @@ from .core.model import Outcome, RunPhase
 from .core.view import run_summary_view, run_view
 from .engine import Engine
 from .ports import InvalidRequestError, PayloadTooLargeError, ServerError
+
+logger = logging.getLogger("ryusen.api")
 
 MAX_BODY_BYTES = 1024 * 1024
 
@@ -100,6 +103,11 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
         return _error_response(
             422, "invalid_request", "the request does not match the expected shape", {"errors": errors}
         )
+
+    @api.exception_handler(Exception)  # type: ignore[untyped-decorator]
+    def unexpected(exc: Exception) -> Response[str]:
+        logger.exception("unexpected error answering %s %s", api.current_event.http_method, api.current_event.path)
+        return _error_response(500, "internal_error", "the server failed to answer; the request may be retried")
 
     @api.not_found
     def not_found(_: Exception) -> Response[str]:

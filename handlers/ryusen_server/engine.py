@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -17,7 +18,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
 from ryusen._internal.wire import (
     LateResult,
     Manifest,
@@ -96,13 +97,17 @@ def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[d
 class ServerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     signing_key: str | None = None
-    signing_key_source: Callable[[], str | None] | None = None
-    """Where the signing key is read from when it is not fixed (a deployment's secret, cached and re-read so
-    that a rotation takes effect); it wins over ``signing_key``."""
+    signing_keys_source: Callable[[], tuple[str | None, str | None]] | None = None
+    """Where the signing keys are read from when they are not fixed (a deployment's secret, cached and re-read
+    so that a rotation takes effect): (the key to sign with, the one it replaced, still accepted when
+    verifying). It wins over ``signing_key``."""
     result_url: str | None = None
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
     max_run_timeout_s: float | None = None
+    index_settle_s: float = 0.0
+    """How long the blocked-runs index may lag the table (a DynamoDB GSI): a release sync looks it up again
+    after this long, for a run that blocked just before the sync."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +130,6 @@ class Engine:
         clock: Callable[[], datetime] | None = None,
         new_id: Callable[[], str] | None = None,
     ) -> None:
-        import uuid
-
         self.store = store
         self.queue = queue
         self.timers = timers
@@ -138,8 +141,14 @@ class Engine:
         """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
 
     def signing_key(self) -> str | None:
-        source = self.settings.signing_key_source
-        return source() if source is not None else self.settings.signing_key
+        source = self.settings.signing_keys_source
+        return source()[0] if source is not None else self.settings.signing_key
+
+    def verification_keys(self) -> list[str]:
+        """The keys a signature may be made with: the current one, and during a rotation the previous one."""
+        source = self.settings.signing_keys_source
+        keys = source() if source is not None else (self.settings.signing_key,)
+        return [key for key in keys if key]
 
     # ---- the decide/write/act loop ---------------------------------------------
 
@@ -325,10 +334,16 @@ class Engine:
             signed=manifest.signed,
         )
         self.store.put_release(release)
+        self._wake_blocked(manifest)
+        if self.settings.index_settle_s > 0:
+            time.sleep(self.settings.index_settle_s)  # the index catches up with runs that blocked just now
+            self._wake_blocked(manifest)
+        return release
+
+    def _wake_blocked(self, manifest: Manifest) -> None:
         for fn in manifest.functions:
             for run_id in self.store.runs_blocked_by_definition(fn.id):
-                self.apply(run_id, WakeRequested(source="release_sync"))
-        return release
+                self.apply(run_id, WakeRequested(source="release_sync"))  # a second wake is ignored
 
     # ---- dispatch ---------------------------------------------------------------------
 
@@ -346,20 +361,26 @@ class Engine:
         later answer to the result endpoint instead. ``on_authorized(lease_s)`` is called once the
         task is authorized, before the endpoint is invoked: the dispatcher makes its message invisible
         for the lease, so a dispatcher that dies mid-attempt is noticed when the lease expires.
+
+        Everything that can fail for want of a resource (the signing key) happens before the
+        authorization write: after it, only the invocation, so an authorized task is never left unsent.
         """
+        deadline = time.monotonic() + budget_s if budget_s is not None else None
         if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
             return Delivered(done=False)  # too little time left to hear an answer: the message comes back
+        key = self.signing_key()
         state = self.store.get(task.run_id)
         if state is None:
             return Delivered(done=True)
         release = self.store.get_release(state.function_id)
         ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
-        decision = self.apply(task.run_id, TaskDelivered(task=task, release=ref), known=state)
+        delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
+        decision = self.apply(task.run_id, delivered, known=state)
         for command in decision.commands:
             if isinstance(command, RedeliverLater):
                 return Delivered(done=False, redeliver_after_s=command.delay_s)
             if isinstance(command, InvokeTask) and release is not None:
-                return self._invoke(decision.state, command.task, release, budget_s, on_authorized)
+                return self._invoke(decision.state, command.task, release, key, deadline, on_authorized)
         return Delivered(done=True)
 
     def _invoke(
@@ -367,22 +388,28 @@ class Engine:
         state: RunState,
         task: TaskRef,
         release: Release,
-        budget_s: float | None,
+        key: str | None,
+        deadline: float | None,
         on_authorized: Callable[[float], None] | None,
     ) -> Delivered:
         now = self.clock()
         lease_at, respond_by = _window(state, task, self.settings.engine)
         if on_authorized is not None:
-            on_authorized(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
+            try:
+                on_authorized(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
+            except Exception:
+                log.warning(
+                    "could not make the message of %s its lease; invoking anyway", task.describe(), exc_info=True
+                )
         listen_until, cut = respond_by, False
-        if budget_s is not None:
-            latest = now + timedelta(seconds=budget_s - DISPATCH_MARGIN_S - RESPONSE_GRACE_S)
+        if deadline is not None:  # what is left of the budget now, after the reads and the write
+            left = deadline - time.monotonic() - DISPATCH_MARGIN_S - RESPONSE_GRACE_S
+            latest = now + timedelta(seconds=max(1.0, left))
             if latest < respond_by:
                 listen_until, cut = latest, True
         request = self._task_request(state, task, respond_by=listen_until)
         body = request.model_dump_json().encode()
         headers = {"content-type": "application/json"}
-        key = self.signing_key()
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
         self._emit("invoke", (task, release.url))
@@ -437,16 +464,16 @@ class Engine:
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
-        key = self.signing_key()
+        keys = self.verification_keys()
         lowered = {k.lower(): v for k, v in result.headers.items()}
-        if key is not None:
+        if keys:
             try:
-                verify(key, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+                verify_any(keys, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
             except SignatureError as exc:
                 return InvocationFailed(
                     task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {exc.reason}"
                 )
-        if result.status in (400, 401, 404, 405, 413) and key is not None:
+        if result.status in (400, 401, 404, 405, 413) and keys:
             # a signed refusal: the SDK ran no user code
             return InvocationFailed(
                 task=task,
@@ -477,11 +504,11 @@ class Engine:
 
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
         """The SDK's late submission (decisions 6.15): signed, and fenced like any result."""
-        key = self.signing_key()
-        if key is not None:
+        keys = self.verification_keys()
+        if keys:
             lowered = {k.lower(): v for k, v in headers.items()}
             try:
-                verify(key, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+                verify_any(keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
             except SignatureError as exc:
                 raise SignatureRejectedError(exc.reason) from None
         try:

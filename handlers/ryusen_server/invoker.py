@@ -7,6 +7,8 @@ then timed out or dropped: ``lost``), as decisions 6.4 requires.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -22,21 +24,35 @@ class HttpInvoker:
         self.counter = counter or RequestCounter()
 
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        """POST the task and read the answer within ``timeout_s`` in all (an answer that trickles in counts
+        as timed out once the time is up, as a silent one does)."""
         self.counter.add("endpoint.invoke", len(body))
         timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
+        deadline = time.monotonic() + timeout_s
         try:
-            response = self._client.post(url, content=body, headers=headers, timeout=timeout)
+            with self._client.stream("POST", url, content=body, headers=headers, timeout=timeout) as response:
+                watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), response.close)
+                watchdog.daemon = True
+                watchdog.start()
+                try:
+                    content = b"".join(response.iter_bytes())
+                finally:
+                    watchdog.cancel()
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer did not complete in time")
+                return InvokeResult(
+                    kind="response", status=response.status_code, headers=dict(response.headers), body=content
+                )
         except httpx.ConnectError as exc:
             return InvokeResult(kind="unreachable", detail=f"connection failed before sending: {exc}")
         except httpx.ConnectTimeout as exc:
             return InvokeResult(kind="unreachable", detail=f"connect timed out: {exc}")
         except httpx.TimeoutException as exc:
             return InvokeResult(kind="timed_out", detail=f"no response within {timeout_s:g}s after sending: {exc}")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            if time.monotonic() > deadline:
+                return InvokeResult(kind="timed_out", detail=f"no complete response within {timeout_s:g}s")
             return InvokeResult(kind="lost", detail=f"connection lost after sending: {type(exc).__name__}: {exc}")
-        return InvokeResult(
-            kind="response", status=response.status_code, headers=dict(response.headers), body=response.content
-        )
 
     def close(self) -> None:
         self._client.close()

@@ -92,4 +92,5 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         result_url=env.get("RYUSEN_RESULT_URL") or None,
         default_run_timeout_s=_float(env, "RYUSEN_DEFAULT_RUN_TIMEOUT_S", None),
         max_run_timeout_s=_float(env, "RYUSEN_MAX_RUN_TIMEOUT_S", None),
+        index_settle_s=_float(env, "RYUSEN_INDEX_SETTLE_S", None) or 0.0,
     )

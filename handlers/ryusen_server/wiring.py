@@ -6,6 +6,7 @@ constructs boto3 clients.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -93,7 +94,7 @@ def aws_engine(
     settings = settings or server_settings()
     if resources.signing_key_secret_arn is not None:
         key = SecretKey(client("secretsmanager", resources), resources.signing_key_secret_arn)
-        settings = replace(settings, signing_key_source=key)
+        settings = replace(settings, signing_keys_source=key.keys)
     engine = Engine(
         store=DynamoStore(
             client("dynamodb", resources),
@@ -109,6 +110,9 @@ def aws_engine(
     return AwsEngine(engine=engine, sqs=sqs, counter=counter)
 
 
+log = logging.getLogger("ryusen.wiring")
+
+
 class SecretKey:
     """The signing key in a Secrets Manager secret: read on first use (the Lambda's cold start) and again once
     ``ttl_s`` has passed, so a rotated key takes effect within that time without a redeploy."""
@@ -121,16 +125,38 @@ class SecretKey:
         self._ttl_s = ttl_s
         self._clock = clock
         self._value: str | None = None
+        self._previous: str | None = None
         self._read_at = 0.0
         self._lock = threading.Lock()
 
     def __call__(self) -> str | None:
+        return self.keys()[0]
+
+    def keys(self) -> tuple[str | None, str | None]:
+        """(current, previous): the key to sign with, and the one a rotation just replaced, which is still
+        accepted when verifying so that a rotation fails nothing in flight."""
         with self._lock:
             if self._value is None or self._clock() - self._read_at > self._ttl_s:
-                secret = self._client.get_secret_value(SecretId=self._secret_id)
-                self._value = str(secret["SecretString"]).strip() or None
-                self._read_at = self._clock()
-            return self._value
+                try:
+                    current = self._read("AWSCURRENT")
+                    previous = self._read("AWSPREVIOUS") if current is not None else None
+                except Exception:
+                    if self._value is None:
+                        raise  # a cold start without the key: fail closed, the message comes back
+                    log.warning("could not re-read the signing key; keeping the one read before", exc_info=True)
+                    self._read_at = self._clock()
+                    return self._value, self._previous
+                self._value, self._previous, self._read_at = current, previous, self._clock()
+            return self._value, self._previous
+
+    def _read(self, stage: str) -> str | None:
+        try:
+            secret = self._client.get_secret_value(SecretId=self._secret_id, VersionStage=stage)
+        except self._client.exceptions.ResourceNotFoundException:
+            if stage == "AWSPREVIOUS":
+                return None  # never rotated
+            raise
+        return str(secret["SecretString"]).strip() or None
 
 
 def fetch_manifest(url: str) -> Manifest:

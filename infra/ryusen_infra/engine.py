@@ -44,6 +44,7 @@ from aws_cdk import aws_scheduler as scheduler
 from aws_cdk import aws_secretsmanager as secretsmanager
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sqs as sqs
+from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
 
 from .bundling import ARCHITECTURE, RUNTIME, lambda_code
@@ -84,13 +85,24 @@ class RyusenSettings:
     """Alarm when a probed run has been blocked longer than this."""
     api_rate_limit: int = 50
     api_burst_limit: int = 100
+    """Every route but the result route: operators' and CI's calls."""
+    result_rate_limit: int = 500
+    result_burst_limit: int = 1000
+    """The result route, which SDKs call without AWS credentials: a throttle of its own, larger, so that
+    operators' traffic cannot crowd it out (and a WAF web ACL can rate-limit callers by address)."""
+    web_acl_arn: str | None = None
+    """A WAF web ACL to associate with the API's stage (recommended: a rate-based rule per IP, since
+    anyone can reach the result route; requests that fail the signature check are refused, but still count)."""
 
     def check(self) -> None:
         if not 2 <= self.dispatch_concurrency <= 1000:
             raise ValueError(f"dispatch_concurrency must be 2-1000, not {self.dispatch_concurrency}")
-        longest = MAX_VISIBILITY.to_seconds() - LEASE_GRACE.to_seconds()
+        longest = MAX_VISIBILITY.to_seconds() - LEASE_GRACE.to_seconds() - 300
         if self.max_attempt_timeout.to_seconds() > longest:
-            raise ValueError(f"max_attempt_timeout may be at most {longest:g} s (an SQS visibility of 12 h)")
+            raise ValueError(
+                f"max_attempt_timeout may be at most {longest:g} s: its lease (plus a minute) must fit well inside"
+                " SQS's 12-hour visibility limit"
+            )
         if self.attempt_timeout.to_seconds() > self.max_attempt_timeout.to_seconds():
             raise ValueError("attempt_timeout must not exceed max_attempt_timeout")
         default, maximum = self.default_run_timeout, self.max_run_timeout
@@ -238,7 +250,12 @@ class RyusenEngine(Construct):
             **settings.environment(),
         }
         self.api_function = self._function(
-            "ApiFunction", "ryusen_server.lambdas.api.handler", code, common, cdk.Duration.seconds(29), "api"
+            "ApiFunction",
+            "ryusen_server.lambdas.api.handler",
+            code,
+            {**common, "RYUSEN_INDEX_SETTLE_S": "2"},  # a release sync looks again once the GSI caught up
+            cdk.Duration.seconds(29),
+            "api",
         )
         self.api = apigateway.RestApi(
             self,
@@ -248,6 +265,12 @@ class RyusenEngine(Construct):
                 stage_name="v1api",
                 throttling_rate_limit=settings.api_rate_limit,
                 throttling_burst_limit=settings.api_burst_limit,
+                method_options={
+                    "/v1/results/POST": apigateway.MethodDeploymentOptions(
+                        throttling_rate_limit=settings.result_rate_limit,
+                        throttling_burst_limit=settings.result_burst_limit,
+                    )
+                },
                 access_log_destination=apigateway.LogGroupLogDestination(
                     logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
                 ),
@@ -265,6 +288,10 @@ class RyusenEngine(Construct):
             ),
             cloud_watch_role=False,
         )
+        if settings.web_acl_arn is not None:
+            wafv2.CfnWebACLAssociation(
+                self, "ApiWebAcl", resource_arn=self.api.deployment_stage.stage_arn, web_acl_arn=settings.web_acl_arn
+            )
         integration = apigateway.LambdaIntegration(self.api_function)
         v1 = self.api.root.add_resource("v1")
         v1.add_resource("{proxy+}").add_method("ANY", integration, authorization_type=apigateway.AuthorizationType.IAM)

@@ -43,7 +43,8 @@ def suppress(engine: RyusenEngine) -> None:
             ),
             NagPackSuppression(
                 id="AwsSolutions-APIG3",
-                reason="IAM-authorized API with stage throttling; attach a WAF web ACL in the account if wanted",
+                reason="IAM-authorized API with stage throttling (the result route has its own); set"
+                " RyusenSettings.web_acl_arn to attach a WAF web ACL with a rate-based rule per IP",
             ),
         ],
         apply_to_children=True,

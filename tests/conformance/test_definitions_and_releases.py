@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -255,3 +256,25 @@ def test_a_release_synced_while_the_blocking_pass_is_in_flight_still_wakes_the_r
     env.drive(until=lambda: env.get(run_id).phase == "finished", horizon=timedelta(seconds=30))  # before any probe
     run = env.get(run_id)
     assert synced and run.outcome == "completed" and calls["charge"] == 1 and calls["fee"] == 1
+
+
+@pytest.mark.rfd("D5", "R3")
+def test_a_release_sync_looks_again_when_the_blocked_runs_index_lags() -> None:
+    """On AWS the blocked-runs index is a GSI: a run that blocked just before a sync may not be in it yet."""
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(release_a(calls))
+    run_id = env.start("invoice")
+    env.drive(horizon=timedelta(seconds=1))  # blocked, before any probe
+    lookups = env.store.runs_blocked_by_definition
+    answers: list[int] = []
+
+    def lagging(function_id: str) -> list[str]:
+        found = lookups(function_id)
+        answers.append(len(found))
+        return [] if len(answers) == 1 else found  # the first lookup does not see the run yet
+
+    env.store.runs_blocked_by_definition = lagging  # type: ignore[method-assign]
+    env.engine.settings = replace(env.engine.settings, index_settle_s=0.01)
+    env.sync(release_b(calls))
+    run = env.wait(run_id)
+    assert answers == [1, 1] and run.outcome == "completed" and calls["fee"] == 1

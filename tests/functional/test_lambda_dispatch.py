@@ -214,3 +214,105 @@ def test_a_probe_of_a_blocked_run_reports_how_long_it_has_been_blocked(
     assert result["batchItemFailures"] == []
     emitted = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"_aws"' in line]
     assert any("BlockedRunAge" in m for m in emitted), emitted
+
+
+def test_a_key_rotation_in_flight_makes_nothing_unknown(aws: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatcher signs with the new key while the app still holds the old one: the app's signed refusal
+    (and later, its answers) verify with the previous key, so the attempt is sent again, never Unknown."""
+    secrets = boto3.client("secretsmanager")
+    arn = secrets.create_secret(Name="ryusen/rotating", SecretString="key-1")["ARN"]
+    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
+    monkeypatch.setattr(api_lambda, "_resolver", None)
+    monkeypatch.setattr(dispatch_lambda, "_engine", None)
+    keys = {"app": "key-1"}
+    signed = Ryusen("box")
+    monkeypatch.setattr(type(signed), "signing_key", property(lambda self: keys["app"]))
+    ran: list[str] = []
+
+    @signed.function("quick")
+    def quick(data: dict[str, Any], step: Step) -> Any:
+        return step.run("charge", lambda: ran.append("charge") or {"charged": True})
+
+    server = make_server("127.0.0.1", 0, signed.wsgi(), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        call(aws, "PUT", "/v1/apps/box", {"url": f"http://127.0.0.1:{server.server_port}/"})
+        run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+        dispatch(aws, receive(aws))  # discovery, all on key-1
+        secrets.put_secret_value(SecretId=arn, SecretString="key-2")
+        monkeypatch.setattr(dispatch_lambda, "_engine", None)  # a cold dispatcher: it signs with key-2
+        dispatch(aws, receive(aws))  # the app (still key-1) refuses with a 401 signed with key-1
+        view = call(aws, "GET", f"/v1/runs/{run['id']}")
+        attempt = view["steps"][0]["attempts"][0]
+        assert attempt["status"] == "queued" and view["blockers"] == [] and ran == []  # sent again later
+        keys["app"] = "key-2"  # the app re-reads the secret
+
+        def progress() -> dict[str, Any] | None:
+            if messages := receive(aws, wait_s=1):
+                dispatch(aws, messages)
+            view: dict[str, Any] = call(aws, "GET", f"/v1/runs/{run['id']}")
+            return view if view["phase"] == "finished" else None
+
+        done = wait_for(progress, timeout=30, what="the run to finish on the new key")
+    finally:
+        server.shutdown()
+    assert done["outcome"] == "completed" and ran == ["charge"]
+
+
+def test_a_secret_that_cannot_be_read_leaves_nothing_authorized_and_a_cached_key_outlives_an_outage(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ryusen_server.wiring import SecretKey
+
+    secrets = boto3.client("secretsmanager")
+    arn = secrets.create_secret(Name="ryusen/flaky", SecretString="key-1")["ARN"]
+    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
+    monkeypatch.setattr(dispatch_lambda, "_engine", None)
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+    wired = dispatch_lambda.engine()
+
+    def outage(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("ThrottlingException: rate exceeded")
+
+    with monkeypatch.context() as down:
+        down.setattr(wired.engine.settings.signing_keys_source.__self__._client, "get_secret_value", outage)  # type: ignore[union-attr]
+        [message] = receive(aws)
+        assert dispatch(aws, [message]) == {message["MessageId"]}  # kept: it comes back
+    assert call(aws, "GET", f"/v1/runs/{run['id']}")["discovery"]["status"] == "queued"  # nothing authorized
+    now = [0.0]
+    key = SecretKey(secrets, arn, ttl_s=300, clock=lambda: now[0])
+    assert key() == "key-1"
+    now[0] = 400.0
+    with monkeypatch.context() as down:
+        down.setattr(secrets, "get_secret_value", outage)
+        assert key() == "key-1"  # the refresh failed: the key read before still signs
+
+
+def test_time_spent_before_the_invocation_comes_off_the_budget(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ryusen_server.ports import InvokeResult
+
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    call(aws, "POST", "/v1/functions/slow/runs", {"input": {}})  # its step may take 10 minutes
+    dispatch(aws, receive(aws))
+    [message] = receive(aws)
+    wired = dispatch_lambda.engine()
+    store_get = wired.engine.store.get
+    sent: list[float] = []
+
+    def slow_read(run_id: str) -> Any:
+        time.sleep(4)  # a throttled read, retried by botocore
+        return store_get(run_id)
+
+    def recording(url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> Any:
+        sent.append(json.loads(body)["respond_by"])
+        return InvokeResult(kind="timed_out", detail="the endpoint is still working")
+
+    monkeypatch.setattr(wired.engine.store, "get", slow_read)
+    monkeypatch.setattr(wired.engine.invoker, "invoke", recording)
+    started = time.time()
+    dispatch(aws, [message], remaining_s=25)
+    # the invocation must end 10 s before the Lambda does, to record the answer; 4 s went on the read
+    assert sent and sent[0] <= started + 25 - 10 - 2 + 0.5, sent[0] - started

@@ -180,3 +180,24 @@ def test_a_poison_record_fails_alone_and_changes_no_run(aws: dict[str, str], app
     # the good record in the same batch was handled: discovery #1 ran and scheduled the step attempt
     _, after = api("GET", f"/v1/runs/{run['id']}")
     assert [s["id"] for s in after["steps"]] == ["reserve"]
+
+
+def test_a_cursor_that_is_not_valid_unicode_is_refused_and_an_unexpected_error_is_a_structured_500(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import base64
+
+    cursor = base64.urlsafe_b64encode(b'{"before":"\\ud800#x"}').decode()
+    request = event("api_start_run.json")
+    request.update({"httpMethod": "GET", "path": "/v1/runs", "body": None, "queryStringParameters": {"cursor": cursor}})
+    response = api_lambda.handler(request, Context())  # type: ignore[arg-type]
+    assert response["statusCode"] == 422 and json.loads(response["body"])["error"]["code"] == "invalid_cursor"
+    engine = api_lambda.resolver()
+    monkeypatch.setattr(
+        "ryusen_server.aws.store.DynamoStore.list_runs", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    request["queryStringParameters"] = None
+    response = api_lambda.handler(request, Context())  # type: ignore[arg-type]
+    assert response["statusCode"] == 500
+    assert json.loads(response["body"])["error"]["code"] == "internal_error" and "boom" not in response["body"]
+    del engine

@@ -202,3 +202,54 @@ def test_a_finished_run_and_everything_it_stored_expire_after_the_retention(
     assert kinds == ["IDEM", "RUN", "VAL"]
     expected = str(int(finished_at.timestamp()) + 86_400)
     assert all(item.get("expires_at", {}).get("N") == expected for item in items), items
+
+
+def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_invoked() -> None:
+    """The authorize write commits, its reply is lost, an operator's cancel lands before botocore's retry:
+    the retry meets someone else's write. The attempt was authorized by this delivery (before the stop),
+    so it is invoked and settles, instead of being left to become Unknown at its lease."""
+    app = Ryusen("aba")
+    calls: Counter[str] = Counter()
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        return step.run(
+            "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
+        )
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        assert isinstance(env.store, DynamoStore)
+        run_id = env.start("pay")
+        env.step_once()  # discovery: the charge attempt is queued
+        replies = LostReplies(env.store._client)
+        cancelled: list[bool] = []
+
+        def cancel_in_between(**kwargs: Any) -> None:
+            if replies.lost["PutItem"] == 1 and not cancelled:
+                cancelled.append(True)
+                env.cancel(run_id)  # lands between the lost reply and the retry
+
+        env.store._client.meta.events.register("before-send.dynamodb.PutItem", cancel_in_between)  # each try
+        env.step_once()  # the charge's delivery: authorize (reply lost), cancel, retry, invoke
+        replies.armed = False
+        run = env.wait(run_id)
+    assert cancelled and calls == Counter({"charge": 1, "refund": 1})
+    assert run.summary == "cancelled, fully compensated" and run.blockers == []
+
+
+def test_an_expired_run_reads_as_gone_even_before_dynamodb_deletes_it(dynamo: tuple[DynamoStore, LostReplies]) -> None:
+    from ryusen_server.core.model import Outcome, RunPhase
+
+    store, replies = dynamo
+    replies.armed = False
+    kept = DynamoStore(store._client, store.table_name, retention_s=60)
+    state = new_run("run_old")
+    kept.create(state)
+    done = state.model_copy(
+        update={"version": 2, "phase": RunPhase.FINISHED, "outcome": Outcome.COMPLETED, "finished_at": T0}
+    )
+    kept.save(done, expected_version=1)  # T0 is in 2030 ... so it has not expired yet
+    assert kept.get("run_old") is not None
+    long_ago = done.model_copy(update={"version": 3, "finished_at": T0.replace(year=2020)})
+    kept.save(long_ago, expected_version=2)
+    assert kept.get("run_old") is None

@@ -210,3 +210,18 @@ def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> Non
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_result_route_has_a_throttle_of_its_own(synthesized: Synthesized) -> None:
+    synthesized.assertions.has_resource_properties(
+        "AWS::ApiGateway::Stage",
+        {
+            "MethodSettings": Match.array_with(
+                [
+                    Match.object_like(
+                        {"ResourcePath": "/~1v1~1results", "HttpMethod": "POST", "ThrottlingRateLimit": 500}
+                    )
+                ]
+            )
+        },
+    )

@@ -158,6 +158,12 @@ def _with_write_token(item: dict[str, AttributeValueTypeDef]) -> tuple[dict[str,
     return {**item, "write_token": {"S": token}}, token
 
 
+def _expired(item: Mapping[str, Any]) -> bool:
+    """A finished run past its retention (its items may already be partly deleted)."""
+    expires = item.get("expires_at", {}).get("N")
+    return expires is not None and float(expires) <= time.time()
+
+
 def _written_by(item: Mapping[str, Any] | None, token: str) -> bool:
     """Is ``item`` (returned by a failed condition) the one this write's earlier try put?"""
     return bool(item) and cast("Mapping[str, Any]", item).get("write_token", {}).get("S") == token
@@ -355,7 +361,11 @@ def _decode_cursor(cursor: str) -> str:
     if not (isinstance(key, dict) and set(key) == {"before"} and isinstance(key["before"], str)):
         raise InvalidRequestError("invalid cursor", code="invalid_cursor")
     before = str(key["before"])
-    if "#" not in before or len(before.encode()) > 1024:
+    try:
+        encoded = before.encode()
+    except UnicodeEncodeError:  # a lone surrogate: never a key the index holds
+        raise InvalidRequestError("invalid cursor", code="invalid_cursor") from None
+    if "#" not in before or len(encoded) > 1024:
         raise InvalidRequestError("invalid cursor", code="invalid_cursor")
     return before
 
@@ -384,7 +394,9 @@ class DynamoStore:
         self.counter.add("dynamodb.read")
         # consistent: the engine decides on what it reads, then writes on that version
         item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
-        return self._decode([item])[0] if item else None
+        if not item or _expired(item):
+            return None  # past its retention: DynamoDB deletes expired items late and in no order
+        return self._decode([item])[0]
 
     def peek(self, run_id: str) -> RunState | None:
         """Read without counting a request (test harness and benchmark bookkeeping)."""

@@ -145,6 +145,7 @@ def decide(state: RunState | None, event: Event, *, now: datetime, settings: Eng
         raise IllegalEventError(f"{type(event).__name__} needs an existing run")
     t = _Transition(state.model_copy(deep=True), now, settings)
     if isinstance(event, TaskDelivered):
+        t.delivery_id = event.delivery_id
         t.task_delivered(event.task, event.release)
     elif isinstance(event, DiscoveryReported):
         t.discovery_reported(event.seq, event.response)
@@ -174,6 +175,7 @@ class _Transition:
         self.changed = False
         self.rejection: Rejection | None = None
         self.note: str | None = None
+        self.delivery_id: str | None = None
 
     @property
     def s(self) -> RunState:
@@ -329,6 +331,9 @@ class _Transition:
             return self.ignore(f"discovery #{task.seq} is no longer current")
         if d.status is AttemptStatus.AUTHORIZED:
             assert d.lease_expires_at is not None
+            if self.now < d.lease_expires_at and self.delivery_id is not None and d.delivery_id == self.delivery_id:
+                self.commands.append(InvokeTask(task=task))  # our own authorization committed (its reply was lost)
+                return self.ignore(f"discovery #{d.seq} was authorized by this delivery")
             if self.now < d.lease_expires_at:
                 self.commands.append(RedeliverLater(delay_s=(d.lease_expires_at - self.now).total_seconds()))
                 return self.ignore(f"discovery #{d.seq} is in flight")
@@ -350,6 +355,7 @@ class _Transition:
         d.authorized_at = self.now
         d.lease_expires_at = self.now + timedelta(seconds=self.settings.attempt_timeout_s + self.settings.lease_grace_s)
         d.release_id, d.build_id = release.release_id, release.build_id
+        d.delivery_id = self.delivery_id
         self.touch()
         self.commands.append(InvokeTask(task=task))
 
@@ -365,6 +371,11 @@ class _Transition:
             return self.ignore(f"{task.describe()} is not the current generation")
         if attempt.status is AttemptStatus.AUTHORIZED:
             assert attempt.lease_expires_at is not None
+            own = self.delivery_id is not None and attempt.delivery_id == self.delivery_id
+            if self.now < attempt.lease_expires_at and own:
+                # this delivery's authorization committed but a lost race hid it: invoke, as decided then
+                self.commands.append(InvokeTask(task=task))
+                return self.ignore(f"{task.describe()} was authorized by this delivery")
             if self.now < attempt.lease_expires_at:
                 self.commands.append(RedeliverLater(delay_s=(attempt.lease_expires_at - self.now).total_seconds()))
                 return self.ignore(f"{task.describe()} is in flight")
@@ -395,6 +406,7 @@ class _Transition:
         attempt.respond_by = self.now + timedelta(seconds=timeout)
         attempt.lease_expires_at = self.now + timedelta(seconds=timeout + self.settings.lease_grace_s)
         attempt.release_id, attempt.build_id = release.release_id, release.build_id
+        attempt.delivery_id = self.delivery_id
         if phase is Phase.FORWARD:
             step.status = StepStatus.RUNNING
         else:

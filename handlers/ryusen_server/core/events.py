@@ -85,6 +85,8 @@ class TaskDelivered:
 
     task: TaskRef
     release: ReleaseRef | None
+    delivery_id: str | None = None
+    """Names this delivery: a re-decision after a lost race recognises the authorization it wrote itself."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

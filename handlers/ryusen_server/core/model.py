@@ -142,6 +142,8 @@ class Attempt(_State):
     error: ErrorInfo | None = None
     detail: str | None = None
     redeliveries: int = 0
+    delivery_id: str | None = None
+    """The delivery whose write authorized this attempt (see ``TaskDelivered.delivery_id``)."""
     retry_at: datetime | None = None
     """An Unknown attempt that ``on_unknown="retry"`` retries: its next generation starts then, unless a late
     result or an operator settles it first, or a stop makes it block (decisions 19)."""
@@ -191,6 +193,7 @@ class DiscoveryTask(_State):
     release_id: str | None = None
     build_id: str | None = None
     redeliveries: int = 0
+    delivery_id: str | None = None
 
 
 class Occurrence(_State):

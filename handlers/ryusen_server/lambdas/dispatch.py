@@ -12,8 +12,8 @@ so SQS keeps it: the message itself is the attempt's lease timer.
 
 from __future__ import annotations
 
-import math
 import os
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,7 @@ from aws_lambda_powertools.utilities.parser.models import SqsRecordModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
-from ..aws.queue import MAX_VISIBILITY_S
+from ..aws.queue import MAX_VISIBILITY_S, SqsQueue
 from ..core.events import WakeRequested
 from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
@@ -42,6 +42,10 @@ class DispatchRecord(SqsRecordModel):
 # a batch of in-flight attempts is normal, not an error: report item failures, never raise
 processor = BatchProcessor(event_type=EventType.SQS, model=DispatchRecord, raise_on_entire_batch_failure=False)
 _engine: AwsEngine | None = None
+
+
+VISIBILITY_SAFETY_S = 30.0
+"""Kept off SQS's 12-hour visibility limit: the receive happened a little before this handler started."""
 
 
 class KeepMessageError(Exception):
@@ -70,14 +74,13 @@ def _observe(kind: str, payload: Any) -> None:
 
 def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None = None) -> None:
     wired = engine()
-    queue_url = AwsResources.from_env().queue_url
+    queue = SqsQueue(wired.sqs, AwsResources.from_env().queue_url, counter=wired.counter)
+    received = time.monotonic()
 
     def change_visibility(seconds: float) -> None:
-        wired.sqs.change_message_visibility(
-            QueueUrl=queue_url,
-            ReceiptHandle=record.receiptHandle,
-            VisibilityTimeout=int(min(MAX_VISIBILITY_S, max(1, math.ceil(seconds)))),
-        )
+        # SQS refuses (does not clamp) a visibility past 12 hours from this receive: stay inside it
+        inside = MAX_VISIBILITY_S - (time.monotonic() - received) - VISIBILITY_SAFETY_S
+        queue.change_visibility(record.receiptHandle, max(1.0, min(seconds, inside)))
 
     # the time this invocation has left bounds how long it listens for an endpoint's answer
     budget_s = lambda_context.get_remaining_time_in_millis() / 1000 if lambda_context is not None else None

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import DefinitionError
-from .signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from .signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
 from .step import AsyncStep, CallbackInterruptedError, Step, _Replay
 from .wire import (
     CallbackFailed,
@@ -103,7 +103,7 @@ class Ryusen:
         if key:
             return key
         secret = os.environ.get("RYUSEN_SIGNING_KEY_SECRET_ARN")
-        return _secret_value(secret, time.monotonic()) if secret else None
+        return _secret_keys(secret, time.monotonic())[0] if secret else None
 
     @property
     def functions(self) -> dict[str, RegisteredFunction]:
@@ -252,9 +252,13 @@ class Ryusen:
         key = self.signing_key
         if key is None:
             return None
+        keys = [key]
+        secret = os.environ.get("RYUSEN_SIGNING_KEY_SECRET_ARN")
+        if secret and not (self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY")):
+            keys.extend(k for k in _secret_keys(secret, time.monotonic())[1:] if k)  # the key a rotation replaced
         lowered = {k.lower(): v for k, v in headers.items()}
         try:
-            verify(key, body, lowered.get(SIGNATURE_HEADER.lower()), now=self.clock())
+            verify_any(keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=self.clock())
         except SignatureError as exc:
             return self._error(401, "invalid_signature", exc.reason)
         return None
@@ -351,19 +355,38 @@ class Ryusen:
         return handle_lambda_event(self, event)
 
 
-_SECRETS: dict[str, tuple[float, str | None]] = {}
+_SECRETS: dict[str, tuple[float, tuple[str | None, str | None]]] = {}
 SECRET_TTL_S = 300.0
 
 
-def _secret_value(secret_id: str, now: float) -> str | None:
+def _secret_keys(secret_id: str, now: float) -> tuple[str | None, str | None]:
+    """(current, previous) signing keys from the secret, read again after ``SECRET_TTL_S``; a failed
+    re-read keeps the keys read before."""
     cached = _SECRETS.get(secret_id)
     if cached is not None and now - cached[0] <= SECRET_TTL_S:
         return cached[1]
     import boto3  # only here: the Lambda runtime has it; the SDK does not depend on it
 
-    value = str(boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]).strip() or None
-    _SECRETS[secret_id] = (now, value)
-    return value
+    client = boto3.client("secretsmanager")
+
+    def read(stage: str) -> str | None:
+        try:
+            value = client.get_secret_value(SecretId=secret_id, VersionStage=stage)["SecretString"]
+        except client.exceptions.ResourceNotFoundException:
+            if stage == "AWSPREVIOUS":
+                return None
+            raise
+        return str(value).strip() or None
+
+    try:
+        keys = (read("AWSCURRENT"), read("AWSPREVIOUS"))
+    except Exception:
+        if cached is None:
+            raise
+        log.warning("could not re-read the signing key from %s; keeping the one read before", secret_id, exc_info=True)
+        keys = cached[1]
+    _SECRETS[secret_id] = (now, keys)
+    return keys
 
 
 def _run_coroutine(coro: Any) -> TaskResponse:

@@ -34,6 +34,19 @@ def sign(key: str, body: bytes, *, now: float) -> str:
     return f"t={ts},v1={digest}"
 
 
+def verify_any(keys: list[str], body: bytes, header: str | None, *, now: float, max_skew_s: float = MAX_SKEW_S) -> None:
+    """Like :func:`verify`, accepting a signature by any of ``keys`` (a key and the one it replaced)."""
+    problem = SignatureError("no signing key")
+    for key in keys:
+        try:
+            verify(key, body, header, now=now, max_skew_s=max_skew_s)
+        except SignatureError as exc:
+            problem = exc
+        else:
+            return
+    raise problem
+
+
 def verify(key: str, body: bytes, header: str | None, *, now: float, max_skew_s: float = MAX_SKEW_S) -> None:
     """Raise :class:`SignatureError` unless ``header`` signs ``body`` with ``key``, fresh at ``now``."""
     if not header:
