@@ -392,86 +392,67 @@ class RyusenEngine(Construct):
 
     def _alarms(self, settings: RyusenSettings) -> list[cloudwatch.Alarm]:
         period = cdk.Duration.minutes(5)
+
+        def ryusen_metric(name: str, statistic: str, metric_period: cdk.Duration = period) -> cloudwatch.Metric:
+            return cloudwatch.Metric(
+                namespace="Ryusen",
+                metric_name=name,
+                dimensions_map={"service": "dispatch"},
+                period=metric_period,
+                statistic=statistic,
+            )
+
+        def alarm(
+            construct_id: str, description: str, metric: cloudwatch.IMetric, threshold: float = 0
+        ) -> cloudwatch.Alarm:
+            return cloudwatch.Alarm(
+                self,
+                construct_id,
+                alarm_description=description,
+                metric=metric,
+                threshold=threshold,
+                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                evaluation_periods=1,
+                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+            )
+
         alarms = [
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "DeadLetterQueueNotEmpty",
-                alarm_description="Dispatch messages failed 10 times and were set aside: see docs/deploy.md",
-                metric=self.dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
-                threshold=0,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                "Dispatch messages failed 10 times and were set aside: see docs/deploy.md",
+                self.dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
             ),
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "SchedulerDeadLetterQueueNotEmpty",
-                alarm_description="EventBridge Scheduler could not deliver a deadline, probe or delayed task",
-                metric=self.scheduler_dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
-                threshold=0,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                "EventBridge Scheduler could not deliver a deadline, probe or delayed task",
+                self.scheduler_dead_letter_queue.metric_approximate_number_of_messages_visible(period=period),
             ),
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "ApiServerErrors",
-                alarm_description="The server API answered 5xx",
-                metric=self.api.metric_server_error(period=period, statistic="Sum"),
-                threshold=0,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                "The server API answered 5xx",
+                self.api.metric_server_error(period=period, statistic="Sum"),
             ),
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "DispatchErrors",
-                alarm_description="Dispatch records failed (they are retried, then set aside in the DLQ)",
-                metric=cloudwatch.Metric(
-                    namespace="Ryusen",
-                    metric_name="DispatchErrors",
-                    dimensions_map={"service": "dispatch"},
-                    period=period,
-                    statistic="Sum",
-                ),
-                threshold=0,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                "Dispatch records failed (they are retried, then set aside in the DLQ)",
+                ryusen_metric("DispatchErrors", "Sum"),
             ),
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "DispatchFunctionErrors",
-                alarm_description="The dispatch function itself failed (timeouts, crashes)",
-                metric=self.dispatch_function.metric_errors(period=period, statistic="Sum"),
-                threshold=0,
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+                "The dispatch function itself failed (timeouts, crashes)",
+                self.dispatch_function.metric_errors(period=period, statistic="Sum"),
             ),
-            cloudwatch.Alarm(
-                self,
+            alarm(
                 "RunsBlockedForLong",
-                alarm_description=(
-                    "A run has waited on a blocker (an Unknown outcome, a definition conflict) for long:"
-                    " `ryusen runs` and `ryusen show RUN` say why and what to do"
-                ),
-                metric=cloudwatch.Metric(
-                    namespace="Ryusen",
-                    metric_name="BlockedRunAge",
-                    dimensions_map={"service": "dispatch"},
-                    period=cdk.Duration.hours(1),
-                    statistic="Maximum",
-                ),
+                "A run has waited on a blocker (an Unknown outcome, a definition conflict) for long:"
+                " `ryusen runs` and `ryusen show RUN` say why and what to do",
+                ryusen_metric("BlockedRunAge", "Maximum", cdk.Duration.hours(1)),
                 threshold=settings.blocked_alarm_after.to_seconds(),
-                comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                evaluation_periods=1,
-                treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             ),
         ]
         if settings.alarm_topic is not None:
-            for alarm in alarms:
-                alarm.add_alarm_action(cloudwatch_actions.SnsAction(settings.alarm_topic))
+            for each in alarms:
+                each.add_alarm_action(cloudwatch_actions.SnsAction(settings.alarm_topic))
         return alarms
 
     def _dashboard(self) -> cloudwatch.Dashboard:
@@ -497,14 +478,7 @@ class RyusenEngine(Construct):
             ),
             cloudwatch.GraphWidget(
                 title="Runs blocked (seconds, max)",
-                left=[
-                    cloudwatch.Metric(
-                        namespace="Ryusen",
-                        metric_name="BlockedRunAge",
-                        dimensions_map={"service": "dispatch"},
-                        statistic="Maximum",
-                    )
-                ],
+                left=[self.alarms[-1].metric],
             ),
         )
         return dashboard
