@@ -105,6 +105,10 @@ class ServerSettings:
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
     max_run_timeout_s: float | None = None
+    chain: bool = True
+    """One invocation and one write per step: a forward attempt's request asks the SDK to continue its
+    replay to the next step, and the write that accepts an answer authorizes the next task, which the same
+    dispatcher invokes at once (while its time budget allows)."""
     index_settle_s: float = 0.0
     """How long the blocked-runs index may lag the table (a DynamoDB GSI): a release sync looks it up again
     after this long, for a run that blocked just before the sync."""
@@ -138,6 +142,8 @@ class Engine:
         self.clock = clock or (lambda: datetime.now(UTC))
         self.new_id = new_id or (lambda: "run_" + uuid.uuid4().hex)
         self.hooks: list[Callable[[str, Any], None]] = []
+        self.chain_guards: list[Callable[[], bool]] = []
+        """Each must allow chaining the next task (``ryusen.testing`` stops a chain where a test wants to look)."""
         """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
 
     def signing_key(self) -> str | None:
@@ -376,12 +382,28 @@ class Engine:
         ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
         delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
         decision = self.apply(task.run_id, delivered, known=state)
-        for command in decision.commands:
-            if isinstance(command, RedeliverLater):
-                return Delivered(done=False, redeliver_after_s=command.delay_s)
-            if isinstance(command, InvokeTask) and release is not None:
-                return self._invoke(decision.state, command.task, release, key, deadline, on_authorized)
-        return Delivered(done=True)
+        while True:
+            # One write accepted the last answer and, with time left, authorized the next task: invoke it
+            # now, with the state this process just wrote (no re-read, no message).
+            for command in decision.commands:
+                if isinstance(command, RedeliverLater):
+                    return Delivered(done=False, redeliver_after_s=command.delay_s)
+            invoke = next((c for c in decision.commands if isinstance(c, InvokeTask)), None)
+            if invoke is None or release is None:
+                return Delivered(done=True)
+            outcome = self._invoke(decision.state, invoke.task, release, key, deadline, on_authorized)
+            if isinstance(outcome, Delivered):
+                return outcome
+            decision, release = outcome
+            on_authorized = None  # this message is the lease of the first task; later ones are watched by it
+
+    def may_chain(self, deadline: float | None) -> bool:
+        """Whether the next task may be authorized and invoked by this dispatcher right away."""
+        if not self.settings.chain:
+            return False
+        if deadline is not None and deadline - time.monotonic() < MIN_DISPATCH_BUDGET_S:
+            return False
+        return all(guard() for guard in self.chain_guards)
 
     def _invoke(
         self,
@@ -391,7 +413,7 @@ class Engine:
         key: str | None,
         deadline: float | None,
         on_authorized: Callable[[float], None] | None,
-    ) -> Delivered:
+    ) -> Delivered | tuple[Decision, Release | None]:
         now = self.clock()
         lease_at, respond_by = _window(state, task, self.settings.engine)
         if on_authorized is not None:
@@ -421,9 +443,14 @@ class Engine:
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
             return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
-        decision = self.apply(task.run_id, self._event_for(task, result), known=state)
+        chain: Release | None = None
+        if self.may_chain(deadline):
+            chain = self.store.get_release(state.function_id)  # the newest release, every time (R1)
+        ref = ReleaseRef(release_id=chain.release_id, build_id=chain.build_id) if chain else None
+        event = self._event_for(task, result, chain=ref, delivery_id=uuid.uuid4().hex if ref else None)
+        decision = self.apply(task.run_id, event, known=state)
         self._wake_if_release_moved(decision, state, release)
-        return Delivered(done=True)
+        return decision, chain
 
     def _wake_if_release_moved(self, decision: Decision, before: RunState, release: Release) -> None:
         """A pass that just blocked on a definition conflict ran ``release``; if a newer one was synced
@@ -457,9 +484,12 @@ class Engine:
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
             result_url=self.settings.result_url,
             respond_by=respond_by.timestamp(),
+            continue_after=self.settings.chain and task.kind is TaskKind.FORWARD,
         )
 
-    def _event_for(self, task: TaskRef, result: Any) -> Event:
+    def _event_for(
+        self, task: TaskRef, result: Any, *, chain: ReleaseRef | None = None, delivery_id: str | None = None
+    ) -> Event:
         if result.kind == "unreachable":
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
         if result.kind != "response":
@@ -492,12 +522,18 @@ class Engine:
             if response.discovery is None:
                 return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail="response has no discovery")
             assert task.seq is not None
-            return DiscoveryReported(seq=task.seq, response=response.discovery)
+            return DiscoveryReported(seq=task.seq, response=response.discovery, chain=chain, delivery_id=delivery_id)
         if response.attempt is None:
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail="response has no attempt outcome")
         assert task.step_id is not None and task.generation is not None and task.phase is not None
         return AttemptReported(
-            step_id=task.step_id, phase=task.phase, generation=task.generation, response=response.attempt
+            step_id=task.step_id,
+            phase=task.phase,
+            generation=task.generation,
+            response=response.attempt,
+            next=response.next,
+            chain=chain,
+            delivery_id=delivery_id,
         )
 
     # ---- late results and timers -----------------------------------------------------

@@ -93,4 +93,17 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         default_run_timeout_s=_float(env, "RYUSEN_DEFAULT_RUN_TIMEOUT_S", None),
         max_run_timeout_s=_float(env, "RYUSEN_MAX_RUN_TIMEOUT_S", None),
         index_settle_s=_float(env, "RYUSEN_INDEX_SETTLE_S", None) or 0.0,
+        chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
     )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"setting {name} must be true or false, not {raw!r}")

@@ -212,9 +212,13 @@ class WorkflowEnvironment:
         max_run_timeout: timedelta | None = None,
         start: datetime = EPOCH,
         store: str = "memory",
+        chain_steps: bool = True,
     ) -> None:
         """``store="moto"`` keeps runs in Ryusen's DynamoDB store on an in-process moto
-        (slower; close the environment, or use it as a context manager, to stop moto)."""
+        (slower; close the environment, or use it as a context manager, to stop moto).
+
+        ``chain_steps=False`` runs the engine as a deployment with ``RYUSEN_CHAIN_STEPS=false`` does:
+        no continuation after a callback, and every task a queue message of its own."""
         self.clock = VirtualClock(start)
         self.counter = RequestCounter()
         self._mock: Any = None
@@ -239,11 +243,14 @@ class WorkflowEnvironment:
                 engine=settings or EngineSettings(),
                 default_run_timeout_s=default_run_timeout.total_seconds() if default_run_timeout else None,
                 max_run_timeout_s=max_run_timeout.total_seconds() if max_run_timeout else None,
+                chain=chain_steps,
             ),
             clock=self.clock,
             new_id=lambda: f"run_{next(ids):06d}",
         )
         self.invoker.intercept = self._intercept
+        self._chain = True
+        self.engine.chain_guards.append(lambda: self._chain)
         self._apps: dict[str, Ryusen] = {}
         for app in apps:
             self.sync(app)
@@ -379,14 +386,33 @@ class WorkflowEnvironment:
         max_transitions: int = 100_000,
         horizon: timedelta = timedelta(days=30),
         stop_when_blocked: str | None = None,
+        chain: bool | None = None,
     ) -> None:
         """Run until ``until()`` holds or nothing is left to do within ``horizon`` of virtual time.
 
         With ``stop_when_blocked=run_id``, also stop (without moving the clock)
         once that run has a blocker and nothing else is due now: time would
         only bring probes or its deadline.
+
+        The engine runs one step per write, chaining each step's next task into the
+        write that accepts its answer, as it does on AWS. While ``until`` is given
+        (and ``chain`` is not True), it does not chain: every task goes through the
+        queue, so ``until`` is checked between any two steps.
         """
         limit = self.clock.now + horizon
+        self._chain = chain if chain is not None else until is None
+        try:
+            self._drive(until, limit, max_transitions, stop_when_blocked)
+        finally:
+            self._chain = True
+
+    def _drive(
+        self,
+        until: Callable[[], bool] | None,
+        limit: datetime,
+        max_transitions: int,
+        stop_when_blocked: str | None,
+    ) -> None:
         for _ in range(max_transitions):
             if until is not None and until():
                 return
@@ -413,6 +439,7 @@ class WorkflowEnvironment:
     def wait(self, run_id: str, **kwargs: Any) -> RunView:
         """Drive until the run finishes, or is blocked (a duplicate step id, an Unknown) with nothing due."""
         kwargs.setdefault("stop_when_blocked", run_id)
+        kwargs.setdefault("chain", True)
         self.drive(until=lambda: self._peek(run_id).phase.value == "finished", **kwargs)
         return self.get(run_id)
 

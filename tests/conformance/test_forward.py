@@ -15,8 +15,8 @@ from ryusen_server.core.events import TaskDelivered
 from ryusen_server.core.model import TaskRef
 
 
-def make_env(app: Ryusen) -> WorkflowEnvironment:
-    return WorkflowEnvironment(app)
+def make_env(app: Ryusen, *, chain_steps: bool = True) -> WorkflowEnvironment:
+    return WorkflowEnvironment(app, chain_steps=chain_steps)
 
 
 @pytest.mark.rfd("F1")
@@ -98,7 +98,7 @@ def test_code_outside_steps_reruns_and_new_ids_execute() -> None:
             step.run("late-branch", lambda: calls.update(["late"]) or "new")
         return first
 
-    env = make_env(app)
+    env = make_env(app, chain_steps=False)  # one pass per task, so that the third is a discovery
     run = env.run("wf")
     assert run.outcome == "completed"
     assert len(passes) >= 4  # discovery ×3 plus forward replays
@@ -255,7 +255,7 @@ def test_success_and_failure_are_explicit_wire_values() -> None:
         return step.run("s", lambda: None if data else (_ for _ in ()).throw(KeyError("k")))
 
     bodies: list[dict[str, Any]] = []
-    env = make_env(app)
+    env = make_env(app, chain_steps=False)  # each answer in a response of its own (continuation: next test)
     original = env.invoker.apps["inproc://f10"]
 
     def recording(method: str, headers: dict[str, str], body: bytes) -> Any:
@@ -275,6 +275,43 @@ def test_success_and_failure_are_explicit_wire_values() -> None:
     assert failed and failed[0]["error"]["type"] == "KeyError"
     discoveries = [b["discovery"]["type"] for b in bodies if b["kind"] == "discover"]
     assert "completed" in discoveries and "step" in discoveries
+
+
+@pytest.mark.rfd("F4", "F5")
+def test_a_continuation_reports_the_callback_and_what_came_after_it_as_explicit_wire_values() -> None:
+    """With continuation (the default), a forward attempt's response carries the callback's outcome and,
+    after a success, what the replay found next; a failed callback ends the pass with nothing after it."""
+    app = Ryusen("f11")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        first = step.run("s", lambda: None if data else (_ for _ in ()).throw(KeyError("k")))
+        step.run("t", lambda: "t")
+        return first
+
+    bodies: list[dict[str, Any]] = []
+    env = make_env(app)
+    original = env.invoker.apps["inproc://f11"]
+
+    def recording(method: str, headers: dict[str, str], body: bytes) -> Any:
+        request = json.loads(body)
+        response = original(method, headers, body)
+        bodies.append({"request": request, "response": json.loads(response.body)})
+        return response
+
+    env.invoker.apps["inproc://f11"] = recording
+    assert env.run("wf", True).outcome == "completed"
+    forward = [b for b in bodies if b["request"]["kind"] == "forward"]
+    assert all(b["request"]["continue_after"] is True for b in forward)
+    by_step = {b["request"]["step_id"]: b["response"] for b in forward}
+    assert by_step["s"]["attempt"] == {"type": "succeeded", "result": None}
+    assert by_step["s"]["next"]["type"] == "step" and by_step["s"]["next"]["step"]["id"] == "t"
+    assert by_step["t"]["next"] == {"type": "completed", "output": None}
+    assert [b["request"]["kind"] for b in bodies] == ["discover", "forward", "forward"]  # one pass per step
+    bodies.clear()
+    assert env.run("wf", False).outcome == "failed"
+    failed = [b["response"] for b in bodies if b["request"]["kind"] == "forward"]
+    assert failed and all(r["attempt"]["type"] == "failed" and r.get("next") is None for r in failed)
 
 
 @pytest.mark.rfd("F12")

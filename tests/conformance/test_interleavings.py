@@ -2,6 +2,11 @@
 queue + SDK) through deliveries, duplicate messages, lost and late results, lease expiries, cancels and
 operator resolutions, and checks the invariants after every rule.
 
+The engine chains (its default): a forward attempt's response carries what the replay found next, and
+one write accepts it and authorizes the next task, which the same dispatcher invokes. So the machine
+also loses just the continuation, lands a cancel or a new release between an endpoint's answer and the
+write that accepts it, and delivers a duplicate message for a chained task while it is in flight.
+
 CI runs a fixed budget; explore longer with
     RYUSEN_INTERLEAVINGS=5000 .venv/bin/pytest tests/conformance/test_interleavings.py
 """
@@ -20,9 +25,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ryusen import RetryPolicy, Ryusen, Step
+from ryusen._internal.wire import TaskKind, TaskRequest, TaskResponse
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
-from ryusen_server.core.model import AttemptStatus, RunState
+from ryusen_server.core.model import AttemptStatus, RunState, TaskRef
+from ryusen_server.invoker import InvokeResult
 from ryusen_server.ports import ConflictError
 
 STEPS = ("reserve", "charge", "ship")
@@ -30,8 +37,9 @@ SETTLED = {AttemptStatus.SUCCEEDED, AttemptStatus.FAILED, AttemptStatus.RETRY_AU
 EXAMPLES = int(os.environ.get("RYUSEN_INTERLEAVINGS", "200"))
 
 
-def build_app(fail_next: Counter[str], executions: Counter[str]) -> Ryusen:
-    app = Ryusen("interleave")
+def build_app(fail_next: Counter[str], executions: Counter[str], variant: str = "a") -> Ryusen:
+    """``variant`` b is the same code as a new build; c adds a step ``gift`` between charge and ship."""
+    app = Ryusen("interleave", release_id=f"r-{variant}", build_id=f"b-{variant}")
 
     def effect(name: str) -> dict[str, str]:
         executions[name] += 1
@@ -53,6 +61,8 @@ def build_app(fail_next: Counter[str], executions: Counter[str]) -> Ryusen:
     @app.function("saga")
     def saga(data: Any, step: Step) -> Any:
         for name in STEPS:
+            if name == "ship" and variant == "c":
+                step.run("gift", effect, "gift", compensate=undo("gift"), retry=RetryPolicy(max_attempts=3))
             step.run(name, effect, name, compensate=undo(name), retry=RetryPolicy(max_attempts=3))
         if data.get("fail"):
             raise RuntimeError("rejected")
@@ -73,6 +83,57 @@ class Interleavings(RuleBasedStateMachine):
         self.run_ids = [self.env.start("saga", {"fail": False}), self.env.start("saga", {"fail": True})]
         self.settled: dict[tuple[str, str, str, int], tuple[str, str | None]] = {}
         self.accepted: dict[tuple[str, str], Any] = {}
+        self.after_answer: list[str] = []
+        """What happens between the next forward answer and the write that accepts it."""
+        self.drop_next_continuation = False
+        self.duplicate_in_flight = False
+        self.authorized_at_stop: dict[str, set[tuple[str, int]]] = {}
+        """Per cancelled run: the forward attempts authorized when the stop intent was written."""
+        self.after_the_fence: list[str] = []
+        self.invoke = self.env.invoker.invoke
+        self.env.invoker.invoke = self.invoking  # type: ignore[method-assign]
+
+    def invoking(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        request = TaskRequest.model_validate_json(body)
+        forward = request.kind is TaskKind.FORWARD and request.operation is not None
+        if forward and self.duplicate_in_flight and request.operation is not None:
+            self.duplicate_in_flight = False
+            event("a duplicate message arrived for a task in flight")
+            task = TaskRef(
+                run_id=request.run_id,
+                kind=TaskKind.FORWARD,
+                step_id=request.step_id,
+                generation=request.operation.generation,
+            )
+            self.env.engine.deliver(task)  # another dispatcher: the task is someone else's (lease)
+        if forward and request.operation is not None and request.run_id in self.authorized_at_stop:
+            key = (request.step_id or "", request.operation.generation)
+            if key not in self.authorized_at_stop[request.run_id]:
+                self.after_the_fence.append(f"{request.run_id} {key} invoked, authorized after the stop intent")
+        result = self.invoke(url, body, headers, timeout_s=timeout_s)
+        if not forward or result.kind != "response" or result.body is None:
+            return result
+        if self.drop_next_continuation:
+            self.drop_next_continuation = False
+            response = TaskResponse.model_validate_json(result.body)
+            if response.next is not None:
+                event("a continuation was lost")
+                response.next = None
+                result = InvokeResult(
+                    kind="response",
+                    status=result.status,
+                    headers=result.headers,
+                    body=response.model_dump_json().encode(),
+                )
+        while self.after_answer:
+            what = self.after_answer.pop()
+            if what == "cancel":
+                event("a cancel raced a chained write")
+                self.cancel_run(request.run_id)
+            else:
+                event("a release changed between a callback and its write")
+                self.env.sync(build_app(self.fail_next, self.executions, what))
+        return result
 
     # ---- rules --------------------------------------------------------------------
 
@@ -111,8 +172,34 @@ class Interleavings(RuleBasedStateMachine):
     def cancel(self, which: int, chance: int) -> None:
         if chance:
             return  # cancels are rarer than other events, so runs also get far
-        with contextlib.suppress(ConflictError):  # finished, or already failed: refused without change
-            self.env.cancel(self.run_ids[which])
+        self.cancel_run(self.run_ids[which])
+
+    def cancel_run(self, run_id: str) -> None:
+        try:
+            self.env.cancel(run_id)
+        except ConflictError:  # finished, or already failed: refused without change
+            return
+        self.authorized_at_stop.setdefault(
+            run_id,
+            {
+                (step.id, a.generation)
+                for step in self.state(run_id).steps
+                for a in step.attempts
+                if a.phase.value == "forward" and a.status is not AttemptStatus.QUEUED
+            },
+        )
+
+    @rule()
+    def lose_next_continuation(self) -> None:
+        self.drop_next_continuation = True
+
+    @rule(what=st.sampled_from(["cancel", "a", "b", "c"]))
+    def between_answer_and_write(self, what: str) -> None:
+        self.after_answer.append(what)
+
+    @rule()
+    def duplicate_while_in_flight(self) -> None:
+        self.duplicate_in_flight = True
 
     @rule(pick=st.integers(min_value=0, max_value=50))
     def late_result(self, pick: int) -> None:
@@ -195,6 +282,21 @@ class Interleavings(RuleBasedStateMachine):
                         assert forward[-1].status not in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN), (
                             f"compensation began while {step.id} forward #{forward[-1].generation} is {forward[-1].status}"
                         )
+
+    @invariant()
+    def nothing_forward_is_authorized_after_the_stop_intent(self) -> None:
+        assert not self.after_the_fence, self.after_the_fence
+
+    @invariant()
+    def no_generation_runs_its_callback_twice(self) -> None:
+        """Every execution of a callback belongs to an attempt of its own (chaining adds none)."""
+        attempts: Counter[str] = Counter()
+        for run_id in self.run_ids:
+            for step in self.state(run_id).steps:
+                for a in step.attempts:
+                    attempts[step.id if a.phase.value == "forward" else f"undo-{step.id}"] += 1
+        for callback, count in self.executions.items():
+            assert count <= attempts[callback], f"{callback} ran {count} times for {attempts[callback]} attempts"
 
     @invariant()
     def one_live_attempt_per_step_phase(self) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 import ryusen
 from ryusen import AsyncStep, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen._internal.wire import TaskKind, TaskRequest
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
 
@@ -87,12 +88,13 @@ def test_code_that_swallows_the_suspension_and_returns_cannot_hide_a_callback_th
 # ---- decision 17: a compensation pass that cannot reach its target ------------------------
 
 
-def trip_app(calls: Counter[str], *, config_fails_on: int | None = None, insert: bool = False) -> Ryusen:
+def trip_app(calls: Counter[str], *, config_fails_in_compensation: bool = False, insert: bool = False) -> Ryusen:
+    """``calls["compensation passes"]`` is counted by the test's endpoint (see ``count_compensation_passes``)."""
     app = Ryusen("trip", release_id="insert" if insert else "base", build_id="insert" if insert else "base")
 
     def read_config() -> dict[str, Any]:
         calls["config"] += 1
-        if calls["config"] == config_fails_on:
+        if config_fails_in_compensation and calls["compensation passes"] == 1:
             raise TimeoutError("config service timed out")
         return {"currency": "EUR"}
 
@@ -115,11 +117,23 @@ def trip_app(calls: Counter[str], *, config_fails_on: int | None = None, insert:
     return app
 
 
+def count_compensation_passes(env: WorkflowEnvironment, app_id: str, calls: Counter[str]) -> None:
+    endpoint = env.invoker.apps[f"inproc://{app_id}"]
+
+    def counting(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).kind is TaskKind.COMPENSATE:
+            calls["compensation passes"] += 1
+        return endpoint(method, headers, body)
+
+    env.invoker.apps[f"inproc://{app_id}"] = counting
+
+
 @pytest.mark.rfd("C2", "C4")
 def test_an_exception_outside_step_run_during_compensation_is_a_failed_attempt_not_a_skip() -> None:
     calls: Counter[str] = Counter()
-    # passes: discovery 1, flight, discovery 2, hotel, discovery 3 (fails the run), compensate hotel (call 6)
-    run = WorkflowEnvironment(trip_app(calls, config_fails_on=6)).run("trip")
+    env = WorkflowEnvironment(trip_app(calls, config_fails_in_compensation=True))
+    count_compensation_passes(env, "trip", calls)  # the config service times out in the first one (hotel's)
+    run = env.run("trip")
     assert calls["undo-hotel"] == 1 and calls["undo-flight"] == 1
     assert run.summary == "failed, fully compensated"
     attempts = run.attempts("hotel", "compensation")

@@ -69,6 +69,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_RESULT_URL": f"{gateway.url}/v1/results",
             "RYUSEN_LEASE_GRACE_S": "1",
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
+            "RYUSEN_CHAIN_STEPS": "false",  # one message per task: these tests hold each one
         }
         for k, v in env.items():
             monkeypatch.setenv(k, v)

@@ -68,6 +68,8 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_QUEUE_ARN": arn,
             "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
+            # one queue message per task, so that a test can hold each one (chaining has its own test)
+            "RYUSEN_CHAIN_STEPS": "false",
         }
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -120,6 +122,22 @@ def test_sample_events_drive_a_run_through_both_handlers(aws: dict[str, str], ap
     # the same sample event again is an idempotent retry: the same run, 200
     again = api_lambda.handler(event("api_start_run.json"), Context())  # type: ignore[arg-type]
     assert again["statusCode"] == 200 and json.loads(again["body"])["id"] == run["id"]
+
+
+def test_a_chaining_dispatcher_runs_every_step_of_a_short_run_from_one_message(
+    aws: dict[str, str], app_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deployed default: the write that accepts a step's answer authorizes the next step, and the same
+    invocation calls it, so a short run needs the start's message and nothing else."""
+    monkeypatch.setenv("RYUSEN_CHAIN_STEPS", "true")
+    api("PUT", "/v1/apps/shop", {"url": app_url})
+    response = api_lambda.handler(event("api_start_run.json"), Context())  # type: ignore[arg-type]
+    run = json.loads(response["body"])
+    assert drain(aws) == 1
+    status, done = api("GET", f"/v1/runs/{run['id']}")
+    assert status == 200 and done["outcome"] == "completed" and done["output"] == {"sku": "lamp"}
+    [step] = done["steps"]
+    assert step["id"] == "reserve" and step["status"] == "completed" and len(step["attempts"]) == 1
 
 
 def test_dispatch_reports_an_in_flight_attempt_as_a_batch_item_failure(aws: dict[str, str], app_url: str) -> None:

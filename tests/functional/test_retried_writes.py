@@ -217,7 +217,7 @@ def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_inv
             "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
         )
 
-    with WorkflowEnvironment(app, store="moto") as env:
+    with WorkflowEnvironment(app, store="moto", chain_steps=False) as env:  # the charge has a message of its own
         assert isinstance(env.store, DynamoStore)
         run_id = env.start("pay")
         env.step_once()  # discovery: the charge attempt is queued
@@ -234,6 +234,46 @@ def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_inv
         replies.armed = False
         run = env.wait(run_id)
     assert cancelled and calls == Counter({"charge": 1, "refund": 1})
+    assert run.summary == "cancelled, fully compensated" and run.blockers == []
+
+
+def test_a_chained_authorization_whose_reply_was_lost_behind_another_write_is_still_invoked() -> None:
+    """The same race when the discovery's answer and the charge's authorization are one write (chaining): the
+    re-decision finds the discovery already accepted, and the charge authorized by this very write."""
+    app = Ryusen("aba")
+    calls: Counter[str] = Counter()
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        return step.run(
+            "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
+        )
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        assert isinstance(env.store, DynamoStore)
+        run_id = env.start("pay")
+        replies = LostReplies(env.store._client)
+        replies.armed = False
+        cancelled: list[bool] = []
+        writes: Counter[str] = Counter()
+
+        def arm_for_the_combined_write(**kwargs: Any) -> None:
+            writes["PutItem"] += 1
+            replies.armed = writes["PutItem"] == 2  # 1: the discovery's authorization; 2: answer + charge's
+
+        def cancel_in_between(**kwargs: Any) -> None:
+            if replies.lost["PutItem"] == 1 and not cancelled:
+                cancelled.append(True)
+                env.cancel(run_id)  # lands between the lost reply and the retry
+
+        env.store._client.meta.events.register("provide-client-params.dynamodb.PutItem", arm_for_the_combined_write)
+        env.store._client.meta.events.register("before-send.dynamodb.PutItem", cancel_in_between)
+        env.step_once()  # discovery, then (chained) the charge
+        replies.armed = False
+        run = env.wait(run_id)
+    assert cancelled and replies.lost["PutItem"] == 1
+    assert calls == Counter({"charge": 1, "refund": 1})
+    assert [a["status"] for a in run.attempts("charge")] == ["succeeded"]
     assert run.summary == "cancelled, fully compensated" and run.blockers == []
 
 

@@ -148,9 +148,13 @@ def decide(state: RunState | None, event: Event, *, now: datetime, settings: Eng
         t.delivery_id = event.delivery_id
         t.task_delivered(event.task, event.release)
     elif isinstance(event, DiscoveryReported):
+        t.chain, t.delivery_id = event.chain, event.delivery_id
         t.discovery_reported(event.seq, event.response)
+        t.invoke_own_authorization()
     elif isinstance(event, AttemptReported):
+        t.chain, t.delivery_id = event.chain, event.delivery_id
         t.attempt_reported(event)
+        t.invoke_own_authorization()
     elif isinstance(event, InvocationFailed):
         t.invocation_failed(event)
     elif isinstance(event, WakeRequested):
@@ -176,6 +180,10 @@ class _Transition:
         self.rejection: Rejection | None = None
         self.note: str | None = None
         self.delivery_id: str | None = None
+        self.chain: ReleaseRef | None = None
+        """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
+        self.next: DiscoveryResponse | None = None
+        """The continuation a successful callback's response carried."""
 
     @property
     def s(self) -> RunState:
@@ -237,10 +245,52 @@ class _Transition:
             queued_at=self.now,
             not_before=self.now + timedelta(seconds=delay_s) if delay_s else None,
         )
-        self.commands.append(
-            EnqueueTask(task=TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=s.discovery_seq), delay_s=delay_s)
-        )
+        task = TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=s.discovery_seq)
         self.touch()
+        if (release := self.take_chain(delay_s)) is not None and not self.stopping:
+            return self.authorize_discovery(s.discovery, task, release)
+        self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
+        return None
+
+    def invoke_own_authorization(self) -> None:
+        """A chained report found stale: if that is because its own write committed (the reply was lost and
+        another write landed before the retry), the task it authorized is still this dispatcher's to invoke."""
+        if self.delivery_id is None or self.chain is None or any(isinstance(c, InvokeTask) for c in self.commands):
+            return
+        d = self.s.discovery
+        if d is not None and self.owns(d):
+            self.commands.append(InvokeTask(task=TaskRef(run_id=self.s.id, kind=TaskKind.DISCOVER, seq=d.seq)))
+            return
+        for step in self.s.steps:
+            for phase in (Phase.FORWARD, Phase.COMPENSATION):
+                attempt = step.current(phase)
+                if attempt is not None and self.owns(attempt):
+                    kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
+                    task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
+                    self.commands.append(InvokeTask(task=task))
+                    return
+
+    def owns(self, task: DiscoveryTask | Attempt) -> bool:
+        return (
+            task.status is AttemptStatus.AUTHORIZED
+            and task.delivery_id == self.delivery_id
+            and task.lease_expires_at is not None
+            and self.now < task.lease_expires_at
+        )
+
+    def take_chain(self, delay_s: float) -> ReleaseRef | None:
+        """The release to authorize a task with right away (once per decision), if the dispatcher can chain."""
+        release, self.chain = (self.chain, None) if delay_s == 0 else (None, self.chain)
+        return release
+
+    def authorize_discovery(self, d: DiscoveryTask, task: TaskRef, release: ReleaseRef) -> None:
+        d.status = AttemptStatus.AUTHORIZED
+        d.authorized_at = self.now
+        d.lease_expires_at = self.now + timedelta(seconds=self.settings.attempt_timeout_s + self.settings.lease_grace_s)
+        d.release_id, d.build_id = release.release_id, release.build_id
+        d.delivery_id = self.delivery_id
+        self.touch()
+        self.commands.append(InvokeTask(task=task))
 
     def new_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
         """The next generation of (step, phase), recorded but not dispatched."""
@@ -260,7 +310,12 @@ class _Transition:
         attempt = self.new_attempt(step, phase, delay_s)
         kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
         task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
-        self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
+        release = self.take_chain(delay_s)
+        if release is not None and not (phase is Phase.FORWARD and self.stopping):
+            # one write accepts what came back and authorizes this attempt; the dispatcher invokes it next
+            self.authorize(step, attempt, task, release)
+        else:
+            self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
         return attempt
 
     def failures(self, step: StepState, phase: Phase) -> int:
@@ -351,13 +406,7 @@ class _Transition:
             self.touch()
             self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
             return self.ignore("the function has no synced release")
-        d.status = AttemptStatus.AUTHORIZED
-        d.authorized_at = self.now
-        d.lease_expires_at = self.now + timedelta(seconds=self.settings.attempt_timeout_s + self.settings.lease_grace_s)
-        d.release_id, d.build_id = release.release_id, release.build_id
-        d.delivery_id = self.delivery_id
-        self.touch()
-        self.commands.append(InvokeTask(task=task))
+        self.authorize_discovery(d, task, release)
 
     def attempt_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
         phase = task.phase
@@ -443,26 +492,33 @@ class _Transition:
         return self.authorize(step, self.new_attempt(step, phase), task, release)
 
     def reemit_stalled(self) -> None:
-        """A stale message came back: re-send queued tasks whose own message looks lost.
+        """A stale message came back: watch over the run's tasks that have no message of their own.
 
-        The commands of a decision are sent after its write commits; if a send
-        fails, the message that caused the decision is not deleted and comes
-        back here, already settled. Any task still queued well past its due
-        time then gets its message again (a duplicate is harmless: delivery is
-        idempotent). A queued task that is not yet overdue keeps this message
-        around until it would be (one more receive), so the repair does not
-        depend on the queue's visibility timeout.
+        * A task in flight that a dispatcher authorized while chaining (in the write that accepted the
+          previous outcome) has no message: this one becomes its lease timer. If its lease has expired,
+          its outcome is lost (Unknown), as for any attempt; if not, this message is kept until it would.
+        * The commands of a decision are sent after its write commits; if a send fails, the message that
+          caused the decision is not deleted and comes back here. Any task still queued well past its due
+          time gets its message again (a duplicate is harmless: delivery is idempotent); one not yet
+          overdue keeps this message around until it would be, so the repair does not depend on the
+          queue's visibility timeout.
         """
         s = self.s
         if s.phase is RunPhase.FINISHED:
             return
         grace = timedelta(seconds=self.settings.stalled_task_s)
         queued: list[tuple[TaskRef, datetime]] = []
+        leases: list[datetime] = []
         d = s.discovery
         if d is not None and d.status is AttemptStatus.QUEUED:
             queued.append(
                 (TaskRef(run_id=s.id, kind=TaskKind.DISCOVER, seq=d.seq), (d.not_before or d.queued_at) + grace)
             )
+        elif d is not None and d.status is AttemptStatus.AUTHORIZED and d.lease_expires_at is not None:
+            if self.now >= d.lease_expires_at:
+                self.queue_discovery()  # a lost discovery is repeatable: a fresh pass
+            else:
+                leases.append(d.lease_expires_at)
         for step in s.steps:
             for phase, kind in ((Phase.FORWARD, TaskKind.FORWARD), (Phase.COMPENSATION, TaskKind.COMPENSATE)):
                 a = step.current(phase)
@@ -472,11 +528,16 @@ class _Transition:
                 elif a is not None and a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
                     queued.append((task, a.retry_at + grace))
+                elif a is not None and a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
+                    if self.now >= a.lease_expires_at:
+                        self.outcome_lost(step, a, "the attempt's lease expired with no result")
+                    else:
+                        leases.append(a.lease_expires_at)
         overdue = [task for task, at in queued if at <= self.now]
         self.commands.extend(EnqueueTask(task=task) for task in overdue)
-        pending = [at for _, at in queued if at > self.now]
-        if pending and not overdue:
-            self.commands.append(RedeliverLater(delay_s=(min(pending) - self.now).total_seconds()))
+        pending = [at for _, at in queued if at > self.now] if not overdue else []
+        if pending or leases:
+            self.commands.append(RedeliverLater(delay_s=(min(pending + leases) - self.now).total_seconds()))
 
     def reemit_queued(self) -> None:
         """Send every queued task of the run again (an API request retried after its first try's sends
@@ -620,12 +681,18 @@ class _Transition:
         if d is None or d.seq != seq or d.status is not AttemptStatus.AUTHORIZED:
             return self.ignore(f"discovery #{seq} is not in flight; its report is discarded")
         s.discovery = None
-        s.discoveries += 1
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.touch()
         if self.stopping:  # S4: authorized discovery in flight at the stop is discarded
+            s.discoveries += 1
             self.ignore("discovery discarded: a stop intent exists")
             return self.evaluate_recovery()
+        self.discovered(response)
+
+    def discovered(self, response: DiscoveryResponse) -> None:
+        """What a discovery pass (or the continuation after a callback) found, with current code."""
+        s = self.s
+        s.discoveries += 1
         if isinstance(response, StepReached):
             self.clear_definition_blockers()
             plan = response.step
@@ -869,6 +936,7 @@ class _Transition:
             return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
         self.clear_blockers_for(step, attempt)
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
+        self.next = event.next
         if not isinstance(event.response, ConflictFound | FunctionNotFound):
             self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
         self.apply_outcome(step, attempt, event.response)
@@ -965,6 +1033,8 @@ class _Transition:
             step.completed_seq = s.completion_seq
             if self.stopping:
                 return self.evaluate_recovery()  # S5: joins the unwind
+            if self.next is not None:  # continuation: what the replay found next, in this same write
+                return self.discovered(self.next)
             return self.queue_discovery()
         if isinstance(response, CallbackFailed):
             return self.attempt_failed(step, attempt, response.error)

@@ -93,6 +93,11 @@ class TaskDelivered:
 class DiscoveryReported:
     seq: int
     response: DiscoveryResponse
+    chain: ReleaseRef | None = None
+    """The dispatcher can invoke the next task now, with this release: authorize it in this same write."""
+    delivery_id: str | None = None
+    """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
+    lost, another write landed) recognises the task it authorized itself and invokes it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +107,13 @@ class AttemptReported:
     generation: int
     response: AttemptResponse
     source: Literal["response", "late_submission"] = "response"
+    next: DiscoveryResponse | None = None
+    """What the replay found after a successful callback (continuation): recorded in this same write."""
+    chain: ReleaseRef | None = None
+    """The dispatcher can invoke the next task now, with this release: authorize it in this same write."""
+    delivery_id: str | None = None
+    """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
+    lost, another write landed) recognises the task it authorized itself and invokes it."""
 
 
 class InvocationFailure(StrEnum):

@@ -178,7 +178,7 @@ class Ryusen:
             return self._not_found(request)
         if registered.is_async:
             return _run_coroutine(self.execute_async(request))
-        replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        replay = _replay(request)
         output: Any = None
         raised: BaseException | None = None
         try:
@@ -193,7 +193,7 @@ class Ryusen:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
             return await asyncio.to_thread(self.execute, request)
-        replay = _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+        replay = _replay(request)
         raised: BaseException | None = None
         output: Any = None
         try:
@@ -205,7 +205,7 @@ class Ryusen:
 
     def _not_found(self, request: TaskRequest) -> TaskResponse:
         detail = f"app {self.app_id!r} has no function {request.function_id!r}"
-        return _respond(request, FunctionNotFound(detail=detail))
+        return _respond(request, (FunctionNotFound(detail=detail), None))
 
     # ---- the HTTP handler --------------------------------------------------
 
@@ -399,7 +399,19 @@ def _run_coroutine(coro: Any) -> TaskResponse:
         return pool.submit(asyncio.run, coro).result()  # type: ignore[no-any-return]
 
 
-def _respond(request: TaskRequest, outcome: Any) -> TaskResponse:
+def _replay(request: TaskRequest) -> _Replay:
+    return _Replay(
+        request.kind,
+        request.memo,
+        request.step_id,
+        request.operation,
+        request.forward_result,
+        continue_after=request.continue_after,
+    )
+
+
+def _respond(request: TaskRequest, reported: tuple[Any, Any]) -> TaskResponse:
+    outcome, following = reported
     if request.kind is TaskKind.DISCOVER:
         return TaskResponse(kind=request.kind, run_id=request.run_id, discovery=outcome)
-    return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome)
+    return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome, next=following)

@@ -213,6 +213,9 @@ class TaskRequest(_Wire):
     """Where to submit a result that could not be returned in the response (decisions 6.15)."""
     respond_by: float | None = None
     """Unix time after which the server no longer waits for the HTTP response."""
+    continue_after: bool = False
+    """Forward: after the callback succeeds, keep replaying with its result, up to the next step with no
+    recorded outcome (without running it), the function's end, or a conflict; report that as ``next``."""
 
 
 # ---- responses -------------------------------------------------------------
@@ -295,6 +298,9 @@ class TaskResponse(_Wire):
     run_id: str
     discovery: DiscoveryResponse | None = None
     attempt: AttemptResponse | None = None
+    next: DiscoveryResponse | None = None
+    """What the replay found after a successful callback (``continue_after``): repeatable orchestration,
+    like a discovery pass, so nothing in it ran an effect."""
 
 
 class LateResult(_Wire):
