@@ -8,3 +8,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_ACCOUNT_ID_ENDPOINT_MODE", "disabled")
+
+from ryusen_server.core import decide as _core
+
+_core.CHECK_PURITY = True  # every decision in the suite proves it left its input unchanged (copy on write)

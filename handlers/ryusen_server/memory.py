@@ -2,8 +2,7 @@
 
 They keep the semantics the engine relies on from DynamoDB and SQS: a save
 fails unless the stored version matches; a received message stays invisible
-until deleted or its visibility lapses, then comes back. State is stored
-serialized, so nothing outside can alias it.
+until deleted or its visibility lapses, then comes back.
 """
 
 from __future__ import annotations
@@ -14,33 +13,48 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from .core import decide as _core
 from .core.model import RunState, TaskRef, TimerRef
 from .ports import InvalidRequestError, Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
 
 
 class MemoryStore:
+    """Runs kept as the objects the engine wrote: a stored state is read-only (the core never changes the
+    state it is given, and copies only what it changes), so a save costs the same at every run length.
+    Under ``CHECK_PURITY`` (the test suite) each stored state is also kept serialized, and a read proves
+    that nothing changed it in place since it was written."""
+
     def __init__(self, counter: RequestCounter | None = None) -> None:
-        self._runs: dict[str, str] = {}
+        self._runs: dict[str, RunState] = {}
+        self._shadows: dict[str, str] = {}
         self._keys: dict[tuple[str, str], str] = {}
         self._releases: dict[str, Release] = {}
         self._lock = threading.Lock()
         self.counter = counter or RequestCounter()
 
+    def _read(self, run_id: str) -> RunState | None:
+        with self._lock:
+            state = self._runs.get(run_id)
+            shadow = self._shadows.get(run_id)
+        if state is not None and shadow is not None and state.model_dump_json() != shadow:
+            raise AssertionError(f"run {run_id} was changed in place after it was stored")
+        return state
+
+    def _keep(self, state: RunState) -> None:
+        self._runs[state.id] = state
+        if _core.CHECK_PURITY:
+            self._shadows[state.id] = state.model_dump_json()
+
     def get(self, run_id: str) -> RunState | None:
         self.counter.add("store.read")
-        with self._lock:
-            raw = self._runs.get(run_id)
-        return RunState.model_validate_json(raw) if raw is not None else None
+        return self._read(run_id)
 
     def peek(self, run_id: str) -> RunState | None:
         """Read without counting a request (test harness and benchmark bookkeeping)."""
-        with self._lock:
-            raw = self._runs.get(run_id)
-        return RunState.model_validate_json(raw) if raw is not None else None
+        return self._read(run_id)
 
     def create(self, state: RunState) -> None:
-        raw = state.model_dump_json()
-        self.counter.add("store.write", len(raw))
+        self.counter.add("store.write")
         with self._lock:
             key = (state.function_id, state.idempotency_key) if state.idempotency_key is not None else None
             if key is not None and key in self._keys:
@@ -49,19 +63,17 @@ class MemoryStore:
                 raise RunExistsError(state.id)
             if key is not None:
                 self._keys[key] = state.id
-            self._runs[state.id] = raw
+            self._keep(state)
 
     def save(self, state: RunState, *, expected_version: int) -> None:
-        raw = state.model_dump_json()
-        self.counter.add("store.write", len(raw))
+        self.counter.add("store.write")
         with self._lock:
-            current = self._runs.get(state.id)
-            if current is None:
+            stored = self._runs.get(state.id)
+            if stored is None:
                 raise VersionConflictError(None)
-            stored = RunState.model_validate_json(current)
             if stored.version != expected_version:
                 raise VersionConflictError(stored)
-            self._runs[state.id] = raw
+            self._keep(state)
 
     def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
         self.counter.add("store.read")
@@ -79,7 +91,7 @@ class MemoryStore:
     ) -> RunPage:
         self.counter.add("store.read")
         with self._lock:
-            states = [RunState.model_validate_json(raw) for raw in self._runs.values()]
+            states = list(self._runs.values())
         states.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         selected = [
             s
@@ -100,7 +112,7 @@ class MemoryStore:
     def runs_blocked_by_definition(self, function_id: str) -> list[str]:
         self.counter.add("store.read")
         with self._lock:
-            states = [RunState.model_validate_json(raw) for raw in self._runs.values()]
+            states = list(self._runs.values())
         return [s.id for s in states if s.function_id == function_id and s.blocked_by_definition]
 
     def put_release(self, release: Release) -> None:

@@ -135,15 +135,29 @@ def backoff_delay(policy: RetryPolicyWire, failed_attempts: int, *, seed: str) -
     return base / 2 + fraction * base / 2
 
 
+CHECK_PURITY = False
+"""Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
+
+
 def decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
     """Decide one event. ``state`` is never mutated."""
+    if not CHECK_PURITY or state is None:
+        return _decide(state, event, now=now, settings=settings)
+    before = state.model_dump_json()
+    decision = _decide(state, event, now=now, settings=settings)
+    if state.model_dump_json() != before:
+        raise AssertionError(f"deciding {type(event).__name__} changed the state it was given")
+    return decision
+
+
+def _decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
     if isinstance(event, StartRun):
         if state is not None:
             return Decision(state=state, note="run already exists")
         return _Transition(None, now, settings).start(event)
     if state is None:
         raise IllegalEventError(f"{type(event).__name__} needs an existing run")
-    t = _Transition(state.model_copy(deep=True), now, settings)
+    t = _Transition(state.working_copy(), now, settings)
     if isinstance(event, TaskDelivered):
         t.delivery_id = event.delivery_id
         t.task_delivered(event.task, event.release)
@@ -184,6 +198,8 @@ class _Transition:
         """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
         self.next: DiscoveryResponse | None = None
         """The continuation a successful callback's response carried."""
+        self._owned: set[int] = set()
+        """The steps this decision copied (or created): only those may be changed."""
 
     @property
     def s(self) -> RunState:
@@ -199,6 +215,35 @@ class _Transition:
 
     def touch(self) -> None:
         self.changed = True
+
+    # ---- copy on write: the state given to ``decide`` is never changed ------------
+
+    def step(self, step_id: str) -> StepState | None:
+        """The step, ready to change: copied from the given state the first time this decision needs it."""
+        i = self.s.step_index(step_id)
+        return self.own(i) if i is not None else None
+
+    def own(self, i: int) -> StepState:
+        step = self.s.steps[i]
+        if id(step) not in self._owned:
+            step = step.model_copy(deep=True)  # one step and its attempts, never the whole run
+            self.s.steps[i] = step
+            self._owned.add(id(step))
+        return step
+
+    def edit(self, step: StepState) -> StepState:
+        """``step``, read while scanning the state, made ready to change."""
+        if id(step) in self._owned:
+            return step
+        edited = self.step(step.id)
+        assert edited is not None
+        return edited
+
+    def set_unwind_status(self, step_id: str, status: CompensationStatus) -> None:
+        unwind = self.s.unwind
+        for i, entry in enumerate(unwind):
+            if entry.step_id == step_id and entry.status is not status:
+                unwind[i] = entry.model_copy(update={"status": status})
 
     def reject(self, code: str, message: str) -> None:
         self.rejection = Rejection(code=code, message=message)
@@ -411,7 +456,7 @@ class _Transition:
     def attempt_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
         phase = task.phase
         assert phase is not None and task.step_id is not None and task.generation is not None
-        step = self.s.step(task.step_id)
+        step = self.step(task.step_id)
         attempt = step.attempt(phase, task.generation) if step else None
         if step is not None and attempt is None and self.retry_is_due(step, phase, task):
             return self.retry_unknown(step, phase, task, release)
@@ -530,7 +575,10 @@ class _Transition:
                     queued.append((task, a.retry_at + grace))
                 elif a is not None and a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
                     if self.now >= a.lease_expires_at:
-                        self.outcome_lost(step, a, "the attempt's lease expired with no result")
+                        step = self.edit(step)
+                        lost = step.current(phase)
+                        assert lost is not None
+                        self.outcome_lost(step, lost, "the attempt's lease expired with no result")
                     else:
                         leases.append(a.lease_expires_at)
         overdue = [task for task, at in queued if at <= self.now]
@@ -576,7 +624,7 @@ class _Transition:
             return self.endpoint_failing(d.redeliveries, f"discovery #{d.seq}", event.detail)
         phase = task.phase
         assert phase is not None and task.step_id is not None
-        step = self.s.step(task.step_id)
+        step = self.step(task.step_id)
         attempt = step.attempt(phase, task.generation or 0) if step else None
         if step is None or attempt is None or attempt.status is not AttemptStatus.AUTHORIZED:
             return self.ignore(f"{task.describe()} is no longer in flight")
@@ -696,14 +744,15 @@ class _Transition:
         if isinstance(response, StepReached):
             self.clear_definition_blockers()
             plan = response.step
-            step = s.step(plan.id)
+            step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
             if (too_long := self.timeout_over_maximum(plan)) is not None:
                 return self.definition_conflict(too_long)
             if step is None:
                 step = StepState(id=plan.id)
-                s.steps.append(step)
+                s.add_step(step)
+                self._owned.add(id(step))
             elif step.status in (StepStatus.COMPLETED, StepStatus.FAILED):
                 return self.queue_discovery()  # the memo raced a settlement; replay again
             elif (current := step.current(Phase.FORWARD)) is not None and current.status in LIVE_ATTEMPT:
@@ -846,7 +895,7 @@ class _Transition:
                 **seen,
             )
         if isinstance(conflict, NewStepBeforeTarget):
-            target = self.s.step(conflict.step_id)
+            target = self.step(conflict.step_id)
             new = conflict.first
             return Blocker(
                 type=BlockerType.NEW_STEP_BEFORE_TARGET,
@@ -900,7 +949,7 @@ class _Transition:
             return self.ignore("probe is not due")
         if s.phase is RunPhase.COMPENSATING:
             entry = self.current_unwind_entry()
-            step = s.step(entry.step_id) if entry else None
+            step = self.step(entry.step_id) if entry else None
             current = step.current(Phase.COMPENSATION) if step else None
             if step is None or (current is not None and current.status in LIVE_ATTEMPT):
                 return self.ignore("compensation already in progress")
@@ -916,7 +965,7 @@ class _Transition:
     # ---- attempt results ---------------------------------------------------------
 
     def attempt_reported(self, event: AttemptReported) -> None:
-        step = self.s.step(event.step_id)
+        step = self.step(event.step_id)
         attempt = step.attempt(event.phase, event.generation) if step else None
         if step is None or attempt is None:
             return self.reject("attempt_not_found", f"no attempt {event.step_id} {event.phase} #{event.generation}")
@@ -1096,10 +1145,10 @@ class _Transition:
         step.compensation_status = CompensationStatus.FAILED
         step.compensation_error = error
         self.set_unwind_status(step.id, CompensationStatus.FAILED)
-        for entry in self.s.unwind:
+        for entry in list(self.s.unwind):
             if entry.status is CompensationStatus.PENDING:
-                entry.status = CompensationStatus.NOT_REACHED
-                other = self.s.step(entry.step_id)
+                self.set_unwind_status(entry.step_id, CompensationStatus.NOT_REACHED)
+                other = self.step(entry.step_id)
                 if other is not None:
                     other.compensation_status = CompensationStatus.NOT_REACHED
         self.finish(Recovery.PARTIALLY_COMPENSATED)
@@ -1181,7 +1230,7 @@ class _Transition:
             return self.finish(Recovery.NOT_REQUIRED)
         s.unwind = [UnwindEntry(step_id=step.id) for step in completed]
         for step in completed:
-            step.compensation_status = CompensationStatus.PENDING
+            self.edit(step).compensation_status = CompensationStatus.PENDING
         s.phase = RunPhase.COMPENSATING
         s.recovery = Recovery.COMPENSATING
         self.advance_unwind()
@@ -1192,16 +1241,11 @@ class _Transition:
                 return entry
         return None
 
-    def set_unwind_status(self, step_id: str, status: CompensationStatus) -> None:
-        for entry in self.s.unwind:
-            if entry.step_id == step_id:
-                entry.status = status
-
     def advance_unwind(self) -> None:
         entry = self.current_unwind_entry()
         if entry is None:
             return self.finish(Recovery.COMPENSATED)
-        step = self.s.step(entry.step_id)
+        step = self.step(entry.step_id)
         assert step is not None
         current = step.current(Phase.COMPENSATION)
         if current is not None and current.status in LIVE_ATTEMPT:
@@ -1234,13 +1278,18 @@ class _Transition:
             s.discovery = None  # S3: fenced before start authorization
         elif s.discovery is not None:
             s.discovery = None  # S4: its report will be discarded
-        for step in s.steps:
+        for found in s.steps:
+            current = found.current(Phase.FORWARD)
+            if current is None or current.status not in (AttemptStatus.UNKNOWN, AttemptStatus.QUEUED):
+                continue
+            step = self.edit(found)
             current = step.current(Phase.FORWARD)
-            if current is not None and current.status is AttemptStatus.UNKNOWN and current.retry_at is not None:
+            assert current is not None
+            if current.status is AttemptStatus.UNKNOWN and current.retry_at is not None:
                 current.retry_at = None  # its retry can no longer start: it blocks, like any Unknown (decisions 19)
                 current.detail = (current.detail or "").split("; retried at", 1)[0]
                 self.block_on_unknown(step, current)
-            if current is not None and current.status is AttemptStatus.QUEUED:
+            if current.status is AttemptStatus.QUEUED:
                 self.settle(
                     current, AttemptStatus.FENCED, detail="fenced by the stop intent before start authorization"
                 )
@@ -1252,7 +1301,7 @@ class _Transition:
 
     def resolve(self, event: Resolve) -> None:
         s = self.s
-        step = s.step(event.step_id)
+        step = self.step(event.step_id)
         attempt = step.attempt(event.phase, event.generation) if step else None
         if step is None:
             return self.reject("step_not_found", f"the run has no step {event.step_id!r}")

@@ -5,8 +5,11 @@ the engine is), ``outcome`` (why execution ended; set once) and ``recovery``
 (what became of the unwind). Steps hold their attempts; each attempt is one
 generation of one (step, phase) and settles at most once.
 
-The state is a plain pydantic model so that the store can serialize it; the
-core never mutates a state it was given (``decide`` works on a deep copy).
+The state is a plain pydantic model so that the store can serialize it. A
+state is read-only once it is stored or handed to ``decide``: the core never
+mutates its input. ``decide`` works on a shallow working copy and copies only
+the steps it changes (copy on write), so a decision costs the same at step 10
+and step 10,000, and a new state shares every unchanged step with the old one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind
 
@@ -265,12 +268,47 @@ class RunState(_State):
     """How many discovery passes reported (diagnostics)."""
     run_bytes: int = 0
     """Serialized size of the input and every accepted step result (bounded by ``max_run_bytes``)."""
+    _positions: dict[str, int] | None = PrivateAttr(default=None)
+    """Step id -> index in ``steps`` (steps are only appended, so a working copy may share it)."""
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields (the step index is a cache, not part of the state)."""
+        if not isinstance(other, RunState):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def step_index(self, step_id: str) -> int | None:
+        positions = self._positions
+        if positions is None or len(positions) < len(self.steps):
+            positions = self._positions = {step.id: i for i, step in enumerate(self.steps)}
+        i = positions.get(step_id)
+        if i is None or i >= len(self.steps) or self.steps[i].id != step_id:
+            return None
+        return i
 
     def step(self, step_id: str) -> StepState | None:
-        for step in self.steps:
-            if step.id == step_id:
-                return step
-        return None
+        i = self.step_index(step_id)
+        return self.steps[i] if i is not None else None
+
+    def add_step(self, step: StepState) -> None:
+        """Append a step. The index may be shared with the state this one was copied from: an entry past that
+        state's last step, or naming another step at its index, is not found there (``step_index`` checks)."""
+        self.steps.append(step)
+        if self._positions is not None:
+            self._positions[step.id] = len(self.steps) - 1
+
+    def working_copy(self) -> RunState:
+        """A copy whose own containers may be changed without touching this state; the steps, attempts and
+        unwind entries in them are still this state's (copy one before changing it)."""
+        copy = self.model_copy()
+        copy.steps = list(self.steps)
+        copy.unwind = list(self.unwind)
+        copy.blockers = [b.model_copy(deep=True) for b in self.blockers]
+        copy.discovery = self.discovery.model_copy() if self.discovery is not None else None
+        copy._positions = self._positions
+        return copy
 
     @property
     def blocked_by_definition(self) -> bool:
