@@ -29,7 +29,8 @@ logger = logging.getLogger("ryusen.api")
 
 MAX_BODY_BYTES = 1024 * 1024
 
-ManifestFetcher = Callable[[str], Manifest]
+ManifestFetcher = Callable[[str], tuple[Manifest, frozenset[str]]]
+"""GET an endpoint's manifest: it, and the features its SDK announced."""
 
 
 class _Body(BaseModel):
@@ -118,8 +119,8 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     @api.put("/v1/apps/<app_id>")
     def sync_app(app_id: str) -> Response[str]:
         request = body_of(SyncRequest)
-        manifest = fetch_manifest(request.url)
-        release = engine.sync_release(app_id, request.url, manifest)
+        manifest, features = fetch_manifest(request.url)
+        release = engine.sync_release(app_id, request.url, manifest, features)
         return _json(
             200,
             {

@@ -109,9 +109,32 @@ class ServerSettings:
     """One invocation and one write per step: a forward attempt's request asks the SDK to continue its
     replay to the next step, and the write that accepts an answer authorizes the next task, which the same
     dispatcher invokes at once (while its time budget allows)."""
+    chain_window_s: float = 60.0
+    """The longest one dispatch message keeps chaining before the next task goes through the queue (a Lambda
+    also stops at its own time limit): other runs' messages get a dispatcher in turn."""
     index_settle_s: float = 0.0
     """How long the blocked-runs index may lag the table (a DynamoDB GSI): a release sync looks it up again
     after this long, for a run that blocked just before the sync."""
+
+
+class _MessageLease:
+    """The dispatch message is the lease timer of the task in flight: it must come back (become visible)
+    no later than that task's lease expires. The first task's authorization sets its visibility; while
+    chaining, it is extended only once less than half of the next task's lease is left of it, so a chain of
+    quick steps costs a visibility change now and then, not one per step."""
+
+    def __init__(self, change: Callable[[float], None] | None) -> None:
+        self._change = change
+        self._covered_until: float | None = None
+
+    def cover(self, lease_s: float) -> None:
+        if self._change is None:
+            return
+        now = time.monotonic()
+        if self._covered_until is not None and self._covered_until - now >= lease_s / 2:
+            return
+        self._change(lease_s)
+        self._covered_until = now + lease_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +332,9 @@ class Engine:
 
     # ---- releases ---------------------------------------------------------------------
 
-    def sync_release(self, app_id: str, url: str, manifest: Manifest) -> Release:
+    def sync_release(
+        self, app_id: str, url: str, manifest: Manifest, features: frozenset[str] = frozenset()
+    ) -> Release:
         """Record a release and wake the blocked runs of its functions (R3, D5)."""
         if manifest.app_id != app_id:
             raise InvalidRequestError(
@@ -338,6 +363,7 @@ class Engine:
             functions=tuple(manifest.functions),
             synced_at=self.clock(),
             signed=manifest.signed,
+            features=features,
         )
         self.store.put_release(release)
         self._wake_blocked(manifest)
@@ -382,6 +408,8 @@ class Engine:
         ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
         delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
         decision = self.apply(task.run_id, delivered, known=state)
+        lease = _MessageLease(on_authorized)
+        chain_until = time.monotonic() + self.settings.chain_window_s
         while True:
             # One write accepted the last answer and, with time left, authorized the next task: invoke it
             # now, with the state this process just wrote (no re-read, no message).
@@ -391,17 +419,21 @@ class Engine:
             invoke = next((c for c in decision.commands if isinstance(c, InvokeTask)), None)
             if invoke is None or release is None:
                 return Delivered(done=True)
-            outcome = self._invoke(decision.state, invoke.task, release, key, deadline, on_authorized)
+            outcome = self._invoke(decision.state, invoke.task, release, key, deadline, lease.cover, chain_until)
             if isinstance(outcome, Delivered):
                 return outcome
             decision, release = outcome
-            on_authorized = None  # this message is the lease of the first task; later ones are watched by it
 
-    def may_chain(self, deadline: float | None) -> bool:
-        """Whether the next task may be authorized and invoked by this dispatcher right away."""
+    def may_chain(self, deadline: float | None, chain_until: float | None = None) -> bool:
+        """Whether the next task may be authorized and invoked by this dispatcher right away: chaining is on,
+        the invocation has time for it, and this message has not been chaining for ``chain_window_s``
+        (so that, where nothing limits an invocation, one long run cannot hold a dispatcher forever)."""
         if not self.settings.chain:
             return False
-        if deadline is not None and deadline - time.monotonic() < MIN_DISPATCH_BUDGET_S:
+        now = time.monotonic()
+        if deadline is not None and deadline - now < MIN_DISPATCH_BUDGET_S:
+            return False
+        if chain_until is not None and now >= chain_until:
             return False
         return all(guard() for guard in self.chain_guards)
 
@@ -413,6 +445,7 @@ class Engine:
         key: str | None,
         deadline: float | None,
         on_authorized: Callable[[float], None] | None,
+        chain_until: float | None = None,
     ) -> Delivered | tuple[Decision, Release | None]:
         now = self.clock()
         lease_at, respond_by = _window(state, task, self.settings.engine)
@@ -429,8 +462,9 @@ class Engine:
             latest = now + timedelta(seconds=max(1.0, left))
             if latest < respond_by:
                 listen_until, cut = latest, True
-        request = self._task_request(state, task, respond_by=listen_until)
-        body = request.model_dump_json().encode()
+        request = self._task_request(state, task, respond_by=listen_until, features=release.features)
+        # a field the release's SDK did not announce is left out: an older SDK refuses unknown fields
+        body = request.model_dump_json(exclude=None if request.continue_after else {"continue_after"}).encode()
         headers = {"content-type": "application/json"}
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
@@ -443,11 +477,21 @@ class Engine:
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
             return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
-        chain: Release | None = None
-        if self.may_chain(deadline):
-            chain = self.store.get_release(state.function_id)  # the newest release, every time (R1)
+        chaining = self.may_chain(deadline, chain_until)
+        newest: Release | None = None
+        if chaining or request.continue_after:
+            newest = self.store.get_release(state.function_id)  # the newest release, every time (R1)
+        chain = newest if chaining else None
         ref = ReleaseRef(release_id=chain.release_id, build_id=chain.build_id) if chain else None
-        event = self._event_for(task, result, chain=ref, delivery_id=uuid.uuid4().hex if ref else None)
+        # What the pass found after the callback is what the code that ran it would do next; if a newer
+        # release was synced meanwhile, the next task must be that code's discovery, not this answer's.
+        same_code = newest is not None and (newest.release_id, newest.build_id) == (
+            release.release_id,
+            release.build_id,
+        )
+        event = self._event_for(
+            task, result, chain=ref, delivery_id=uuid.uuid4().hex if ref else None, trust_next=same_code
+        )
         decision = self.apply(task.run_id, event, known=state)
         self._wake_if_release_moved(decision, state, release)
         return decision, chain
@@ -462,7 +506,9 @@ class Engine:
         if newest is not None and newest.release_id != release.release_id:
             self.apply(decision.state.id, WakeRequested(source="release_sync"), known=decision.state)
 
-    def _task_request(self, state: RunState, task: TaskRef, *, respond_by: datetime) -> TaskRequest:
+    def _task_request(
+        self, state: RunState, task: TaskRef, *, respond_by: datetime, features: frozenset[str] = frozenset()
+    ) -> TaskRequest:
         entries = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}
         if task.kind is TaskKind.DISCOVER:
             return TaskRequest(
@@ -484,11 +530,17 @@ class Engine:
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
             result_url=self.settings.result_url,
             respond_by=respond_by.timestamp(),
-            continue_after=self.settings.chain and task.kind is TaskKind.FORWARD,
+            continue_after=self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features,
         )
 
     def _event_for(
-        self, task: TaskRef, result: Any, *, chain: ReleaseRef | None = None, delivery_id: str | None = None
+        self,
+        task: TaskRef,
+        result: Any,
+        *,
+        chain: ReleaseRef | None = None,
+        delivery_id: str | None = None,
+        trust_next: bool = False,
     ) -> Event:
         if result.kind == "unreachable":
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
@@ -531,7 +583,7 @@ class Engine:
             phase=task.phase,
             generation=task.generation,
             response=response.attempt,
-            next=response.next,
+            next=response.next if trust_next else None,
             chain=chain,
             delivery_id=delivery_id,
         )

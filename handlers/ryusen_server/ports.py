@@ -76,6 +76,9 @@ class Release:
     functions: tuple[FunctionManifest, ...]
     synced_at: datetime
     signed: bool = True
+    features: frozenset[str] = frozenset()
+    """What the release's SDK announced it understands (``X-Ryusen-Features``); a request field it did not
+    announce is never sent to it."""
 
     def function(self, function_id: str) -> FunctionManifest | None:
         for f in self.functions:

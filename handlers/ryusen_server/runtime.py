@@ -41,9 +41,12 @@ def lease_keeper(change_visibility: Callable[[float], None], visible_after_s: fl
     comes back (and the attempt's lease is checked) when the lease expires, not when the visibility
     the message was received with runs out. ``visible_after_s``: that visibility, if known."""
 
+    received = [True]
+
     def keep(lease_s: float) -> None:
-        if visible_after_s is not None and abs(lease_s - visible_after_s) <= LEASE_TOLERANCE_S:
-            return
+        first, received[0] = received[0], False
+        if first and visible_after_s is not None and abs(lease_s - visible_after_s) <= LEASE_TOLERANCE_S:
+            return  # just received with that visibility: it already is the lease (later calls extend it)
         change_visibility(lease_s)
 
     return keep

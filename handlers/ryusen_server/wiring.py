@@ -18,7 +18,7 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from ryusen._internal.wire import Manifest
+from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
 from .aws.queue import SqsQueue
 from .aws.store import DynamoStore
@@ -159,8 +159,9 @@ class SecretKey:
         return str(secret["SecretString"]).strip() or None
 
 
-def fetch_manifest(url: str) -> Manifest:
-    """GET an app endpoint's manifest (what ``PUT /v1/apps/{id}`` records as a release)."""
+def fetch_manifest(url: str) -> tuple[Manifest, frozenset[str]]:
+    """GET an app endpoint's manifest (what ``PUT /v1/apps/{id}`` records as a release), and the features its
+    SDK announced in ``X-Ryusen-Features`` (none from an SDK that predates them)."""
     try:
         response = httpx.get(url, timeout=10.0)
     except httpx.HTTPError as exc:
@@ -169,7 +170,9 @@ def fetch_manifest(url: str) -> Manifest:
         raise InvalidRequestError(
             f"{url} answered HTTP {response.status_code} to the manifest request", code="invalid_manifest"
         )
+    announced = response.headers.get(FEATURES_HEADER, "")
+    features = frozenset(f.strip() for f in announced.split(",") if f.strip())
     try:
-        return Manifest.model_validate_json(response.content)
+        return Manifest.model_validate_json(response.content), features
     except ValueError as exc:
         raise InvalidRequestError(f"{url} did not return a Ryusen manifest: {exc}", code="invalid_manifest") from None

@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ryusen._internal.app import Ryusen
-from ryusen._internal.wire import Manifest, Phase, TaskKind, TaskRequest
+from ryusen._internal.wire import SDK_FEATURES, Manifest, Phase, TaskKind, TaskRequest
 
 try:
     from ryusen_server.aws.store import DynamoStore, create_table
@@ -291,7 +291,7 @@ class WorkflowEnvironment:
         manifest = app.manifest()
         if release_id is not None:
             manifest = Manifest.model_validate({**manifest.model_dump(), "release_id": release_id})
-        self.engine.sync_release(app.app_id, url, manifest)
+        self.engine.sync_release(app.app_id, url, manifest, frozenset(SDK_FEATURES))
 
     # ---- queue with faults ---------------------------------------------------------
 

@@ -225,7 +225,7 @@ class DevStack:
     def _start_and_sync(self, proc: AppProcess) -> None:
         assert self.wired is not None
         manifest = proc.start()
-        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, fetch_manifest(proc.url))
+        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, *fetch_manifest(proc.url))
         proc.app_id, proc.release_id = release.app_id, release.release_id
 
     def _supervise(self) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import hashlib
 import inspect
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,12 +31,15 @@ from .errors import DefinitionError
 from .signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
 from .step import AsyncStep, CallbackInterruptedError, Step, _Replay
 from .wire import (
+    FEATURES_HEADER,
+    SDK_FEATURES,
     CallbackFailed,
     CallbackSucceeded,
     FunctionManifest,
     FunctionNotFound,
     LateResult,
     Manifest,
+    MemoEntry,
     TaskKind,
     TaskRequest,
     TaskResponse,
@@ -178,14 +183,46 @@ class Ryusen:
             return self._not_found(request)
         if registered.is_async:
             return _run_coroutine(self.execute_async(request))
-        replay = _replay(request)
+        outcome = self._pass(registered, request, _replay(request))
+        return _respond(request, outcome, self._continuation(registered, request, outcome))
+
+    def _pass(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
+        """One pass of a plain function: what the replay reports once the function returned or raised."""
         output: Any = None
         raised: BaseException | None = None
         try:
             output = registered.fn(request.input, Step(replay))
         except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a pass-ending Suspend too)
             raised = exc
-        return _respond(request, replay.report(output=output, raised=raised))
+        return replay.report(output=output, raised=raised)
+
+    def _continuation(self, registered: RegisteredFunction, request: TaskRequest, outcome: Any) -> Any:
+        """After a successful forward callback (``continue_after``): a discovery pass, replayed from the top
+        with the callback's result recorded, run within the same request but on a budget of its own. It is
+        the pass the server would otherwise send next; None (the server sends it) when it runs out of time."""
+        discovery = _discovery_after(request, outcome)
+        if discovery is None:
+            return None
+        budget = _continuation_budget(request, self.clock())
+        if budget <= 0:
+            return None
+        replay = _replay(discovery)
+        context = contextvars.copy_context()
+        future = _continuations().submit(context.run, self._pass, registered, discovery, replay)
+        try:
+            return future.result(timeout=budget)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            replay.close()  # a pass still running starts no step; the server runs its own discovery
+            log.warning(
+                "the discovery after step %r of run %s took over %.1fs; the server will run it as a task",
+                request.step_id,
+                request.run_id,
+                budget,
+            )
+            return None
+        except BaseException:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
+            return None
 
     async def execute_async(self, request: TaskRequest) -> TaskResponse:
         registered = self._functions.get(request.function_id)
@@ -193,7 +230,27 @@ class Ryusen:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
             return await asyncio.to_thread(self.execute, request)
-        replay = _replay(request)
+        outcome = await self._pass_async(registered, request, _replay(request))
+        following: Any = None
+        discovery = _discovery_after(request, outcome)
+        budget = _continuation_budget(request, self.clock()) if discovery is not None else 0.0
+        if discovery is not None and budget > 0:
+            replay = _replay(discovery)
+            try:
+                following = await asyncio.wait_for(self._pass_async(registered, discovery, replay), budget)
+            except TimeoutError:
+                replay.close()
+                log.warning(
+                    "the discovery after step %r of run %s took over %.1fs; the server will run it as a task",
+                    request.step_id,
+                    request.run_id,
+                    budget,
+                )
+            except Exception:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
+                following = None
+        return _respond(request, outcome, following)
+
+    async def _pass_async(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         raised: BaseException | None = None
         output: Any = None
         try:
@@ -201,18 +258,20 @@ class Ryusen:
         except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
             raised = exc
         await replay.wait_for_callback()
-        return _respond(request, replay.report(output=output, raised=raised))
+        return replay.report(output=output, raised=raised)
 
     def _not_found(self, request: TaskRequest) -> TaskResponse:
         detail = f"app {self.app_id!r} has no function {request.function_id!r}"
-        return _respond(request, (FunctionNotFound(detail=detail), None))
+        return _respond(request, FunctionNotFound(detail=detail))
 
     # ---- the HTTP handler --------------------------------------------------
 
     def handle(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
         """Answer one HTTP request: GET returns the manifest, a signed POST runs a task."""
         if method == "GET":
-            return self._reply(200, self.manifest().model_dump_json().encode())
+            reply = self._reply(200, self.manifest().model_dump_json().encode())
+            reply.headers[FEATURES_HEADER] = ",".join(SDK_FEATURES)
+            return reply
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
@@ -229,7 +288,7 @@ class Ryusen:
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc))
         self._submit_late(request, response)
-        return self._reply(200, response.model_dump_json().encode())
+        return self._reply(200, encode_response(response))
 
     async def handle_async(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
         if method != "POST" or len(body) > MAX_REQUEST_BYTES:
@@ -246,7 +305,7 @@ class Ryusen:
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc))
         await asyncio.to_thread(self._submit_late, request, response)
-        return self._reply(200, response.model_dump_json().encode())
+        return self._reply(200, encode_response(response))
 
     def _verify(self, headers: dict[str, str], body: bytes) -> HandlerResponse | None:
         key = self.signing_key
@@ -400,18 +459,55 @@ def _run_coroutine(coro: Any) -> TaskResponse:
 
 
 def _replay(request: TaskRequest) -> _Replay:
-    return _Replay(
-        request.kind,
-        request.memo,
-        request.step_id,
-        request.operation,
-        request.forward_result,
-        continue_after=request.continue_after,
+    return _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+
+
+CONTINUATION_MAX_S = 5.0
+"""The longest a discovery pass after a callback may take within the callback's request; a longer one is
+left to the server, which sends it as a task of its own."""
+CONTINUATION_MARGIN_S = 1.0
+"""How long before the server stops listening (``respond_by``) the response must be on its way."""
+
+_continuation_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_continuation_pool_lock = threading.Lock()
+
+
+def _continuations() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that run continuation passes of plain functions (so a pass that hangs can be left)."""
+    global _continuation_pool
+    with _continuation_pool_lock:
+        if _continuation_pool is None:
+            _continuation_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="ryusen-continuation"
+            )
+        return _continuation_pool
+
+
+def _discovery_after(request: TaskRequest, outcome: Any) -> TaskRequest | None:
+    """The discovery pass that follows a forward attempt whose callback succeeded, if the server asked."""
+    if not request.continue_after or request.kind is not TaskKind.FORWARD or request.step_id is None:
+        return None
+    if not isinstance(outcome, CallbackSucceeded):
+        return None
+    memo = {**request.memo, request.step_id: MemoEntry(status="completed", result=outcome.result)}
+    return TaskRequest(
+        kind=TaskKind.DISCOVER, run_id=request.run_id, function_id=request.function_id, input=request.input, memo=memo
     )
 
 
-def _respond(request: TaskRequest, reported: tuple[Any, Any]) -> TaskResponse:
-    outcome, following = reported
+def _continuation_budget(request: TaskRequest, now: float) -> float:
+    budget = CONTINUATION_MAX_S
+    if request.respond_by is not None:
+        budget = min(budget, request.respond_by - now - CONTINUATION_MARGIN_S)
+    return budget
+
+
+def encode_response(response: TaskResponse) -> bytes:
+    """A response as JSON; ``next`` only when there is one, so a server that predates it can read the rest."""
+    return response.model_dump_json(exclude={"next"} if response.next is None else None).encode()
+
+
+def _respond(request: TaskRequest, outcome: Any, following: Any = None) -> TaskResponse:
     if request.kind is TaskKind.DISCOVER:
         return TaskResponse(kind=request.kind, run_id=request.run_id, discovery=outcome)
     return TaskResponse(kind=request.kind, run_id=request.run_id, attempt=outcome, next=following)

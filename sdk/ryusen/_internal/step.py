@@ -281,16 +281,9 @@ class _Replay:
         target: str | None,
         operation: OperationInfo | None,
         forward_result: Any,
-        *,
-        continue_after: bool = False,
     ) -> None:
         self.kind = kind
         self.memo = memo
-        self.continue_after = continue_after and kind is TaskKind.FORWARD
-        self.attempt_outcome: Any = None
-        """Set when the pass went on after a successful callback (continuation): that callback's outcome."""
-        self.spoiled = False
-        """Something concurrent happened in this pass: report no continuation (the server discovers again)."""
         self.target = target
         self.operation = operation
         self.forward_result = forward_result
@@ -452,8 +445,6 @@ class _Replay:
         if not self.entered:
             second = Occurrence(step_id=step_id, location=location, name=name)
             self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=first.occurrence(), second=second))
-        if self.attempt_outcome is not None:
-            self.spoiled = True  # in a continuation: report the callback alone, and let a discovery pass decide
         raise ConcurrentStepError(step_id, open_step_id=first.step_id)
 
     # ---- the target callback ---------------------------------------------------------
@@ -463,8 +454,7 @@ class _Replay:
         assert op is not None
         return Operation(id=op.id, phase=op.phase.value, generation=op.generation)
 
-    def run_callback(self, step_id: str, call: Callable[[], Any]) -> Any:
-        """Run the target callback; end the pass with its outcome, or (continuation) return its result."""
+    def run_callback(self, step_id: str, call: Callable[[], Any]) -> NoReturn:
         token = _current_operation.set(self.operation_context())
         outcome: Any = None
         try:
@@ -482,9 +472,9 @@ class _Replay:
         finally:
             _current_operation.reset(token)
             self._callback_finished(outcome)
-        return self._continue_or_stop(step_id, outcome)
+        raise Suspend(outcome)
 
-    async def run_callback_async(self, step_id: str, call: Callable[[], Any]) -> Any:
+    async def run_callback_async(self, call: Callable[[], Any]) -> NoReturn:
         token = _current_operation.set(self.operation_context())
         outcome: Any = None
         try:
@@ -499,22 +489,7 @@ class _Replay:
         finally:
             _current_operation.reset(token)
             self._callback_finished(outcome)
-        return self._continue_or_stop(step_id, outcome)
-
-    def _continue_or_stop(self, step_id: str, outcome: Any) -> Any:
-        """After a successful callback of a task that asked for continuation, the pass goes on as a discovery
-        pass with the result recorded (nothing more runs an effect); otherwise it stops with the outcome."""
-        with self._lock:
-            go_on = self.continue_after and isinstance(outcome, CallbackSucceeded) and not self.spoiled
-            if go_on:
-                self.attempt_outcome = outcome
-                self.outcome = None
-                self.stopped_at = None
-                self.kind = TaskKind.DISCOVER
-                self.memo = {**self.memo, step_id: MemoEntry(status="completed", result=outcome.result)}
-        if not go_on:
-            raise Suspend(outcome)
-        return json.loads(json.dumps(outcome.result))  # the function gets its own copy, as on replay
+        raise Suspend(outcome)
 
     def _callback_finished(self, outcome: Any) -> None:
         """Record the callback's outcome (None: it was interrupted) before anyone is told it finished."""
@@ -522,8 +497,6 @@ class _Replay:
             if outcome is not None:
                 self.outcome = outcome
             parked, self.parked = self.parked, []
-            if parked:
-                self.spoiled = True  # another task wanted a step meanwhile: no continuation
         self.callback_done.set()
         for waiter in parked:  # other tasks that waited for it end their pass now
             if not waiter.done():
@@ -556,9 +529,14 @@ class _Replay:
         while self.entered and not self.callback_done.is_set():
             await asyncio.sleep(0.001)
 
-    def report(self, *, output: Any = None, raised: BaseException | None = None) -> tuple[Any, Any]:
-        """What this task reports, once the function has returned ``output`` or raised ``raised``: its outcome,
-        and (continuation) what the replay found after the target's callback.
+    def close(self) -> None:
+        """End the pass from outside (its task stopped waiting for it): a ``step.run`` still to come runs
+        nothing."""
+        with self._lock:
+            self.closed = True
+
+    def report(self, *, output: Any = None, raised: BaseException | None = None) -> Any:
+        """What this task reports, once the function has returned ``output`` or raised ``raised``.
 
         Closes the pass first: a ``step.run`` still to come (another thread, a stray task) runs nothing.
         A process interrupt (``KeyboardInterrupt``, ``SystemExit``, a cancellation) with nothing to
@@ -570,21 +548,6 @@ class _Replay:
             self.callback_done.wait()  # a callback in another thread: its outcome is this task's
         for waiter in self.parked:
             waiter.cancel()
-        if self.attempt_outcome is not None:  # continuation: the callback's outcome, and what came after it
-            return self.attempt_outcome, self._continuation(output, raised)
-        return self._report(output=output, raised=raised), None
-
-    def _continuation(self, output: Any, raised: BaseException | None) -> Any:
-        """What the pass found after the callback, as a discovery pass would report it. Not a failure: an
-        exception here may be transient (a metrics call in a ``finally``), so the server decides that with
-        a discovery pass of its own, as it would without a continuation."""
-        if self.spoiled or (raised is not None and self.outcome is None):
-            return None
-        if self.outcome is not None:
-            return self.outcome
-        return _completed(output)
-
-    def _report(self, *, output: Any, raised: BaseException | None) -> Any:
         if self.entered:
             if self.outcome is None:
                 raise CallbackInterruptedError(f"the callback of step {self.target!r} did not finish")
@@ -704,7 +667,7 @@ class Step:
         if action == "park":  # pragma: no cover - only an asyncio task can park
             raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
-        return replay.run_callback(step_id, call)  # type: ignore[no-any-return]
+        replay.run_callback(step_id, call)
 
 
 class AsyncStep:
@@ -743,7 +706,7 @@ class AsyncStep:
             if action == "park":
                 await replay.park()
             call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
-            return await replay.run_callback_async(step_id, call)  # type: ignore[no-any-return]
+            await replay.run_callback_async(call)
 
         return run()
 

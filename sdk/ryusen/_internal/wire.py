@@ -23,6 +23,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 PROTOCOL_VERSION = "1"
+FEATURES_HEADER = "X-Ryusen-Features"
+"""Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
+A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
+never sent to it (its wire models refuse unknown fields)."""
+SDK_FEATURES = ("continuation",)
+"""``continuation``: a forward request may carry ``continue_after``, and its response ``next``."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024

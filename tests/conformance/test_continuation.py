@@ -1,0 +1,341 @@
+"""The continuation after a callback is a discovery pass, and changes nothing a discovery pass would decide.
+
+With chaining (the default), a forward attempt's request asks the SDK to go on after a successful callback:
+it replays the function from the top with that result recorded, as the discovery task the server would send
+next, on a budget of its own, and reports it with the callback's outcome. Each test runs the same workflow
+with chaining off and on and expects the same run: what a review of the first design found (the rest of the
+same execution was used instead, on the callback's clock).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from werkzeug.serving import make_server
+
+from ryusen import ConcurrentStepError, RetryPolicy, Ryusen, Step
+from ryusen._internal.serve import wsgi_app
+from ryusen._internal.wire import FEATURES_HEADER, TaskKind, TaskRequest
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.core.events import EngineSettings
+from ryusen_server.core.view import run_view
+from ryusen_server.engine import Engine, ServerSettings
+from ryusen_server.invoker import HttpInvoker
+from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
+from ryusen_server.runtime import fire_due, handle_message
+from ryusen_server.wiring import fetch_manifest
+
+CHAINING = pytest.mark.parametrize("chain_steps", [False, True], ids=["one task per message", "chained"])
+
+
+@CHAINING
+def test_a_step_refused_in_another_thread_during_the_callback_still_runs_later(chain_steps: bool) -> None:
+    """A thread's ``step.run`` is refused while the target callback runs; the function handles that and goes
+    on. The pass after the callback is a fresh replay, which reaches the step and runs it."""
+    app = Ryusen("threads")
+    ran: list[str] = []
+
+    def a() -> int:
+        ran.append("a")
+        time.sleep(0.3)
+        return 1
+
+    @app.function("fan")
+    def fan(data: Any, step: Step) -> Any:
+        def best_effort_b() -> Any:
+            time.sleep(0.1)
+            try:
+                return step.run("b", lambda: ran.append("b") or 2)
+            except ConcurrentStepError:
+                return "b-later"
+
+        with ThreadPoolExecutor(2) as pool:
+            first, second = pool.submit(step.run, "a", a), pool.submit(best_effort_b)
+            return [first.result(), second.result()]
+
+    run = WorkflowEnvironment(app, chain_steps=chain_steps).run("fan")
+    assert run.outcome == "completed" and run.output == [1, 2]
+    assert [s["id"] for s in run.steps] == ["a", "b"] and Counter(ran) == Counter({"a": 1, "b": 1})
+
+
+@CHAINING
+def test_what_a_callback_left_in_memory_does_not_decide_the_next_step(chain_steps: bool) -> None:
+    """The callback sets an attribute of an object its pass created, instead of returning it. Every replay
+    from the recorded results sees the attribute unset; so does the pass after the callback."""
+    app = Ryusen("mem")
+    ran: list[str] = []
+
+    class Booking:
+        confirmation: str | None = None
+
+    @app.function("book")
+    def book(data: Any, step: Step) -> Any:
+        booking = Booking()
+
+        def reserve() -> bool:
+            ran.append("reserve")
+            booking.confirmation = "CONF-1"  # not part of the recorded result
+            return True
+
+        step.run("reserve", reserve)
+        if booking.confirmation is None:
+            step.run("notify", lambda: ran.append("notify") or "notified")
+        return {"confirmation": booking.confirmation}
+
+    run = WorkflowEnvironment(app, chain_steps=chain_steps).run("book")
+    assert run.outcome == "completed" and run.output == {"confirmation": None}
+    assert ran == ["reserve", "notify"]
+
+
+@CHAINING
+def test_a_release_synced_while_a_callback_runs_decides_what_comes_next(chain_steps: bool) -> None:
+    """Release a ends after ship; release b, synced while ship's callback runs, adds a receipt. The task after
+    ship runs the newest release (decisions 5), so the receipt is sent, whatever a's code said next."""
+    ran: list[str] = []
+    deploys: list[Any] = []
+
+    def build(variant: str) -> Ryusen:
+        app = Ryusen("shop", release_id=f"r-{variant}", build_id=f"b-{variant}")
+
+        def ship() -> str:
+            ran.append(f"ship@{variant}")
+            while deploys:
+                deploys.pop()()
+            return "shipped"
+
+        @app.function("order")
+        def order(data: Any, step: Step) -> str:
+            step.run("ship", ship)
+            if variant == "b":
+                step.run("receipt", lambda: ran.append(f"receipt@{variant}") or "sent")
+            return "done"
+
+        return app
+
+    env = WorkflowEnvironment(build("a"), chain_steps=chain_steps)
+    deploys.append(lambda: env.sync(build("b")))
+    run = env.run("order")
+    assert run.outcome == "completed" and [s["id"] for s in run.steps] == ["ship", "receipt"]
+    assert ran == ["ship@a", "receipt@b"]
+
+
+# ---- over HTTP: the continuation has a budget of its own --------------------------------------------------
+
+
+class HttpEngine:
+    """The engine on its in-memory store and queue, on wall time, calling an app served over real HTTP."""
+
+    def __init__(self, app: Any, *, settings: EngineSettings, chain: bool = True) -> None:
+        self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/"
+
+        def clock() -> datetime:
+            return datetime.now(UTC)
+
+        self.store, self.queue, self.timers = MemoryStore(), MemoryQueue(clock), MemoryTimers(clock)
+        self.engine = Engine(
+            store=self.store,
+            queue=self.queue,
+            timers=self.timers,
+            invoker=HttpInvoker(),
+            settings=ServerSettings(engine=settings, chain=chain),
+            clock=clock,
+        )
+
+    def sync(self, app_id: str) -> None:
+        manifest, features = fetch_manifest(self.url)
+        self.engine.sync_release(app_id, self.url, manifest, features)
+
+    def drive(self, run_id: str, seconds: float) -> dict[str, Any]:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            fire_due(self.engine, self.timers.due)
+            for message in self.queue.receive(1):
+                handle_message(self.engine, self.queue, message, message.message_id)
+            view = run_view(self.store.peek(run_id))
+            if view["phase"] == "finished":
+                return view
+            time.sleep(0.02)
+        return run_view(self.store.peek(run_id))
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture
+def slow_after_charge() -> tuple[Ryusen, Counter[str]]:
+    app = Ryusen("slow")
+    calls: Counter[str] = Counter()
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> str:
+        policy = RetryPolicy(max_attempts=3, initial_delay=timedelta(seconds=0.1), on_unknown=data["on_unknown"])
+        step.run("charge", lambda: calls.update(["charge"]) or "charged", timeout=timedelta(seconds=1), retry=policy)
+        time.sleep(4.0)  # ordinary code between steps (an external read), longer than the step's timeout
+        return "ok"
+
+    return app, calls
+
+
+@pytest.mark.parametrize("on_unknown", ["block", "retry"])
+def test_slow_code_after_a_step_does_not_count_against_its_timeout(
+    slow_after_charge: tuple[Ryusen, Counter[str]], on_unknown: str
+) -> None:
+    """The charge's callback answers at once; the code after it takes longer than the charge's timeout. The
+    charge is accepted as it ran (not Unknown, not run again), and the slow pass is the server's own task."""
+    app, calls = slow_after_charge
+    http = HttpEngine(wsgi_app(app), settings=EngineSettings(lease_grace_s=1.0))
+    try:
+        http.sync("slow")
+        state, _ = http.engine.start_run("pay", {"on_unknown": on_unknown})
+        view = http.drive(state.id, 30)
+    finally:
+        http.close()
+    assert view["outcome"] == "completed" and view["blockers"] == []
+    assert [a["status"] for a in view["steps"][0]["attempts"]] == ["succeeded"] and calls["charge"] == 1
+
+
+# ---- an app on an SDK that predates continuation ---------------------------------------------------------
+
+PROTOCOL_1_REQUEST_FIELDS = {
+    "protocol",
+    "kind",
+    "run_id",
+    "function_id",
+    "input",
+    "memo",
+    "step_id",
+    "operation",
+    "forward_result",
+    "result_url",
+    "respond_by",
+}
+"""What a TaskRequest held before continuation: an SDK of then refuses any other field (400)."""
+
+
+def test_an_app_on_an_sdk_without_continuation_still_runs_with_chaining_on() -> None:
+    """Its manifest announces no features: the server never sends it ``continue_after`` (which its wire
+    models would refuse), and chains through separate discovery passes instead."""
+    app = Ryusen("legacy")
+    calls: Counter[str] = Counter()
+
+    @app.function("two")
+    def two(data: Any, step: Step) -> Any:
+        return [step.run(name, lambda name=name: calls.update([name]) or name) for name in ("a", "b")]
+
+    handler = wsgi_app(app)
+    kinds: Counter[str] = Counter()
+    refused: list[str] = []
+
+    def previous_sdk(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ["REQUEST_METHOD"] == "POST":
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            body = environ["wsgi.input"].read(length)
+            unknown = set(json.loads(body)) - PROTOCOL_1_REQUEST_FIELDS
+            if unknown:
+                refused.append(",".join(sorted(unknown)))
+                start_response("400 Bad Request", [("content-type", "application/json")])
+                return [b'{"error": {"code": "invalid_task_request"}}']
+            kinds[TaskRequest.model_validate_json(body).kind.value] += 1
+            import io
+
+            environ["wsgi.input"] = io.BytesIO(body)
+
+        def without_features(status: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
+            kept = [(k, v) for k, v in headers if k.lower() != FEATURES_HEADER.lower()]
+            return start_response(status, kept, *rest)
+
+        return handler(environ, without_features)
+
+    http = HttpEngine(previous_sdk, settings=EngineSettings())
+    try:
+        http.sync("legacy")
+        assert http.store.get_release("two") is not None and http.store.get_release("two").features == frozenset()  # type: ignore[union-attr]
+        state, _ = http.engine.start_run("two", None)
+        view = http.drive(state.id, 20)
+    finally:
+        http.close()
+    assert refused == [] and view["outcome"] == "completed" and view["output"] == ["a", "b"]
+    assert calls == Counter({"a": 1, "b": 1})
+    assert kinds == Counter({"discover": 3, "forward": 2})  # each answer needs its discovery pass, as before
+
+
+def test_a_response_without_a_continuation_has_only_protocol_1_fields() -> None:
+    """A server that predates continuation refuses unknown response fields: ``next`` is sent only when the
+    request asked for it and there is one."""
+    app = Ryusen("plain")
+
+    @app.function("one")
+    def one(data: Any, step: Step) -> Any:
+        return step.run("a", lambda: "a")
+
+    env = WorkflowEnvironment(app)
+    bodies: list[dict[str, Any]] = []
+    endpoint = env.invoker.apps["inproc://plain"]
+
+    def recording(method: str, headers: dict[str, str], body: bytes) -> Any:
+        response = endpoint(method, headers, body)
+        bodies.append({"kind": TaskRequest.model_validate_json(body).kind, "response": json.loads(response.body)})
+        return response
+
+    env.invoker.apps["inproc://plain"] = recording
+    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, chain=False)
+    assert env.run("one").outcome == "completed"
+    forward = [b["response"] for b in bodies if b["kind"] is TaskKind.FORWARD]
+    assert forward and all(set(r) == {"protocol", "kind", "run_id", "attempt", "discovery"} for r in forward)
+
+
+# ---- the dispatch message while chaining -------------------------------------------------------------------
+
+
+def test_a_chain_extends_its_message_only_when_the_next_lease_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message must come back no later than the lease of the task in flight; a chain of quick steps
+    extends it once less than half a lease is left, not at every step."""
+    from ryusen_server import engine as engine_module
+
+    now = [1000.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: now[0])
+    changes: list[tuple[float, float]] = []
+    lease = engine_module._MessageLease(lambda seconds: changes.append((now[0], seconds)))
+    lease.cover(61.0)  # the first task: the message becomes its lease
+    for _ in range(60):  # sixty one-second steps, each with a 61 s lease
+        now[0] += 1.0
+        lease.cover(61.0)
+    assert [at for at, _ in changes] == [1000.0, 1031.0]  # every ~30 s, not every step
+    covered_until = changes[-1][0] + changes[-1][1]
+    assert covered_until >= now[0] + 61.0 / 2  # it comes back before the current task's lease runs out
+    now[0] += 1.0
+    lease.cover(360.0)  # a long step next: its lease is more than what is left
+    assert changes[-1] == (now[0], 360.0)
+
+
+def test_a_chain_hands_over_to_the_queue_after_its_window_so_other_runs_get_a_dispatcher() -> None:
+    app = Ryusen("fair")
+
+    @app.function("three")
+    def three(data: Any, step: Step) -> Any:
+        return [step.run(f"s{i}", lambda i=i: i) for i in range(3)]
+
+    env = WorkflowEnvironment(app)
+    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, chain_window_s=0.0)
+    received: list[str] = []
+    receive = env.queue.receive
+
+    def counting(max_messages: int = 1) -> Any:
+        messages = receive(max_messages)
+        received.extend(m.task.run_id for m in messages)
+        return messages
+
+    env.queue.receive = counting  # type: ignore[method-assign]
+    first, second = env.start("three"), env.start("three")
+    env.drive()
+    assert env.get(first).output == [0, 1, 2] and env.get(second).output == [0, 1, 2]
+    assert received.index(second) < len(received) - received[::-1].index(first) - 1  # the runs took turns
