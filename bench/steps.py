@@ -3,6 +3,7 @@
     .venv/bin/python bench/steps.py            # 20- and 100-step runs, ryusen.testing and the ryusen dev stack
     .venv/bin/python bench/steps.py --quick    # 20 steps only
     .venv/bin/python bench/steps.py --quick --result-bytes 100000   # each result 100 KB, incompressible
+    .venv/bin/python bench/steps.py --steps 20,200,1000 --store moto --no-dev   # DynamoDB store on moto
 
 For each environment and run length it prints, per step: invocations of the
 user endpoint, store (DynamoDB) reads and writes, SQS requests and Scheduler
@@ -80,20 +81,21 @@ PRICES = {
 """us-east-1 on-demand prices (shared/facts/aws.md), dollars per million."""
 
 
-def cost_per_million_steps(steps: int, counts: dict[str, int], sent: dict[str, int]) -> dict[str, float]:
+def cost_per_million_steps(
+    steps: int, counts: dict[str, int], sent: dict[str, int], write_units: int
+) -> dict[str, float]:
     """Ryusen's own AWS cost per million steps, from the requests counted for one run.
 
-    Write units: each write is at least one unit, and every KB written is one (an estimate from the
-    bytes written: requests of a few KB dominate). Reads: one unit each. Lambda requests: one dispatch
-    invocation per message sent (the event source delivers one record per invocation).
+    Write units: as the store counted them, one per KB of each item written, twice for an item in a
+    transaction (a head update counts its changed attributes, not the whole head). Reads: one unit each
+    (every read here is under 4 KB). Lambda requests: one dispatch invocation per message sent (the event
+    source delivers one record per invocation).
     """
 
     def per(*kinds: str) -> float:
         return sum(counts.get(k, 0) for k in kinds) / steps
 
-    writes = per("store.write", "dynamodb.write")
-    written = (sent.get("store.write", 0) + sent.get("dynamodb.write", 0)) / steps
-    wru = max(writes, written / 1024)
+    wru = write_units / steps
     messages = per("sqs.send", "queue.send")
     return {
         "dynamodb": wru * PRICES["wru"] + per("store.read", "dynamodb.read") * PRICES["rru"],
@@ -103,14 +105,36 @@ def cost_per_million_steps(steps: int, counts: dict[str, int], sent: dict[str, i
     }
 
 
-def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], ms: float, wall_s: float) -> None:
+class WriteSizes:
+    """The size of every item the store writes (for the median and the write units)."""
+
+    def __init__(self, counter: Any) -> None:
+        counter.item_sizes = []
+        self.sizes: list[int] = counter.item_sizes
+
+    def line(self, steps: int) -> str:
+        if not self.sizes:
+            return ""
+        units = [max(1, -(-size // 1024)) for size in self.sizes]
+        tail = self.sizes[-max(1, len(self.sizes) // 10) :]  # the last tenth of the run's writes
+        return (
+            f"{'':26} | writes: median {statistics.median(self.sizes):,.0f} B, last tenth median"
+            f" {statistics.median(tail):,.0f} B, max {max(self.sizes):,} B; write units median"
+            f" {statistics.median(units):.0f}, max {max(units)}"
+        )
+
+
+def report(
+    env: str, steps: int, counts: dict[str, int], sent: dict[str, int], ms: float, wall_s: float, write_units: int = 0
+) -> None:
     def per(kinds: tuple[str, ...]) -> float:
         return sum(counts.get(k, 0) for k in kinds) / steps
 
+    units = f" ({write_units / steps:.2f} units)" if write_units else ""
     print(
         f"{env:15} {steps:4} steps | per step: invoke {per(('endpoint.invoke',)):.2f}"
         f"  ddb read {per(('store.read', 'dynamodb.read')):.2f}"
-        f"  ddb write {per(('store.write', 'dynamodb.write')):.2f}"
+        f"  ddb write {per(('store.write', 'dynamodb.write')):.2f}{units}"
         f"  sqs {per(SQS_KINDS):.2f}"
         f"  scheduler {per(('timers.schedule', 'scheduler.create_schedule')):.2f}"
         f" | per run: endpoint bytes {sent.get('endpoint.invoke', 0):,}"
@@ -118,25 +142,31 @@ def report(env: str, steps: int, counts: dict[str, int], sent: dict[str, int], m
         f" | median {ms:.1f} ms/step  (wall {wall_s:.2f} s)"
     )
     if "dynamodb.write" in counts:  # the in-memory store's byte counts are not DynamoDB's: no cost line
-        cost = cost_per_million_steps(steps, counts, sent)
+        cost = cost_per_million_steps(steps, counts, sent, write_units)
         parts = "  ".join(f"{k} ${v:.2f}" for k, v in cost.items())
         total = sum(cost.values())
         print(f"{'':26} | Ryusen-side cost ${total:.2f} per million steps ({parts}; Lambda duration apart)")
 
 
-def bench_testing(steps: int, result_bytes: int | None) -> None:
+def bench_testing(steps: int, result_bytes: int | None, store: str) -> None:
     from ryusen.testing import WorkflowEnvironment
+    from ryusen_server.core.events import EngineSettings
 
     namespace: dict[str, Any] = {}
     exec(compile(APP_SOURCE, "bench_app.py", "exec"), namespace)
-    env = WorkflowEnvironment(namespace["app"])
-    env.counter.reset()
-    started = time.perf_counter()
-    run = env.run("straight", {"steps": steps, "result_bytes": result_bytes})
-    wall = time.perf_counter() - started
-    assert run.outcome == "completed", run.summary
+    with WorkflowEnvironment(namespace["app"], store=store, settings=EngineSettings(max_steps=max(steps, 1000))) as env:
+        env.counter.reset()
+        sizes = WriteSizes(env.counter)
+        started = time.perf_counter()
+        run = env.run("straight", {"steps": steps, "result_bytes": result_bytes})
+        wall = time.perf_counter() - started
+        assert run.outcome == "completed", run.summary
     # virtual time does not move between steps here, so latency is wall time per step
-    report("ryusen.testing", steps, dict(env.counter.counts), dict(env.counter.bytes_sent), wall * 1000 / steps, wall)
+    name = "ryusen.testing" if store == "memory" else f"testing ({store})"
+    counter = env.counter
+    report(name, steps, dict(counter.counts), dict(counter.bytes_sent), wall * 1000 / steps, wall, counter.write_units)
+    if sizes.line(steps):
+        print(sizes.line(steps))
 
 
 def bench_dev(steps_list: list[int], result_bytes: int | None) -> None:
@@ -159,6 +189,7 @@ def bench_dev(steps_list: list[int], result_bytes: int | None) -> None:
                     finished.set()
 
             stack.wired.engine.hooks.append(on_decision)
+            sizes = WriteSizes(stack.counter)
             for steps in steps_list:
                 finished.clear()
                 stack.counter.reset()
@@ -170,9 +201,12 @@ def bench_dev(steps_list: list[int], result_bytes: int | None) -> None:
                 wall = time.perf_counter() - started
                 counts = dict(stack.counter.counts)
                 sent = dict(stack.counter.bytes_sent)
+                units = stack.counter.write_units
                 view = client.get(f"/v1/runs/{run_id}").json()
                 assert view["outcome"] == "completed", view["summary"]
-                report("ryusen dev", steps, counts, sent, per_step_ms(view), wall)
+                report("ryusen dev", steps, counts, sent, per_step_ms(view), wall, units)
+                if sizes.line(steps):
+                    print(sizes.line(steps))
         finally:
             stack.stop()
 
@@ -187,10 +221,16 @@ def main() -> int:
         default=None,
         help="each step returns this many incompressible bytes",
     )
+    parser.add_argument("--steps", default=None, help="run lengths, comma-separated (default 20,100)")
+    parser.add_argument(
+        "--store", choices=("memory", "moto"), default="memory", help="ryusen.testing's store (moto: DynamoDB's)"
+    )
     args = parser.parse_args()
     lengths = [20] if args.quick else [20, 100]
+    if args.steps:
+        lengths = [int(n) for n in args.steps.split(",")]
     for steps in lengths:
-        bench_testing(steps, args.result_bytes)
+        bench_testing(steps, args.result_bytes, args.store)
     if not args.no_dev:
         bench_dev(lengths, args.result_bytes)
     return 0

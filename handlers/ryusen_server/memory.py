@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import pydantic_core
+
+from .aws import journal
 from .core import decide as _core
 from .core.model import RunState, TaskRef, TimerRef
 from .ports import InvalidRequestError, Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
@@ -22,7 +25,8 @@ class MemoryStore:
     """Runs kept as the objects the engine wrote: a stored state is read-only (the core never changes the
     state it is given, and copies only what it changes), so a save costs the same at every run length.
     Under ``CHECK_PURITY`` (the test suite) each stored state is also kept serialized, and a read proves
-    that nothing changed it in place since it was written."""
+    that nothing changed it in place since it was written; and each save proves that the DynamoDB store's
+    journal entry for it (:mod:`.aws.journal`) reproduces it."""
 
     def __init__(self, counter: RequestCounter | None = None) -> None:
         self._runs: dict[str, RunState] = {}
@@ -73,6 +77,11 @@ class MemoryStore:
                 raise VersionConflictError(None)
             if stored.version != expected_version:
                 raise VersionConflictError(stored)
+            if _core.CHECK_PURITY:
+                # every transition the suite makes also proves the DynamoDB store's journal reproduces it
+                delta = pydantic_core.from_json(pydantic_core.to_json(journal.diff(stored, state)))
+                if journal.apply(stored, delta) != state:
+                    raise AssertionError(f"run {state.id}: a journal entry would not reproduce {state.version}")
             self._keep(state)
 
     def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:

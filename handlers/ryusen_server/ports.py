@@ -8,6 +8,7 @@ runs against both stores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -91,6 +92,8 @@ class Release:
 class RunPage:
     runs: list[RunState]
     cursor: str | None = None
+    step_counts: dict[str, int] = field(default_factory=dict)
+    """Steps of each run, where ``runs`` leaves the steps out (a store that lists runs by their summary)."""
 
 
 @dataclass(slots=True)
@@ -99,15 +102,31 @@ class RequestCounter:
 
     counts: dict[str, int] = field(default_factory=dict)
     bytes_sent: dict[str, int] = field(default_factory=dict)
+    largest_item: dict[str, int] = field(default_factory=dict)
+    """The largest single item a request of each kind wrote (bytes, as DynamoDB bills them)."""
+    item_sizes: list[int] | None = None
+    """If a list, every item written is appended, by size (benchmarks: medians)."""
+    write_units: int = 0
+    """DynamoDB write units billed for the items written: one per KB of each, twice in a transaction."""
 
-    def add(self, kind: str, nbytes: int = 0) -> None:
+    def add(self, kind: str, nbytes: int = 0, *, items: Sequence[int] = (), transactional: bool = False) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
+        if items:
+            self.write_units += sum(max(1, -(-size // 1024)) for size in items) * (2 if transactional else 1)
         if nbytes:
             self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
+        if items and (largest := max(items)) > self.largest_item.get(kind, 0):
+            self.largest_item[kind] = largest
+        if items and self.item_sizes is not None:
+            self.item_sizes.extend(items)
 
     def reset(self) -> None:
         self.counts.clear()
         self.bytes_sent.clear()
+        self.largest_item.clear()
+        self.write_units = 0
+        if self.item_sizes is not None:
+            self.item_sizes.clear()
 
 
 class RunStore(Protocol):

@@ -358,6 +358,7 @@ class RyusenEngine(Construct):
                 actions=[
                     "dynamodb:GetItem",
                     "dynamodb:PutItem",
+                    "dynamodb:UpdateItem",  # a run's head item (what a list shows), when that changes
                     "dynamodb:Query",
                     "dynamodb:BatchGetItem",
                     "dynamodb:BatchWriteItem",  # a transaction (a run with its idempotency key) needs PutItem only

@@ -75,6 +75,27 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
 
 
+class OneRequestAtATime:
+    """A DynamoDB client on moto whose requests are atomic, as DynamoDB's are: moto checks a condition and
+    then writes without a lock, so two threads can both pass it (a transaction, which copies the table
+    first, leaves a wide window). Concurrent requests here are serialized, not reordered."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method) or name.startswith("_") or name in ("meta", "exceptions", "get_waiter"):
+            return method
+
+        def atomic(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return method(*args, **kwargs)
+
+        return atomic
+
+
 @pytest.fixture(params=["memory", "dynamodb"])
 def store(request: pytest.FixtureRequest, aws_env: None) -> Iterator[RunStore]:
     if request.param == "memory":
@@ -83,7 +104,7 @@ def store(request: pytest.FixtureRequest, aws_env: None) -> Iterator[RunStore]:
     with mock_aws():
         client = boto3.client("dynamodb", region_name="us-east-1")
         create_table(client, TABLE)
-        yield DynamoStore(client, TABLE, RequestCounter())
+        yield DynamoStore(OneRequestAtATime(client), TABLE, RequestCounter())  # type: ignore[arg-type]
 
 
 # ---- runs driven through the real core ----------------------------------------------
@@ -210,8 +231,9 @@ def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs
     state = runs.fail(state)  # the unwind starts: the compensation tasks carry the recorded results
     assert state.run_bytes > 1_000_000 and state.recovery == "compensating"
     assert store.get("run_big") == state
-    [listed] = store.list_runs().runs  # a listing may leave large values out: what it shows is the same
-    assert run_summary_view(listed) == run_summary_view(state)
+    page = store.list_runs()  # a listing may leave large values and steps out: what it shows is the same
+    [listed] = page.runs
+    assert run_summary_view(listed, page.step_counts.get(listed.id)) == run_summary_view(state)
 
 
 def test_a_run_of_many_steps_with_results_just_under_the_offload_size_round_trips(store: RunStore) -> None:
@@ -515,13 +537,23 @@ def test_dynamo_one_request_per_store_call_on_the_step_path(dynamo: DynamoStore)
     assert dynamo.counter.counts == {"dynamodb.write": 1}
     dynamo.counter.reset()
     assert dynamo.get("run_1") == started
-    runs.cancel(started)
-    assert dynamo.counter.counts == {"dynamodb.read": 1, "dynamodb.write": 1}
-    assert 0 < dynamo.counter.bytes_sent["dynamodb.write"] < 1024  # the body is compressed
+    stepped = runs.run_step(started, "reserve", {"ok": True})
     dynamo.counter.reset()
-    with pytest.raises(VersionConflictError):
-        dynamo.save(started, expected_version=started.version)
-    assert dynamo.counter.counts == {"dynamodb.write": 1}  # the current run comes back in the error
+    assert dynamo.get("run_1") == stepped
+    runs.run_step(stepped, "charge", {"ok": True})
+    # a transition that changes no summary field is one journal entry (written after the one read)
+    assert dynamo.counter.counts == {"dynamodb.read": 1, "dynamodb.write": 4}
+    assert dynamo.counter.largest_item["dynamodb.write"] < 1024  # the entry carries the change only
+    dynamo.counter.reset()
+    runs.cancel(dynamo.get("run_1"))
+    # the cancel changes what a list shows: its journal entry and the head item, in one transaction
+    assert dynamo.counter.counts == {"dynamodb.read": 1, "dynamodb.write": 1}
+    dynamo.counter.reset()
+    with pytest.raises(VersionConflictError) as exc:
+        dynamo.save(stepped.model_copy(update={"version": stepped.version + 1}), expected_version=stepped.version)
+    assert exc.value.current == dynamo.peek("run_1")
+    # the write's condition fails; the current run is the cached one and the entries after it (one query)
+    assert dynamo.counter.counts == {"dynamodb.read": 1}
 
 
 def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> None:
@@ -547,12 +579,14 @@ def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> N
 def test_dynamo_a_listing_reads_no_large_values(dynamo: DynamoStore) -> None:
     runs = Runs(dynamo)
     state = runs.run_step(runs.start("run_big", input={"blob": incompressible(0)}), "reserve", {"b": incompressible(1)})
+    state = runs.complete(state)  # a running run's step count in a list may lag (exact once it ends)
     cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
-    [listed] = cold.list_runs().runs
-    # one index query per shard, then the bodies: no value items
+    page = cold.list_runs()
+    [listed] = page.runs
+    # one index query per shard, then the head items: no value items, no journal
     assert cold.counter.counts == {"dynamodb.read": LIST_SHARDS + 1}
-    assert listed.input is None and listed.steps[0].result is None
-    assert run_summary_view(listed) == run_summary_view(state)
+    assert listed.input is None and listed.steps == [] and page.step_counts == {"run_big": 1}
+    assert run_summary_view(listed, page.step_counts["run_big"]) == run_summary_view(state)
 
 
 def test_dynamo_refuses_a_run_item_over_the_item_limit_before_writing_anything(dynamo: DynamoStore) -> None:
@@ -573,10 +607,11 @@ def test_dynamo_keeps_well_compressing_small_values_in_a_big_body_when_that_is_s
     state = run_of_many_steps(
         "run_mixed", 200, lambda i: {"name": incompressible(i, 1000), "result": {"note": f"{i} " + "ok " * 150}}
     )
-    first = dynamo_store._encode_with(state, dynamo_store.OFFLOAD_BYTES)
-    assert len(first.item["body"]["B"]) > dynamo_store.BODY_BUDGET_BYTES and not first.values
-    chosen = dynamo_store._encode_run(state)
-    assert chosen.values == {} and chosen.item["body"] == first.item["body"]
+    doc = state.model_dump(mode="json")
+    first = dynamo_store._pack_with(doc, dynamo_store.OFFLOAD_BYTES)
+    assert len(first.blob) > dynamo_store.BODY_BUDGET_BYTES and not first.values
+    chosen = dynamo_store._pack(doc, budget=dynamo_store.BODY_BUDGET_BYTES)
+    assert chosen.values == {} and chosen.blob == first.blob
     dynamo.create(state)
     assert dynamo.get("run_mixed") == state
 

@@ -263,6 +263,7 @@ KEPT = {
         "dynamodb:GetItem",
         "dynamodb:PutItem",
         "dynamodb:Query",
+        "dynamodb:UpdateItem",
         "sqs:SendMessage",
         "scheduler:CreateSchedule",
         "scheduler:DeleteSchedule",
@@ -277,6 +278,7 @@ KEPT = {
         "dynamodb:GetItem",
         "dynamodb:PutItem",
         "dynamodb:Query",
+        "dynamodb:UpdateItem",
         "sqs:SendMessage",
         "sqs:ChangeMessageVisibility",
         # what the SQS event source does on the function's behalf

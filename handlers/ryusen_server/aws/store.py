@@ -5,9 +5,15 @@ Theory of operation. Every item has a string ``pk`` and ``sk``:
 =============================  ===========  ==========================================
 pk                             sk           what
 =============================  ===========  ==========================================
-``RUN#{run_id}``               ``RUN``      the run: ``version`` (N), ``body`` (B,
-                                            zlib of the run's JSON, large values
-                                            left out), and index attributes (below)
+``RUN#{run_id}``               ``RUN``      the run's head: ``body`` (B, zlib of the run's
+                                            JSON when it was created, large values left
+                                            out), ``summary`` (B, what a list shows),
+                                            ``step_count``, ``head_version`` and the
+                                            index attributes (below)
+``RUN#{run_id}``               ``EV#{version:012d}``
+                                            a journal entry: ``entry`` (B, zlib of what
+                                            changed from the version before, see
+                                            :mod:`.journal`, large values left out)
 ``RUN#{run_id}``               ``VAL#{sha256}``
                                             one large value of the run (``value``,
                                             B, zlib of its JSON), content-addressed
@@ -22,7 +28,26 @@ pk                             sk           what
 unambiguous even when a function id or a key contains ``#``. App releases
 share one partition so that ``list_releases`` is one Query, not a Scan.)
 
-A run item carries the index attributes ``function_id``, ``phase``,
+The journal (docs/design/run-journal.md). A run is its head's ``body`` with
+its entries applied in order. A save writes the entry of the next version
+with ``attribute_not_exists(sk)``: of two writers of one version exactly one
+succeeds, so the entry's key is the fence. An entry holds only what the
+decision changed (a step or two, an attempt, a few run fields), so a write
+costs the same at step 10 and at step 10,000; an entry over
+:data:`ENTRY_BUDGET_BYTES` packed also moves its smaller values out, to stay
+within two write units. A process keeps the newest state of the runs it
+touched (:class:`_RunCache`): reading one is a consistent Query for the
+entries after that version, usually none. A process that never saw the run
+reads the head and every entry in one (paginated) Query.
+
+The head shows what a list shows. A save that changes it (phase, outcome,
+recovery, blockers, the finish, the step count every
+:data:`STEP_COUNT_REFRESH` steps and each doubling after) writes its entry and the head's update in
+one transaction, the update conditioned on an older ``head_version``: a list
+never shows a version that was not written, nor misses one that was. Such
+saves are a few per run; every other save is the entry's PutItem alone.
+
+The head carries the index attributes ``function_id``, ``phase``,
 ``outcome`` (only once decided) and ``created_at`` (fixed-width UTC ISO), and
 two GSIs read them:
 
@@ -33,50 +58,37 @@ two GSIs read them:
   ``{created_at}#{run_id}``. A page queries every shard newest first
   (``ScanIndexForward=False``, before the cursor), merges, and keeps the
   newest; the cursor is the ``list_sk`` of the last run returned. The index
-  projects only the filter attributes (not the body): a save that changes
-  neither phase nor outcome then costs no index write, which keeps the
-  per-step path at one write. A page's bodies are fetched with one
-  BatchGetItem.
+  projects only the filter attributes. A page's summaries are fetched with
+  one BatchGetItem of the heads (the runs it returns carry no steps; the page
+  gives their step counts).
 * ``runs_blocked_by_definition``: partition ``blocked_fn`` = function id, an
   attribute written only while the run has a duplicate-step-id blocker (a
   sparse index, keys only).
 
-Large values. A JSON value of the run (its input, output and error, a step's
+Large values. A JSON value (a run's input, output and error, a step's
 result, error, compensation result and compensation error, an attempt's
 error, a stale submission's outcome) over :data:`OFFLOAD_BYTES` serialized is
-not kept in the body: the body records where it goes and the SHA-256 digest of
-its JSON, and the value is an item of its own keyed by that digest. So the run
-item stays small however large its values (each up to 256 KiB, a run's input
-and results up to 4 MiB together, far past DynamoDB's 400 KB item limit), and
-the per-step rewrite of the run item does not rewrite old results. A run with
-many steps and many smaller values, whose compressed body would pass
-:data:`BODY_BUDGET_BYTES`, keeps only values up to :data:`SMALL_OFFLOAD_BYTES`
-in its body when that makes the body smaller. With the engine's step limit
-that keeps a run under the item limit unless it has thousands of attempts
-(docs/design/engine.md, "Known gaps"); a save past it is
-:class:`PayloadTooLargeError`, before any value item is written.
+not kept in the head or an entry: the item records where it goes and the
+SHA-256 digest of its JSON, and the value is an item of its own keyed by that
+digest. A value item never changes (its key is its content), so it needs no
+fencing: new value items are written first (BatchWriteItem), then the entry.
+If that write loses a race, the value items stay and are simply found again
+when the winning or the next decision refers to them. A process remembers the
+values it has written or read (:class:`_ValueCache`), so a value is written
+once and, in a warm process, read once.
 
-A listing reads run bodies only: its runs carry None where large values were
-(the summary a list shows needs none of them).
+Retention. A run's items carry no ``expires_at`` while it lives. The save
+that finishes it sets it on the head and its entry (one transaction), then
+writes its earlier entries, its value items and its idempotency key again
+with it. DynamoDB deletes expired items late and in no order, so a read that
+meets any expired item of a run answers that the run is gone.
 
-A value item never changes (its key is its content), so it needs no fencing:
-new value items are written first (BatchWriteItem), then the run item with its
-conditional write. If that write loses a race, the value items stay and are
-simply found again when the winning or the next decision refers to them. A
-process remembers the values it has written or read (:class:`_ValueCache`), so
-a value is written once and, in a warm process, read once. Reading a run is a
-GetItem, plus one BatchGetItem when it refers to values this process has not
-seen. A run's value items share its partition, so whatever removes a run later
-finds them with one Query.
-
-Writes: ``create`` is a conditional Put (``attribute_not_exists(pk)``), or a
-transaction of that Put and the idempotency item's conditional Put when the
-run has a key; ``save`` is one Put conditioned on ``version = :expected``
-(each after the new value items, if any). A
-failed condition becomes :class:`RunExistsError` or
-:class:`VersionConflictError` carrying the current item, read from the error
-itself (``ReturnValuesOnConditionCheckFailure=ALL_OLD``), never by a second
-request. Every run write carries a fresh ``write_token``: when botocore
+Writes: ``create`` is a conditional Put of the head
+(``attribute_not_exists(pk)``), or a transaction of that Put and the
+idempotency item's conditional Put when the run has a key. A failed
+condition becomes :class:`RunExistsError` or :class:`VersionConflictError`
+(carrying the current run: the cached state and the entries after it, one
+Query). Every run write carries a fresh ``write_token``: when botocore
 retries a write whose first try committed but whose reply was lost, the retry
 fails its own condition, and the token on the item it finds tells the store
 that the write was its own (a success), not someone else's. Every request is
@@ -105,6 +117,7 @@ import pydantic_core
 from botocore.exceptions import ClientError
 from pydantic import TypeAdapter
 
+from ..core import decide as _core
 from ..core.model import RunState
 from ..ports import (
     InvalidRequestError,
@@ -116,6 +129,7 @@ from ..ports import (
     ServerError,
     VersionConflictError,
 )
+from . import journal
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
@@ -140,6 +154,17 @@ SMALL_OFFLOAD_BYTES = 128
 """...and over this many, in a run whose body would otherwise pass the budget (compressed)."""
 VALUE_CACHE_BYTES = 64 * 1024 * 1024
 """How many bytes of large values one process remembers."""
+RUN_CACHE_RUNS = 256
+"""How many runs' newest states one process remembers."""
+ENTRY_BUDGET_BYTES = 1536
+"""A journal entry's packed change over this many bytes also offloads its values over ``SMALL_OFFLOAD_BYTES``
+(so that an entry stays within 2 write units, 2 KB with its key and attribute names)."""
+STEP_COUNT_REFRESH = 100
+"""A run's head item (what a list shows) is rewritten with its step count at this many steps, and at each
+doubling after (see ``_step_count_band``)."""
+HEAD_SK = "RUN"
+ENTRY_PREFIX = "EV#"
+VALUE_PREFIX = "VAL#"
 
 _RELEASE = TypeAdapter(Release)
 _TRANSIENT_RETRIES = 5
@@ -198,68 +223,78 @@ def _utc_iso(moment: datetime) -> str:
 
 Path = list[str | int]
 
+VALUE_KEYS = frozenset(("input", "output", "error", "result", "compensation_result", "compensation_error", "outcome"))
+"""The fields that hold a JSON value of unbounded size (the offload candidates), at any depth of a dumped
+run or a journal delta; a value is never looked into."""
 
-def _value_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, Path]]:
-    """Every place in a dumped run that holds a JSON value of unbounded size (the offload candidates)."""
-    for key in ("input", "output", "error"):
-        yield doc, key, [key]
-    for i, step in enumerate(doc.get("steps", [])):
-        for key in ("result", "compensation_result", "error", "compensation_error"):
-            yield step, key, ["steps", i, key]
-        for j, attempt in enumerate(step.get("attempts", [])):
-            yield attempt, "error", ["steps", i, "attempts", j, "error"]
-            for k, submission in enumerate(attempt.get("stale_submissions", [])):
-                yield submission, "outcome", ["steps", i, "attempts", j, "stale_submissions", k, "outcome"]
+
+def _offload(doc: Any, offload_bytes: int) -> tuple[list[tuple[Path, str]], dict[str, bytes]]:
+    """Take every value over ``offload_bytes`` serialized out of ``doc`` (in place): where each went, by
+    digest, and the values."""
+    offloaded: list[tuple[Path, str]] = []
+    values: dict[str, bytes] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        children: Iterator[tuple[str | int, Any]]
+        children = iter(node.items()) if isinstance(node, dict) else enumerate(node)
+        for key, value in list(children):
+            if value is None:
+                continue
+            if isinstance(key, str) and key in VALUE_KEYS and isinstance(node, dict):
+                raw = pydantic_core.to_json(value)
+                if len(raw) > offload_bytes:
+                    digest = hashlib.sha256(raw).hexdigest()
+                    node[key] = None
+                    offloaded.append(([*path, key], digest))
+                    values[digest] = raw
+            elif isinstance(value, dict | list):
+                walk(value, [*path, key])
+
+    walk(doc, [])
+    return offloaded, values
 
 
 def _value_key(run_id: str, digest: str) -> dict[str, AttributeValueTypeDef]:
     return {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": f"VAL#{digest}"}}
 
 
+def _entry_key(run_id: str, version: int) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": f"{ENTRY_PREFIX}{version:012d}"}}
+
+
 @dataclass(frozen=True, slots=True)
-class _Encoded:
-    item: dict[str, AttributeValueTypeDef]
+class _Packed:
+    blob: bytes
+    """zlib of ``{"doc": ..., "offloaded": [[path, digest], ...]}``"""
     values: dict[str, bytes]
-    """The run's large values: digest to serialized JSON."""
+    """The large values: digest to serialized JSON."""
 
 
-def _encode_run(state: RunState) -> _Encoded:
-    """The run item and its large values; a run whose body passes the budget keeps only small values in it,
-    when that makes the body smaller (a value that compresses well can cost less inline than its digest)."""
-    encoded = _encode_with(state, OFFLOAD_BYTES)
-    if len(encoded.item["body"]["B"]) > BODY_BUDGET_BYTES:
-        smaller = _encode_with(state, SMALL_OFFLOAD_BYTES)
-        if len(smaller.item["body"]["B"]) < len(encoded.item["body"]["B"]):
+def _pack(doc: Any, *, budget: int) -> _Packed:
+    """``doc`` compressed, its values over :data:`OFFLOAD_BYTES` out; if that is still over ``budget`` bytes,
+    also those over :data:`SMALL_OFFLOAD_BYTES`, when that makes it smaller."""
+    packed = _pack_with(doc, OFFLOAD_BYTES)
+    if len(packed.blob) > budget:
+        smaller = _pack_with(doc, SMALL_OFFLOAD_BYTES)
+        if len(smaller.blob) < len(packed.blob):
             return smaller
-    return encoded
+    return packed
 
 
-def _encode_with(state: RunState, offload_bytes: int) -> _Encoded:
-    doc = state.model_dump(mode="json")
-    offloaded: list[tuple[Path, str]] = []
-    values: dict[str, bytes] = {}
-    for holder, key, path in _value_slots(doc):
-        value = holder.get(key)
-        if value is None:
-            continue
-        raw = pydantic_core.to_json(value)
-        if len(raw) <= offload_bytes:
-            continue
-        digest = hashlib.sha256(raw).hexdigest()
-        holder[key] = None
-        offloaded.append((path, digest))
-        values[digest] = raw
-    body = pydantic_core.to_json({"state": doc, "offloaded": offloaded})
-    return _Encoded(item=_run_item(state, zlib.compress(body)), values=values)
+def _pack_with(doc: Any, offload_bytes: int) -> _Packed:
+    doc = pydantic_core.from_json(pydantic_core.to_json(doc))  # a copy to take values out of
+    offloaded, values = _offload(doc, offload_bytes)
+    blob = zlib.compress(pydantic_core.to_json({"doc": doc, "offloaded": offloaded}))
+    return _Packed(blob=blob, values=values)
 
 
-def _split_body(item: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Path, str]]]:
-    """A run item's state (large values still out) and where each large value goes."""
-    loaded = pydantic_core.from_json(zlib.decompress(item["body"]["B"]))
-    return loaded["state"], [(path, digest) for path, digest in loaded["offloaded"]]
+def _unpack(blob: bytes) -> tuple[Any, list[tuple[Path, str]]]:
+    """A packed document (large values still out) and where each large value goes."""
+    loaded = pydantic_core.from_json(zlib.decompress(blob))
+    return loaded["doc"], [(path, digest) for path, digest in loaded["offloaded"]]
 
 
-def _place(doc: dict[str, Any], path: Path, value: Any) -> None:
+def _place(doc: Any, path: Path, value: Any) -> None:
     target: Any = doc
     for part in path[:-1]:
         target = target[part]
@@ -302,17 +337,77 @@ class _ValueCache:
                 self._bytes -= len(dropped)
 
 
-def _run_item(state: RunState, body: bytes) -> dict[str, AttributeValueTypeDef]:
+class _RunCache:
+    """The newest state of each run this process has read or written, least recently used out first.
+
+    Never trusted as current: a read asks only for the journal entries after the
+    cached version (one Query), and a write is fenced by its entry's key. A
+    cached state is read-only, like every state the core is given.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._runs: OrderedDict[str, RunState] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, run_id: str) -> RunState | None:
+        with self._lock:
+            state = self._runs.get(run_id)
+            if state is not None:
+                self._runs.move_to_end(run_id)
+            return state
+
+    def put(self, state: RunState) -> None:
+        with self._lock:
+            held = self._runs.get(state.id)
+            if held is not None and held.version > state.version:
+                return  # a concurrent read in this process saw newer entries
+            self._runs[state.id] = state
+            self._runs.move_to_end(state.id)
+            while len(self._runs) > self._limit:
+                self._runs.popitem(last=False)
+
+
+def _step_count_band(steps: int) -> int:
+    """0 below :data:`STEP_COUNT_REFRESH` steps, then one more each time the count doubles: the head's step
+    count is rewritten when the band changes (a listed count is at least half the real one, and a run of
+    10,000 steps rewrites it 7 times)."""
+    return 0 if steps < STEP_COUNT_REFRESH else (steps // STEP_COUNT_REFRESH).bit_length()
+
+
+def _head_fields(state: RunState, expires: int | None) -> tuple[Any, ...]:
+    """What a run's head item shows (a run list's summary and the index attributes): the head is rewritten
+    when this changes (the step count in bands, ``_step_count_band``)."""
+    return (
+        state.phase,
+        state.outcome,
+        state.recovery,
+        state.finished_at,
+        tuple(b.message for b in state.blockers),
+        state.blocked_by_definition,
+        _step_count_band(len(state.steps)),
+        expires,
+    )
+
+
+def _summary_doc(state: RunState) -> dict[str, Any]:
+    """The run as a list shows it: every field but the steps and the unwind, large values left out."""
+    doc = state.model_dump(mode="json", exclude={"steps", "unwind"})
+    _offload(doc, SMALL_OFFLOAD_BYTES)  # keeps the head, rewritten with the summary, at about one write unit
+    return doc
+
+
+def _index_attributes(state: RunState) -> dict[str, AttributeValueTypeDef]:
     created = _utc_iso(state.created_at)
     item: dict[str, AttributeValueTypeDef] = {
-        **_run_key(state.id),
-        "version": {"N": str(state.version)},
-        "body": {"B": body},
         "function_id": {"S": state.function_id},
         "phase": {"S": state.phase.value},
         "created_at": {"S": created},
         "list_pk": {"S": _list_partition(state.id)},
         "list_sk": {"S": f"{created}#{state.id}"},
+        "summary": {"B": zlib.compress(pydantic_core.to_json(_summary_doc(state)))},
+        "step_count": {"N": str(len(state.steps))},
+        "head_version": {"N": str(state.version)},
     }
     if state.outcome is not None:
         item["outcome"] = {"S": state.outcome.value}
@@ -387,33 +482,119 @@ class DynamoStore:
         self.retention_s = retention_s
         """How long a finished run's items are kept (the table's TTL attribute ``expires_at``); None: forever."""
         self._values = _ValueCache(VALUE_CACHE_BYTES)
+        self._runs = _RunCache(RUN_CACHE_RUNS)
 
     # ---- runs -----------------------------------------------------------------------
 
     def get(self, run_id: str) -> RunState | None:
-        self.counter.add("dynamodb.read")
-        # consistent: the engine decides on what it reads, then writes on that version
-        item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
-        if not item or _expired(item):
-            return None  # past its retention: DynamoDB deletes expired items late and in no order
-        return self._decode([item])[0]
+        return self._read(run_id, count=True)
 
     def peek(self, run_id: str) -> RunState | None:
         """Read without counting a request (test harness and benchmark bookkeeping)."""
-        item = self._client.get_item(TableName=self.table_name, Key=_run_key(run_id), ConsistentRead=True).get("Item")
-        return self._decode([item], count=False)[0] if item else None
+        return self._read(run_id, count=False)
+
+    def _read(self, run_id: str, *, count: bool) -> RunState | None:
+        """The run as of its newest journal entry: the cached state and the entries after it (one Query), or
+        the head and every entry (a run this process has not seen)."""
+        cached = self._runs.get(run_id)
+        if cached is not None:
+            if self._past_retention(cached):
+                return None
+            after = f"{ENTRY_PREFIX}{cached.version + 1:012d}"
+            items = self._query_run(run_id, after, f"{ENTRY_PREFIX}~", count=count)
+            if not items:
+                return cached
+            if any(_expired(item) for item in items):
+                return None
+            state = self._replay(run_id, cached, items, count=count)
+            self._runs.put(state)
+            return state
+        # consistent: the engine decides on what it reads, then writes on that version
+        items = self._query_run(run_id, ENTRY_PREFIX, HEAD_SK, count=count)
+        if not items or items[-1]["sk"]["S"] != HEAD_SK:
+            return None
+        head, entries = items[-1], items[:-1]
+        if any(_expired(item) for item in items):
+            return None  # past its retention: DynamoDB deletes expired items late and in no order
+        base_doc, offloaded = _unpack(head["body"]["B"])
+        self._fill(run_id, [(base_doc, offloaded)], count=count)
+        base = RunState.model_validate(base_doc)
+        state = self._replay(run_id, base, entries, count=count)
+        self._runs.put(state)
+        return state
+
+    def _past_retention(self, state: RunState) -> bool:
+        expires = self._expires_at(state)
+        return expires is not None and expires <= time.time()
+
+    def _query_run(self, run_id: str, low: str, high: str, *, count: bool) -> list[Mapping[str, Any]]:
+        """A run's items with ``low <= sk <= high``, in key order (every page)."""
+        query: QueryInputTypeDef = {
+            "TableName": self.table_name,
+            "KeyConditionExpression": "pk = :pk AND sk BETWEEN :low AND :high",
+            "ExpressionAttributeValues": {":pk": {"S": f"RUN#{run_id}"}, ":low": {"S": low}, ":high": {"S": high}},
+            "ConsistentRead": True,
+        }
+        items: list[Mapping[str, Any]] = []
+        while True:
+            if count:
+                self.counter.add("dynamodb.read")
+            response = self._client.query(**query)
+            items.extend(response.get("Items", []))
+            start = response.get("LastEvaluatedKey")
+            if not start:
+                return items
+            query["ExclusiveStartKey"] = start
+
+    def _replay(self, run_id: str, state: RunState, entries: Sequence[Mapping[str, Any]], *, count: bool) -> RunState:
+        """``state`` with the journal ``entries`` after it applied, in order (each must be the next version)."""
+        unpacked = [_unpack(entry["entry"]["B"]) for entry in entries]
+        self._fill(run_id, unpacked, count=count)
+        for entry, (delta, _) in zip(entries, unpacked, strict=True):
+            version = int(str(entry["sk"]["S"]).removeprefix(ENTRY_PREFIX))
+            if version != state.version + 1:
+                raise RuntimeError(f"run {run_id}: journal entry {version} follows version {state.version}")
+            state = journal.apply(state, delta)
+            if state.version != version:
+                raise RuntimeError(f"run {run_id}: journal entry {version} holds version {state.version}")
+        return state
 
     def create(self, state: RunState) -> None:
-        encoded = self._write_values_and_encode(state)
-        run = encoded.item
+        packed = _pack(state.model_dump(mode="json"), budget=BODY_BUDGET_BYTES)
+        run: dict[str, AttributeValueTypeDef] = {
+            **_run_key(state.id),
+            "body": {"B": packed.blob},
+            **_index_attributes(state),
+        }
+        if (size := _item_bytes(run)) > MAX_ITEM_BYTES:
+            raise PayloadTooLargeError(
+                f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}"
+            )
+        self._write_values(state.id, packed.values)
         if state.idempotency_key is None:
             self._put_new_run(state, run)
         else:
             self._put_new_run_with_key(state, run, state.idempotency_key)
+        self._runs.put(state)
+
+    def _fill(self, run_id: str, docs: Sequence[tuple[Any, Sequence[tuple[Path, str]]]], *, count: bool) -> None:
+        """Put the large values back into ``docs`` (in place): from the cache, else in BatchGetItem requests."""
+        wanted = {digest for _, offloaded in docs for _, digest in offloaded}
+        found = {d: raw for d in wanted if (raw := self._values.get(run_id, d)) is not None}
+        missing = sorted(wanted - found.keys())
+        if missing:
+            found.update(
+                {d: raw for (_, d), raw in self._read_values([(run_id, d) for d in missing], count=count).items()}
+            )
+        for doc, offloaded in docs:
+            for path, digest in offloaded:
+                if digest not in found:
+                    raise RuntimeError(f"run {run_id}: its value item {digest} is missing")
+                _place(doc, path, pydantic_core.from_json(found[digest]))
 
     def _put_new_run(self, state: RunState, run: dict[str, AttributeValueTypeDef]) -> None:
         run, token = _with_write_token(run)
-        self.counter.add("dynamodb.write", _item_bytes(run))
+        self.counter.add("dynamodb.write", _item_bytes(run), items=[_item_bytes(run)])
         try:
             self._client.put_item(
                 TableName=self.table_name,
@@ -439,7 +620,8 @@ class DynamoStore:
             raise InvalidRequestError("idempotency key is too long", code="idempotency_key_too_long")
         run, token = _with_write_token(run)
         for attempt in range(_TRANSIENT_RETRIES):
-            self.counter.add("dynamodb.write", _item_bytes(run) + _item_bytes(idem))
+            sizes = [_item_bytes(run), _item_bytes(idem)]
+            self.counter.add("dynamodb.write", sum(sizes), items=sizes, transactional=True)
             try:
                 self._client.transact_write_items(
                     TransactItems=[
@@ -494,54 +676,137 @@ class DynamoStore:
         return str(item["run_id"]["S"])
 
     def save(self, state: RunState, *, expected_version: int) -> None:
-        encoded = self._write_values_and_encode(state)
-        run, token = _with_write_token(encoded.item)
+        """Append the journal entry of ``state``'s version: a Put that only succeeds if no entry holds that
+        version yet (the fence), carrying what changed since ``expected_version``. When what a list shows
+        changes too, the head item's update goes in the same transaction."""
+        base = self._runs.get(state.id)
+        if base is None or base.version != expected_version:
+            base = self.get(state.id)
+            if base is None or base.version != expected_version:
+                raise VersionConflictError(base)
+        if state.version != expected_version + 1:
+            raise ValueError(f"run {state.id}: version {state.version} does not follow {expected_version}")
+        delta = journal.diff(base, state)
+        if _core.CHECK_PURITY and journal.apply(base, pydantic_core.from_json(pydantic_core.to_json(delta))) != state:
+            raise AssertionError(f"run {state.id}: its journal entry does not reproduce version {state.version}")
         expires = self._expires_at(state)
+        packed = _pack(delta, budget=ENTRY_BUDGET_BYTES)
+        entry: dict[str, AttributeValueTypeDef] = {**_entry_key(state.id, state.version), "entry": {"B": packed.blob}}
         if expires is not None:
-            run["expires_at"] = expires
-        self.counter.add("dynamodb.write", _item_bytes(run))
+            entry["expires_at"] = {"N": str(expires)}
+        if (size := _item_bytes(entry)) > MAX_ITEM_BYTES:
+            raise PayloadTooLargeError(
+                f"run {state.id}: one change of {size} bytes is larger than a DynamoDB item ({MAX_ITEM_BYTES})"
+            )
+        self._write_values(state.id, packed.values, expires)
+        entry, token = _with_write_token(entry)
+        if _head_fields(state, expires) == _head_fields(base, self._expires_at(base)):
+            self._put_entry(state, entry, token)
+        else:
+            self._put_entry_and_head(state, entry, token, expires)
+        self._runs.put(state)
+        if expires is not None and self._expires_at(base) != expires:
+            self._expire_run(state, expires)
+
+    def _put_entry(self, state: RunState, entry: dict[str, AttributeValueTypeDef], token: str) -> None:
+        self.counter.add("dynamodb.write", _item_bytes(entry), items=[_item_bytes(entry)])
         try:
             self._client.put_item(
                 TableName=self.table_name,
-                Item=run,
-                ConditionExpression="version = :expected",
-                ExpressionAttributeValues={":expected": {"N": str(expected_version)}},
+                Item=entry,
+                ConditionExpression="attribute_not_exists(sk)",
                 ReturnValuesOnConditionCheckFailure="ALL_OLD",
             )
         except ClientError as exc:
-            if _error_code(exc) == "ConditionalCheckFailedException":
-                # the stored run (if any) comes back in the error: no second read
-                current = cast("Mapping[str, Any]", exc.response).get("Item")
-                if _written_by(current, token):
-                    return  # our first try committed; this was botocore's retry of it
-                raise VersionConflictError(self._decode([current])[0] if current else None) from None
-            if _is_item_too_large(exc):
-                raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
-            raise
-        if expires is not None:
-            self._expire_with_run(state, encoded.values, expires)
+            if _error_code(exc) != "ConditionalCheckFailedException":
+                raise
+            if not _written_by(cast("Mapping[str, Any]", exc.response).get("Item"), token):
+                raise VersionConflictError(self.get(state.id)) from None
+            # our first try committed; this was botocore's retry of it
 
-    def _expires_at(self, state: RunState) -> AttributeValueTypeDef | None:
+    def _put_entry_and_head(
+        self, state: RunState, entry: dict[str, AttributeValueTypeDef], token: str, expires: int | None
+    ) -> None:
+        """The entry and the head's new summary in one transaction: a list never shows a version that was
+        not written, and never misses one that was (a few writes in a run's life: start, blockers, end)."""
+        attributes = _index_attributes(state)
+        if expires is not None:
+            attributes["expires_at"] = {"N": str(expires)}
+        names = {f"#{name}": name for name in attributes}
+        values = {f":{name}": value for name, value in attributes.items()}
+        expression = "SET " + ", ".join(f"#{name} = :{name}" for name in attributes)
+        dropped = [name for name in ("outcome", "blocked_fn") if name not in attributes]
+        if dropped:
+            expression += " REMOVE " + ", ".join(f"#{name}" for name in dropped)
+            names.update({f"#{name}": name for name in dropped})
+        sizes = [_item_bytes(entry), _item_bytes(attributes)]
+        for attempt in range(_TRANSIENT_RETRIES):
+            self.counter.add("dynamodb.write", sum(sizes), items=sizes, transactional=True)
+            try:
+                self._client.transact_write_items(
+                    TransactItems=[
+                        {
+                            "Put": {
+                                "TableName": self.table_name,
+                                "Item": entry,
+                                "ConditionExpression": "attribute_not_exists(sk)",
+                                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+                            }
+                        },
+                        {
+                            "Update": {
+                                "TableName": self.table_name,
+                                "Key": _run_key(state.id),
+                                "UpdateExpression": expression,
+                                "ConditionExpression": "attribute_exists(pk) AND #head_version < :head_version",
+                                "ExpressionAttributeNames": names,
+                                "ExpressionAttributeValues": values,
+                            }
+                        },
+                    ]
+                )
+                return
+            except ClientError as exc:
+                if _error_code(exc) != "TransactionCanceledException":
+                    raise
+                cancelled = cast("list[Mapping[str, Any]]", exc.response.get("CancellationReasons", []))
+                reasons = [r.get("Code", "None") for r in cancelled]
+                if reasons and reasons[0] == "ConditionalCheckFailed":
+                    if _written_by(cancelled[0].get("Item"), token):
+                        return  # our first try committed; this was botocore's retry of it
+                    raise VersionConflictError(self.get(state.id)) from None
+                if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
+                    # no head at an older version: the run is gone (past its retention) or never was
+                    raise VersionConflictError(self.get(state.id)) from None
+                if "ValidationError" in reasons:
+                    raise PayloadTooLargeError(f"run {state.id}: a change is larger than a DynamoDB item") from None
+                if "TransactionConflict" not in reasons or attempt == _TRANSIENT_RETRIES - 1:
+                    raise
+                time.sleep(0.02 * 2**attempt)  # another transaction on the head is in flight
+
+    def _expires_at(self, state: RunState) -> int | None:
         if self.retention_s is None or state.finished_at is None:
             return None
-        return {"N": str(int(state.finished_at.timestamp() + self.retention_s))}
+        return int(state.finished_at.timestamp() + self.retention_s)
 
-    def _expire_with_run(self, state: RunState, values: Mapping[str, bytes], expires: AttributeValueTypeDef) -> None:
-        """A finished run's value items and idempotency key expire with it (written again with the TTL)."""
-        items: list[dict[str, AttributeValueTypeDef]] = [
-            {**_value_key(state.id, digest), "value": {"B": zlib.compress(raw)}, "expires_at": expires}
-            for digest, raw in values.items()
+    def _expire_run(self, state: RunState, expires: int) -> None:
+        """A finished run's journal, value items and idempotency key expire with it (written again with the
+        TTL, in BatchWriteItem requests of 25; its head has it already)."""
+        items = [
+            {**item, "expires_at": {"N": str(expires)}}
+            for item in self._query_run(state.id, ENTRY_PREFIX, f"{VALUE_PREFIX}~", count=True)
+            if item["sk"]["S"] != HEAD_SK and item.get("expires_at", {}).get("N") != str(expires)
         ]
         if state.idempotency_key is not None:
             items.append(
                 {
                     **_idempotency_key(state.function_id, state.idempotency_key),
                     "run_id": {"S": state.id},
-                    "expires_at": expires,
+                    "expires_at": {"N": str(expires)},
                 }
             )
         if items:
-            self._batch_write(items)
+            self._batch_write(cast("list[dict[str, AttributeValueTypeDef]]", items))
 
     def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
         if len(_idempotency_pk(function_id, key).encode()) > MAX_KEY_BYTES:
@@ -568,9 +833,9 @@ class DynamoStore:
         matches.sort(key=lambda item: str(item["list_sk"]["S"]), reverse=True)
         page = matches[:limit]
         ids = [_run_id_of(item) for item in page]
-        runs = self._get_many(ids)
+        runs, counts = self._get_many(ids)
         next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
-        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor)
+        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor, step_counts=counts)
 
     def _list_shard(
         self,
@@ -617,23 +882,21 @@ class DynamoStore:
             query["ExclusiveStartKey"] = start
             page_size = min(page_size * 2, 1000)  # a selective filter: read more per request
 
-    def _get_many(self, run_ids: Sequence[str]) -> dict[str, RunState]:
-        """Bodies of a page of runs, by id: BatchGetItem in chunks of 100, retrying unprocessed keys."""
-        items = self._batch_get([_run_key(run_id) for run_id in run_ids], projection="pk, body")
-        return {state.id: state for state in self._decode(items, values=False)}
+    def _get_many(self, run_ids: Sequence[str]) -> tuple[dict[str, RunState], dict[str, int]]:
+        """The head items of a page of runs, by id, as their summaries and step counts: BatchGetItem in
+        chunks of 100, retrying unprocessed keys."""
+        items = self._batch_get([_run_key(run_id) for run_id in run_ids], projection="pk, summary, step_count")
+        runs: dict[str, RunState] = {}
+        counts: dict[str, int] = {}
+        for item in items:
+            run_id = _run_id_of(item)
+            runs[run_id] = RunState.model_validate(pydantic_core.from_json(zlib.decompress(item["summary"]["B"])))
+            counts[run_id] = int(item["step_count"]["N"])
+        return runs, counts
 
     # ---- large values (see the module docstring) ---------------------------------------
 
-    def _write_values_and_encode(self, state: RunState) -> _Encoded:
-        """Encode ``state`` and write its new value items; refuse a run item DynamoDB would refuse, first."""
-        encoded = _encode_run(state)
-        if (size := _item_bytes(encoded.item)) > MAX_ITEM_BYTES:
-            limit = MAX_ITEM_BYTES
-            raise PayloadTooLargeError(f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {limit}")
-        self._write_values(state.id, encoded.values)
-        return encoded
-
-    def _write_values(self, run_id: str, values: Mapping[str, bytes]) -> None:
+    def _write_values(self, run_id: str, values: Mapping[str, bytes], expires: int | None = None) -> None:
         """Write the value items this process does not know to exist yet (BatchWriteItem, 25 a request)."""
         new = {digest: raw for digest, raw in values.items() if self._values.get(run_id, digest) is None}
         if not new:
@@ -641,31 +904,12 @@ class DynamoStore:
         items: list[dict[str, AttributeValueTypeDef]] = [
             {**_value_key(run_id, digest), "value": {"B": zlib.compress(raw)}} for digest, raw in new.items()
         ]
+        if expires is not None:
+            for item in items:
+                item["expires_at"] = {"N": str(expires)}
         self._batch_write(items)
         for digest, raw in new.items():
             self._values.put(run_id, digest, raw)
-
-    def _decode(self, items: Sequence[Mapping[str, Any]], *, count: bool = True, values: bool = True) -> list[RunState]:
-        """Run items to runs, their large values put back (read in BatchGetItem requests where not cached),
-        or, with ``values=False`` (a listing), left out as None."""
-        split = [(_run_id_of(item), *_split_body(item)) for item in items]
-        if not values:
-            return [RunState.model_validate(doc) for _, doc, _ in split]
-        found: dict[tuple[str, str], bytes] = {}
-        for run_id, _, offloaded in split:
-            for _, digest in offloaded:
-                if (raw := self._values.get(run_id, digest)) is not None:
-                    found[(run_id, digest)] = raw
-        wanted = {(run_id, digest) for run_id, _, offloaded in split for _, digest in offloaded} - found.keys()
-        found.update(self._read_values(sorted(wanted), count=count))
-        runs: list[RunState] = []
-        for run_id, doc, offloaded in split:
-            for path, digest in offloaded:
-                if (run_id, digest) not in found:
-                    raise RuntimeError(f"run {run_id}: its value item {digest} is missing")
-                _place(doc, path, pydantic_core.from_json(found[(run_id, digest)]))
-            runs.append(RunState.model_validate(doc))
-        return runs
 
     def _read_values(self, wanted: Sequence[tuple[str, str]], *, count: bool) -> dict[tuple[str, str], bytes]:
         found: dict[tuple[str, str], bytes] = {}
@@ -713,7 +957,8 @@ class DynamoStore:
             requests: Any = [{"PutRequest": {"Item": item}} for item in items[offset : offset + 25]]
             started, attempt = time.monotonic(), 0
             while True:
-                self.counter.add("dynamodb.write", sum(_item_bytes(r["PutRequest"]["Item"]) for r in requests))
+                sizes = [_item_bytes(r["PutRequest"]["Item"]) for r in requests]
+                self.counter.add("dynamodb.write", sum(sizes), items=sizes)
                 response = self._client.batch_write_item(RequestItems={self.table_name: requests})
                 requests = response.get("UnprocessedItems", {}).get(self.table_name)
                 if not requests:

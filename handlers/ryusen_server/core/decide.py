@@ -226,8 +226,8 @@ class _Transition:
     def own(self, i: int) -> StepState:
         step = self.s.steps[i]
         if id(step) not in self._owned:
-            step = step.model_copy(deep=True)  # one step and its attempts, never the whole run
-            self.s.steps[i] = step
+            step = step.own_copy()  # one step and its attempts, never the whole run
+            self.s.replace_step(i, step)
             self._owned.add(id(step))
         return step
 
@@ -240,10 +240,9 @@ class _Transition:
         return edited
 
     def set_unwind_status(self, step_id: str, status: CompensationStatus) -> None:
-        unwind = self.s.unwind
-        for i, entry in enumerate(unwind):
-            if entry.step_id == step_id and entry.status is not status:
-                unwind[i] = entry.model_copy(update={"status": status})
+        i = self.s.unwind_index(step_id)
+        if i is not None and (entry := self.s.unwind[i]).status is not status:
+            self.s.replace_unwind_entry(i, entry.model_copy(update={"status": status}))
 
     def reject(self, code: str, message: str) -> None:
         self.rejection = Rejection(code=code, message=message)
@@ -1228,18 +1227,15 @@ class _Transition:
         )
         if not completed:
             return self.finish(Recovery.NOT_REQUIRED)
-        s.unwind = [UnwindEntry(step_id=step.id) for step in completed]
-        for step in completed:
-            self.edit(step).compensation_status = CompensationStatus.PENDING
+        # the plan: its entries say pending; the steps themselves are left as they are (a step in the unwind
+        # whose compensation_status is still none is pending), so starting the unwind copies no step
+        s.set_unwind([UnwindEntry(step_id=step.id) for step in completed])
         s.phase = RunPhase.COMPENSATING
         s.recovery = Recovery.COMPENSATING
         self.advance_unwind()
 
     def current_unwind_entry(self) -> UnwindEntry | None:
-        for entry in self.s.unwind:
-            if entry.status not in (CompensationStatus.COMPENSATED, CompensationStatus.SKIPPED):
-                return entry
-        return None
+        return self.s.current_unwind_entry()
 
     def advance_unwind(self) -> None:
         entry = self.current_unwind_entry()

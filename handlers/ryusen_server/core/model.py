@@ -14,6 +14,7 @@ and step 10,000, and a new state shares every unchanged step with the old one.
 
 from __future__ import annotations
 
+import weakref
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -173,6 +174,17 @@ class StepState(_State):
     compensation_error: ErrorInfo | None = None
     attempts: list[Attempt] = Field(default_factory=list)
 
+    def own_copy(self) -> StepState:
+        """A copy that may be changed without touching this step: its attempts are copied one level deep
+        (the core replaces their nested values, and only appends to their lists). Much cheaper than a deep
+        copy for a step with many attempts; the suite's purity check proves nothing shared is changed."""
+        copy = self.model_copy()
+        copy.attempts = [
+            attempt.model_copy(update={"stale_submissions": list(attempt.stale_submissions)})
+            for attempt in self.attempts
+        ]
+        return copy
+
     def current(self, phase: Phase) -> Attempt | None:
         for attempt in reversed(self.attempts):
             if attempt.phase is phase:
@@ -238,6 +250,10 @@ class UnwindEntry(_State):
     status: CompensationStatus = CompensationStatus.PENDING
 
 
+UNWIND_DONE = frozenset((CompensationStatus.COMPENSATED, CompensationStatus.SKIPPED))
+"""Unwind entries the walk has passed."""
+
+
 class RunState(_State):
     id: str
     app_id: str
@@ -270,6 +286,16 @@ class RunState(_State):
     """Serialized size of the input and every accepted step result (bounded by ``max_run_bytes``)."""
     _positions: dict[str, int] | None = PrivateAttr(default=None)
     """Step id -> index in ``steps`` (steps are only appended, so a working copy may share it)."""
+    _origin: weakref.ref[RunState] | None = PrivateAttr(default=None)
+    _replaced: set[int] | None = PrivateAttr(default=None)
+    _unwind_replaced: set[int] | None = PrivateAttr(default=None)
+    """For a working copy: the state it was copied from, and the indexes of the steps replaced since (steps
+    past the origin's are new). A hint that lets a store find what a decision changed without looking at
+    every step; ``replaced_steps`` says when it holds. Likewise for the unwind's entries."""
+    _unwind_positions: dict[str, int] | None = PrivateAttr(default=None)
+    """Step id -> index in ``unwind`` (its entries are replaced in place, never moved)."""
+    _unwind_done: int = PrivateAttr(default=0)
+    """How many leading unwind entries are known to be compensated or skipped (where the walk resumes)."""
 
     def __eq__(self, other: object) -> bool:
         """Equal fields (the step index is a cache, not part of the state)."""
@@ -308,7 +334,61 @@ class RunState(_State):
         copy.blockers = [b.model_copy(deep=True) for b in self.blockers]
         copy.discovery = self.discovery.model_copy() if self.discovery is not None else None
         copy._positions = self._positions
+        copy._origin, copy._replaced, copy._unwind_replaced = weakref.ref(self), set(), set()
         return copy
+
+    def forget_hints(self) -> None:
+        """For a state made some other way than by the core (a journal replay): look everything up afresh."""
+        self._origin = self._replaced = self._unwind_replaced = None
+        self._unwind_positions, self._unwind_done = None, 0
+
+    def set_unwind(self, entries: list[UnwindEntry]) -> None:
+        self.unwind = entries
+        self._unwind_replaced = None  # rebuilt: compare every entry
+        self._unwind_positions, self._unwind_done = None, 0
+
+    def unwind_index(self, step_id: str) -> int | None:
+        positions = self._unwind_positions
+        if positions is None or len(positions) != len(self.unwind):
+            positions = self._unwind_positions = {entry.step_id: i for i, entry in enumerate(self.unwind)}
+        i = positions.get(step_id)
+        if i is None or i >= len(self.unwind) or self.unwind[i].step_id != step_id:
+            return None
+        return i
+
+    def replace_unwind_entry(self, i: int, entry: UnwindEntry) -> None:
+        self.unwind[i] = entry
+        if self._unwind_replaced is not None:
+            self._unwind_replaced.add(i)
+        if entry.status not in UNWIND_DONE and i < self._unwind_done:
+            self._unwind_done = i
+
+    def current_unwind_entry(self) -> UnwindEntry | None:
+        """The first entry not compensated or skipped (the walk resumes where it was, not from the top)."""
+        i = min(self._unwind_done, len(self.unwind))
+        while i < len(self.unwind) and self.unwind[i].status in UNWIND_DONE:
+            i += 1
+        self._unwind_done = i
+        return self.unwind[i] if i < len(self.unwind) else None
+
+    def replaced_unwind(self, origin: RunState) -> set[int] | None:
+        if self._origin is None or self._origin() is not origin or self._unwind_replaced is None:
+            return None
+        if len(self.unwind) != len(origin.unwind):
+            return None
+        return self._unwind_replaced
+
+    def replace_step(self, i: int, step: StepState) -> None:
+        self.steps[i] = step
+        if self._replaced is not None:
+            self._replaced.add(i)
+
+    def replaced_steps(self, origin: RunState) -> set[int] | None:
+        """The indexes of the steps (up to ``origin``'s count) that may differ from ``origin``'s, if this
+        state is a working copy of ``origin``; None when that is not known (compare them all)."""
+        if self._origin is None or self._origin() is not origin or self._replaced is None:
+            return None
+        return self._replaced
 
     @property
     def blocked_by_definition(self) -> bool:

@@ -7,7 +7,17 @@ from typing import Any
 
 from ryusen._internal.wire import Phase
 
-from .model import Attempt, Blocker, BlockerType, Outcome, Recovery, RunPhase, RunState, StepState
+from .model import (
+    Attempt,
+    Blocker,
+    BlockerType,
+    CompensationStatus,
+    Outcome,
+    Recovery,
+    RunPhase,
+    RunState,
+    StepState,
+)
 
 _OUTCOME_WORDS = {
     Outcome.COMPLETED: "completed",
@@ -111,7 +121,11 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def step_view(step: StepState) -> dict[str, Any]:
+def step_view(step: StepState, *, in_unwind: bool = False) -> dict[str, Any]:
+    """``in_unwind``: the step is in the run's unwind plan (then a compensation status of none is pending)."""
+    compensation = step.compensation_status
+    if compensation is CompensationStatus.NONE and in_unwind:
+        compensation = CompensationStatus.PENDING
     return {
         "id": step.id,
         "name": step.name,
@@ -122,7 +136,7 @@ def step_view(step: StepState) -> dict[str, Any]:
         "error": step.error.model_dump() if step.error else None,
         "completed_seq": step.completed_seq,
         "compensation": {
-            "status": step.compensation_status.value,
+            "status": compensation.value,
             "result": step.compensation_result,
             "error": step.compensation_error.model_dump() if step.compensation_error else None,
         },
@@ -131,6 +145,7 @@ def step_view(step: StepState) -> dict[str, Any]:
 
 
 def run_view(state: RunState) -> dict[str, Any]:
+    unwinding = {entry.step_id for entry in state.unwind}
     return {
         "id": state.id,
         "app_id": state.app_id,
@@ -152,13 +167,13 @@ def run_view(state: RunState) -> dict[str, Any]:
         "blockers": [blocker_view(b) for b in state.blockers],
         "discovery": state.discovery.model_dump(mode="json") if state.discovery else None,
         "discoveries": state.discoveries,
-        "steps": [step_view(s) for s in state.steps],
+        "steps": [step_view(s, in_unwind=s.id in unwinding) for s in state.steps],
         "unwind": [u.model_dump(mode="json") for u in state.unwind],
     }
 
 
-def run_summary_view(state: RunState) -> dict[str, Any]:
-    """The short form used by run lists."""
+def run_summary_view(state: RunState, step_count: int | None = None) -> dict[str, Any]:
+    """The short form used by run lists (``step_count`` where ``state`` is a summary without its steps)."""
     return {
         "id": state.id,
         "app_id": state.app_id,
@@ -169,7 +184,7 @@ def run_summary_view(state: RunState) -> dict[str, Any]:
         "summary": summary(state),
         "created_at": _iso(state.created_at),
         "finished_at": _iso(state.finished_at),
-        "steps": len(state.steps),
+        "steps": len(state.steps) if step_count is None else step_count,
         "blocked": bool(state.blockers),
     }
 
