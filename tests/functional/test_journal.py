@@ -21,6 +21,7 @@ from ryusen._internal.wire import (
     CallbackSucceeded,
     ConflictFound,
     DuplicateStepConflict,
+    ErrorInfo,
     FunctionCompleted,
     Occurrence,
     Phase,
@@ -176,3 +177,45 @@ def test_a_change_between_values_python_calls_equal_is_kept(client: Any) -> None
     before = state.model_copy(update={"output": {"a": 2, "b": 1}})
     new = state.model_copy(update={"updated_at": moved, "output": {"b": 1, "a": 2}, "version": state.version + 1})
     assert pydantic_core.to_json(journal.apply(before, journal.diff(before, new))) == pydantic_core.to_json(new)
+
+
+def test_an_attempt_whose_error_data_changes_between_equal_python_values_is_kept(client: Any) -> None:
+    """Attempts are compared with ``==`` first; their error data is untyped (``1 == True``)."""
+    runs = Runs(store(client))
+    state = runs.start("run_1")
+    state = deliver_discovery(runs, state)
+    assert state.discovery is not None
+    state = runs.apply(state, DiscoveryReported(seq=state.discovery.seq, response=StepReached(step=StepPlan(id="s1"))))
+    step = state.steps[0]
+    failed = step.attempts[0].model_copy(update={"error": ErrorInfo(type="E", message="m", data=1)})
+    before = state.model_copy(update={"steps": [step.model_copy(update={"attempts": [failed]})]})
+    changed = failed.model_copy(update={"error": ErrorInfo(type="E", message="m", data=True)})
+    after = before.model_copy(
+        update={"steps": [before.steps[0].model_copy(update={"attempts": [changed]})], "version": before.version + 1}
+    )
+    replayed = journal.apply(before, pydantic_core.from_json(pydantic_core.to_json(journal.diff(before, after))))
+    assert replayed.model_dump_json() == after.model_dump_json()
+
+
+def test_a_step_index_shared_with_a_sibling_copy_still_finds_this_copys_steps() -> None:
+    """Two decisions from one state (one of them loses its race) share the step index: the loser adding the
+    same step id at another position must not hide the step from the other."""
+    from datetime import UTC, datetime
+
+    from ryusen_server.core.model import StepState
+
+    origin = RunState(
+        id="run_1",
+        app_id="shop",
+        function_id="checkout",
+        created_at=datetime(2030, 1, 1, tzinfo=UTC),
+        updated_at=datetime(2030, 1, 1, tzinfo=UTC),
+        steps=[StepState(id="a")],
+    )
+    assert origin.step_index("a") == 0  # builds the index the copies share
+    winner, loser = origin.working_copy(), origin.working_copy()
+    winner.add_step(StepState(id="z"))
+    loser.add_step(StepState(id="y"))
+    loser.add_step(StepState(id="z"))
+    assert winner.step_index("z") == 1 and loser.step_index("z") == 2
+    assert winner.step("y") is None

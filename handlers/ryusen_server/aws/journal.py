@@ -38,9 +38,16 @@ _LISTS: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
 Delta = dict[str, Any]
 
 _TYPED: frozenset[type[BaseModel]] = frozenset((Attempt, UnwindEntry))
-"""Elements compared with ``==`` alone (fast: a step's attempts are all copied when the step is). Their fields
-are typed, so equal values are the same JSON; the one untyped value, a stale submission's outcome, is only
-ever appended, never replaced."""
+"""Elements compared with ``==`` first (fast: a step's attempts are all copied when the step is); their typed
+fields are the same JSON when equal, and ``_same_untyped`` checks the untyped ones."""
+
+
+def _same_untyped(was: BaseModel, item: BaseModel) -> bool:
+    """An attempt's error data is untyped JSON (``1 == True`` in Python); stale submissions' outcomes are only
+    ever appended, never replaced."""
+    if isinstance(was, Attempt) and isinstance(item, Attempt) and was.error is not None:
+        return not _differs(was.error, item.error)
+    return True
 
 
 def diff(old: RunState, new: RunState) -> Delta:
@@ -139,7 +146,7 @@ def _diff_list(element: type[BaseModel], old: list[Any], new: list[Any], replace
     candidates = range(common) if replaced is None else sorted(i for i in replaced if i < common)
     for i in candidates:
         was, item = old[i], new[i]
-        if was is item or (element in _TYPED and was == item):
+        if was is item or (element in _TYPED and was == item and _same_untyped(was, item)):
             continue
         change = _diff_model(element, was, item)
         if change:

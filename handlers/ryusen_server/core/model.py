@@ -310,8 +310,13 @@ class RunState(_State):
         if positions is None or len(positions) < len(self.steps):
             positions = self._positions = {step.id: i for i, step in enumerate(self.steps)}
         i = positions.get(step_id)
-        if i is None or i >= len(self.steps) or self.steps[i].id != step_id:
-            return None
+        if i is None:
+            return None  # every step of this state (and its origins) was put in the index
+        if i >= len(self.steps) or self.steps[i].id != step_id:
+            # the index is shared with a sibling copy (a decision that lost its race) that added the same id
+            # elsewhere: this state's own steps decide
+            positions = self._positions = {step.id: k for k, step in enumerate(self.steps)}
+            return positions.get(step_id)
         return i
 
     def step(self, step_id: str) -> StepState | None:
@@ -352,8 +357,9 @@ class RunState(_State):
         if positions is None or len(positions) != len(self.unwind):
             positions = self._unwind_positions = {entry.step_id: i for i, entry in enumerate(self.unwind)}
         i = positions.get(step_id)
-        if i is None or i >= len(self.unwind) or self.unwind[i].step_id != step_id:
-            return None
+        if i is not None and (i >= len(self.unwind) or self.unwind[i].step_id != step_id):
+            positions = self._unwind_positions = {entry.step_id: k for k, entry in enumerate(self.unwind)}
+            i = positions.get(step_id)
         return i
 
     def replace_unwind_entry(self, i: int, entry: UnwindEntry) -> None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, NoReturn, TypeVar
 
+import pydantic_core
 from pydantic import ValidationError
 
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
@@ -214,6 +215,13 @@ def check_value(value: Any, what: str) -> tuple[Any, ErrorInfo | None]:
     return json.loads(encoded), None
 
 
+def _fresh(value: Any) -> Any:
+    """A recorded value the function may change without changing the memo (a pass may replay it again)."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return pydantic_core.from_json(pydantic_core.to_json(value))
+
+
 def _caller_location(depth: int) -> str | None:
     """``file:line`` of the frame ``depth`` levels above this function's caller."""
     frame = sys._getframe(depth + 1)
@@ -349,7 +357,7 @@ class _Replay:
                 # no compensator here: the pass goes on, so a second use of the id is still found (decisions 17)
                 self.target_without_compensator = location
             if recorded is not None and recorded.status == "completed":
-                return "return", json.loads(json.dumps(recorded.result))
+                return "return", _fresh(recorded.result)
             if recorded is not None:
                 err = recorded.error or ErrorInfo(type="Error", message="step failed")
                 failure = StepFailed(step_id, err.type, err.message, err.data)
