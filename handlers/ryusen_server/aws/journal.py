@@ -45,8 +45,10 @@ fields are the same JSON when equal, and ``_same_untyped`` checks the untyped on
 def _same_untyped(was: BaseModel, item: BaseModel) -> bool:
     """An attempt's error data is untyped JSON (``1 == True`` in Python); stale submissions' outcomes are only
     ever appended, never replaced."""
-    if isinstance(was, Attempt) and isinstance(item, Attempt) and was.error is not None:
-        return not _differs(was.error, item.error)
+    if isinstance(was, Attempt) and isinstance(item, Attempt) and was.error is not None and item.error is not None:
+        if was.error.data is None and item.error.data is None:
+            return True
+        return not _differs(was.error.data, item.error.data)
     return True
 
 

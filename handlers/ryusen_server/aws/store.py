@@ -625,50 +625,52 @@ class DynamoStore:
         if len(_idempotency_pk(state.function_id, key).encode()) > MAX_KEY_BYTES:
             raise InvalidRequestError("idempotency key is too long", code="idempotency_key_too_long")
         run, token = _with_write_token(run)
+        puts = [
+            {
+                "Put": {
+                    "TableName": self.table_name,
+                    "Item": item,
+                    "ConditionExpression": "attribute_not_exists(pk)",
+                    "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+                }
+            }
+            for item in (run, idem)
+        ]
+        failure = self._transact(puts, [_item_bytes(run), _item_bytes(idem)])
+        if failure is None:
+            return
+        exc, cancelled = failure
+        reasons = [r.get("Code", "None") for r in cancelled]
+        if reasons and reasons[0] == "ConditionalCheckFailed" and _written_by(cancelled[0].get("Item"), token):
+            return  # our first try committed (AWS answers a retry with the same request token so, moto not)
+        if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
+            # the key is taken (checked before the run id, as MemoryStore does)
+            holder = cancelled[1].get("Item")
+            raise RunExistsError(self._key_holder(holder, state.function_id, key) or state.id) from None
+        if len(reasons) == 2 and reasons[0] == "ConditionalCheckFailed":
+            raise RunExistsError(state.id) from None
+        if "ValidationError" in reasons:
+            raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
+        raise exc
+
+    def _transact(self, items: list[Any], sizes: list[int]) -> tuple[ClientError, list[Mapping[str, Any]]] | None:
+        """One TransactWriteItems, tried again while another transaction on the same items is in flight (once
+        that commits, a condition decides). None when it committed, else the error and its reasons per item."""
         for attempt in range(_TRANSIENT_RETRIES):
-            sizes = [_item_bytes(run), _item_bytes(idem)]
             self.counter.add("dynamodb.write", sum(sizes), items=sizes, transactional=True)
             try:
-                self._client.transact_write_items(
-                    TransactItems=[
-                        {
-                            "Put": {
-                                "TableName": self.table_name,
-                                "Item": run,
-                                "ConditionExpression": "attribute_not_exists(pk)",
-                                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-                            }
-                        },
-                        {
-                            "Put": {
-                                "TableName": self.table_name,
-                                "Item": idem,
-                                "ConditionExpression": "attribute_not_exists(pk)",
-                                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-                            }
-                        },
-                    ]
-                )
-                return
+                self._client.transact_write_items(TransactItems=items)
+                return None
             except ClientError as exc:
                 if _error_code(exc) != "TransactionCanceledException":
                     raise
                 cancelled = cast("list[Mapping[str, Any]]", exc.response.get("CancellationReasons", []))
-                reasons = [r.get("Code", "None") for r in cancelled]
-                if reasons and reasons[0] == "ConditionalCheckFailed" and _written_by(cancelled[0].get("Item"), token):
-                    return  # our first try committed (AWS answers a retry with the same request token so, moto not)
-                if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
-                    # the key is taken (checked before the run id, as MemoryStore does)
-                    holder = cancelled[1].get("Item")
-                    raise RunExistsError(self._key_holder(holder, state.function_id, key) or state.id) from None
-                if len(reasons) == 2 and reasons[0] == "ConditionalCheckFailed":
-                    raise RunExistsError(state.id) from None
-                if "ValidationError" in reasons:
-                    raise PayloadTooLargeError(f"run {state.id} is larger than a DynamoDB item") from None
-                if "TransactionConflict" not in reasons or attempt == _TRANSIENT_RETRIES - 1:
-                    raise
-                # a concurrent create of the same key is in flight: once it commits, our condition fails
+                reasons = {r.get("Code", "None") for r in cancelled}
+                retry = reasons <= {"TransactionConflict", "None"} and "TransactionConflict" in reasons
+                if not retry or attempt == _TRANSIENT_RETRIES - 1:
+                    return exc, cancelled
                 time.sleep(0.02 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _key_holder(self, item: Mapping[str, Any] | None, function_id: str, key: str) -> str | None:
         """The run id holding an idempotency key: from the cancelled transaction, else one read."""
@@ -745,50 +747,41 @@ class DynamoStore:
         if dropped:
             expression += " REMOVE " + ", ".join(f"#{name}" for name in dropped)
             names.update({f"#{name}": name for name in dropped})
-        sizes = [_item_bytes(entry), _item_bytes(attributes)]
-        for attempt in range(_TRANSIENT_RETRIES):
-            self.counter.add("dynamodb.write", sum(sizes), items=sizes, transactional=True)
-            try:
-                self._client.transact_write_items(
-                    TransactItems=[
-                        {
-                            "Put": {
-                                "TableName": self.table_name,
-                                "Item": entry,
-                                "ConditionExpression": "attribute_not_exists(sk)",
-                                "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-                            }
-                        },
-                        {
-                            "Update": {
-                                "TableName": self.table_name,
-                                "Key": _run_key(state.id),
-                                "UpdateExpression": expression,
-                                "ConditionExpression": "attribute_exists(pk) AND #head_version < :head_version",
-                                "ExpressionAttributeNames": names,
-                                "ExpressionAttributeValues": values,
-                            }
-                        },
-                    ]
-                )
-                return
-            except ClientError as exc:
-                if _error_code(exc) != "TransactionCanceledException":
-                    raise
-                cancelled = cast("list[Mapping[str, Any]]", exc.response.get("CancellationReasons", []))
-                reasons = [r.get("Code", "None") for r in cancelled]
-                if reasons and reasons[0] == "ConditionalCheckFailed":
-                    if _written_by(cancelled[0].get("Item"), token):
-                        return  # our first try committed; this was botocore's retry of it
-                    raise VersionConflictError(self.get(state.id)) from None
-                if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
-                    # no head at an older version: the run is gone (past its retention) or never was
-                    raise VersionConflictError(self.get(state.id)) from None
-                if "ValidationError" in reasons:
-                    raise PayloadTooLargeError(f"run {state.id}: a change is larger than a DynamoDB item") from None
-                if "TransactionConflict" not in reasons or attempt == _TRANSIENT_RETRIES - 1:
-                    raise
-                time.sleep(0.02 * 2**attempt)  # another transaction on the head is in flight
+        transaction: list[Any] = [
+            {
+                "Put": {
+                    "TableName": self.table_name,
+                    "Item": entry,
+                    "ConditionExpression": "attribute_not_exists(sk)",
+                    "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+                }
+            },
+            {
+                "Update": {
+                    "TableName": self.table_name,
+                    "Key": _run_key(state.id),
+                    "UpdateExpression": expression,
+                    "ConditionExpression": "attribute_exists(pk) AND #head_version < :head_version",
+                    "ExpressionAttributeNames": names,
+                    "ExpressionAttributeValues": values,
+                }
+            },
+        ]
+        failure = self._transact(transaction, [_item_bytes(entry), _item_bytes(attributes)])
+        if failure is None:
+            return
+        exc, cancelled = failure
+        reasons = [r.get("Code", "None") for r in cancelled]
+        if reasons and reasons[0] == "ConditionalCheckFailed":
+            if _written_by(cancelled[0].get("Item"), token):
+                return  # our first try committed; this was botocore's retry of it
+            raise VersionConflictError(self.get(state.id)) from None
+        if len(reasons) == 2 and reasons[1] == "ConditionalCheckFailed":
+            # no head at an older version: the run is gone (past its retention) or never was
+            raise VersionConflictError(self.get(state.id)) from None
+        if "ValidationError" in reasons:
+            raise PayloadTooLargeError(f"run {state.id}: a change is larger than a DynamoDB item") from None
+        raise exc
 
     def _expires_at(self, state: RunState) -> int | None:
         if self.retention_s is None or state.finished_at is None:
