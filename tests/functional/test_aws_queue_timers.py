@@ -57,17 +57,6 @@ class Stack:
 
 
 @pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-
-
-@pytest.fixture
 def stack(aws_env: None) -> Iterator[Stack]:
     with mock_aws():
         sqs = boto3.client("sqs", region_name="us-east-1")

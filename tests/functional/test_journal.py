@@ -45,13 +45,7 @@ CONFLICT = ConflictFound(
 
 
 @pytest.fixture
-def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+def client(aws_env: None) -> Iterator[Any]:
     with mock_aws():
         dynamodb = boto3.client("dynamodb", region_name="us-east-1")
         create_table(dynamodb, TABLE)

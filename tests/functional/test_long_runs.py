@@ -49,13 +49,7 @@ TABLE = "ryusen-long"
 
 
 @pytest.fixture
-def dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[DynamoStore]:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+def dynamo(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[DynamoStore]:
     # proving each decision pure reads the whole run: O(steps) per decision, too slow at 10,000 steps
     monkeypatch.setattr(core, "CHECK_PURITY", False)
     with mock_aws():

@@ -205,10 +205,8 @@ def test_a_finished_run_and_everything_it_stored_expire_after_the_retention(
     assert all(item.get("expires_at", {}).get("N") == expected for item in items), items
 
 
-def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_invoked() -> None:
-    """The authorize write commits, its reply is lost, an operator's cancel lands before botocore's retry:
-    the retry meets someone else's write. The attempt was authorized by this delivery (before the stop),
-    so it is invoked and settles, instead of being left to become Unknown at its lease."""
+def charging_app() -> tuple[Ryusen, Counter[str]]:
+    """An app whose one step charges, with a refund as its compensator; the counter records both."""
     app = Ryusen("aba")
     calls: Counter[str] = Counter()
 
@@ -218,6 +216,14 @@ def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_inv
             "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
         )
 
+    return app, calls
+
+
+def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_invoked() -> None:
+    """The authorize write commits, its reply is lost, an operator's cancel lands before botocore's retry:
+    the retry meets someone else's write. The attempt was authorized by this delivery (before the stop),
+    so it is invoked and settles, instead of being left to become Unknown at its lease."""
+    app, calls = charging_app()
     with WorkflowEnvironment(app, store="moto", chain_steps=False) as env:  # the charge has a message of its own
         assert isinstance(env.store, DynamoStore)
         run_id = env.start("pay")
@@ -241,15 +247,7 @@ def test_an_authorization_whose_reply_was_lost_behind_another_write_is_still_inv
 def test_a_chained_authorization_whose_reply_was_lost_behind_another_write_is_still_invoked() -> None:
     """The same race when the discovery's answer and the charge's authorization are one write (chaining): the
     re-decision finds the discovery already accepted, and the charge authorized by this very write."""
-    app = Ryusen("aba")
-    calls: Counter[str] = Counter()
-
-    @app.function("pay")
-    def pay(data: Any, step: Step) -> Any:
-        return step.run(
-            "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
-        )
-
+    app, calls = charging_app()
     with WorkflowEnvironment(app, store="moto") as env:
         assert isinstance(env.store, DynamoStore)
         run_id = env.start("pay")

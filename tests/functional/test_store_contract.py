@@ -64,17 +64,6 @@ RELEASE_REF = ReleaseRef(release_id="rel-1", build_id="build-1")
 TABLE = "ryusen-contract"
 
 
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-
-
 class OneRequestAtATime:
     """A DynamoDB client on moto whose requests are atomic, as DynamoDB's are: moto checks a condition and
     then writes without a lock, so two threads can both pass it (a transaction, which copies the table
