@@ -9,8 +9,10 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -22,12 +24,14 @@ from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, ver
 from ryusen._internal.wire import (
     LateResult,
     Manifest,
+    MemoBase,
     MemoEntry,
     OperationInfo,
     Phase,
     TaskKind,
     TaskRequest,
     TaskResponse,
+    encode_request,
     value_size,
 )
 
@@ -137,6 +141,38 @@ class _MessageLease:
         self._covered_until = now + lease_s
 
 
+class SentMemos:
+    """The memo this process last sent each run's endpoint, under the token it minted for it (``memo_cache``).
+
+    The next request for the run sends only what changed since; an endpoint that does not hold that memo
+    answers ``memo_miss`` and gets the whole one. A token is minted per request, so the memo it names is
+    exactly what was sent with it, whatever else this or another process sends meanwhile. Runs beyond
+    ``capacity`` are forgotten, least recently sent first (their next request carries the whole memo).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._runs: OrderedDict[str, tuple[str, dict[str, dict[str, Any]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prepare(
+        self, run_id: str, whole: dict[str, dict[str, Any]]
+    ) -> tuple[str, MemoBase | None, dict[str, dict[str, Any]]]:
+        """For a request that carries memo ``whole``: its token, the memo it extends, and the entries to send."""
+        token = uuid.uuid4().hex
+        with self._lock:
+            last = self._runs.pop(run_id, None)
+            self._runs[run_id] = (token, whole)
+            while len(self._runs) > self.capacity:
+                self._runs.popitem(last=False)
+        if last is None:
+            return token, None, whole
+        previous_token, previous = last
+        changed = {step_id: entry for step_id, entry in whole.items() if previous.get(step_id) != entry}
+        removed = [step_id for step_id in previous if step_id not in whole]
+        return token, MemoBase(token=previous_token, removed=removed, count=len(whole)), changed
+
+
 @dataclass(frozen=True, slots=True)
 class Delivered:
     """How a dispatcher should treat the message it delivered."""
@@ -165,9 +201,11 @@ class Engine:
         self.clock = clock or (lambda: datetime.now(UTC))
         self.new_id = new_id or (lambda: "run_" + uuid.uuid4().hex)
         self.hooks: list[Callable[[str, Any], None]] = []
+        """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
         self.chain_guards: list[Callable[[], bool]] = []
         """Each must allow chaining the next task (``ryusen.testing`` stops a chain where a test wants to look)."""
-        """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
+        self.sent_memos = SentMemos()
+        """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
 
     def signing_key(self) -> str | None:
         source = self.settings.signing_keys_source
@@ -462,15 +500,20 @@ class Engine:
             latest = now + timedelta(seconds=max(1.0, left))
             if latest < respond_by:
                 listen_until, cut = latest, True
-        request = self._task_request(state, task, respond_by=listen_until, features=release.features)
-        # a field the release's SDK did not announce is left out: an older SDK refuses unknown fields
-        body = request.model_dump_json(exclude=None if request.continue_after else {"continue_after"}).encode()
-        headers = {"content-type": "application/json"}
-        if key is not None:
-            headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
+        whole = memo(state)
+        cached = "memo_cache" in release.features
+        token, base, changed = self.sent_memos.prepare(state.id, whole) if cached else (None, None, whole)
+        request = self._task_request(
+            state, task, changed, respond_by=listen_until, features=release.features, token=token, base=base
+        )
         self._emit("invoke", (task, release.url))
-        timeout_s = max(1.0, (listen_until - now).total_seconds()) + RESPONSE_GRACE_S
-        result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
+        result = self._post(release, request, key, listen_until)
+        if base is not None and self._memo_missed(result):
+            # the endpoint does not hold the memo this request extends (another container, a restart):
+            # it ran nothing, so the same request goes again with the whole memo and input
+            entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
+            whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
+            result = self._post(release, whole_request, key, listen_until)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
@@ -496,6 +539,33 @@ class Engine:
         self._wake_if_release_moved(decision, state, release)
         return decision, chain
 
+    def _post(self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime) -> Any:
+        """POST one request, signed, and listen until ``listen_until`` (and the grace) for the answer."""
+        body = encode_request(request)  # a field the release's SDK did not announce is left out
+        headers = {"content-type": "application/json"}
+        if key is not None:
+            headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
+        timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
+        return self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
+
+    def _memo_missed(self, result: Any) -> bool:
+        """The endpoint answered ``memo_miss`` (a short, signed answer that ran nothing)."""
+        if result.kind != "response" or result.status != 200 or len(result.body) > 1024:
+            return False
+        if b"memo_miss" not in result.body:
+            return False
+        keys = self.verification_keys()
+        if keys:
+            lowered = {k.lower(): v for k, v in result.headers.items()}
+            try:
+                verify_any(keys, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+            except SignatureError:
+                return False  # recorded as any unsigned answer is, by the usual path
+        try:
+            return TaskResponse.model_validate_json(result.body).memo_miss
+        except ValidationError:
+            return False
+
     def _wake_if_release_moved(self, decision: Decision, before: RunState, release: Release) -> None:
         """A pass that just blocked on a definition conflict ran ``release``; if a newer one was synced
         meanwhile, that sync may have looked for blocked runs before this run was blocked (and on AWS
@@ -507,12 +577,29 @@ class Engine:
             self.apply(decision.state.id, WakeRequested(source="release_sync"), known=decision.state)
 
     def _task_request(
-        self, state: RunState, task: TaskRef, *, respond_by: datetime, features: frozenset[str] = frozenset()
+        self,
+        state: RunState,
+        task: TaskRef,
+        memo_entries: dict[str, dict[str, Any]],
+        *,
+        respond_by: datetime,
+        features: frozenset[str] = frozenset(),
+        token: str | None = None,
+        base: MemoBase | None = None,
     ) -> TaskRequest:
-        entries = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}
+        """The request for ``task``: ``memo_entries`` is the whole memo, or with ``base`` what changed since it
+        (and then the input is not sent either: the endpoint holds it with that memo)."""
+        entries = {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()}
+        run_input = None if base is not None else state.input
         if task.kind is TaskKind.DISCOVER:
             return TaskRequest(
-                kind=task.kind, run_id=state.id, function_id=state.function_id, input=state.input, memo=entries
+                kind=task.kind,
+                run_id=state.id,
+                function_id=state.function_id,
+                input=run_input,
+                memo=entries,
+                memo_token=token,
+                memo_base=base,
             )
         assert task.step_id is not None and task.generation is not None and task.phase is not None
         step = state.step(task.step_id)
@@ -523,8 +610,10 @@ class Engine:
             kind=task.kind,
             run_id=state.id,
             function_id=state.function_id,
-            input=state.input,
+            input=run_input,
             memo=entries,
+            memo_token=token,
+            memo_base=base,
             step_id=step.id,
             operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,

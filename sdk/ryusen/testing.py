@@ -323,7 +323,13 @@ class WorkflowEnvironment:
             assert request.operation is not None and step_id is not None
             from ryusen._internal.wire import TaskResponse
 
-            outcome = TaskResponse.model_validate_json(response.body).attempt
+            answer = TaskResponse.model_validate_json(response.body)
+            if answer.memo_miss:  # nothing ran: the response to lose is the one to the whole memo, sent next
+                rule.times += 1
+                return InvokeResult(
+                    kind="response", status=response.status, headers=response.headers, body=response.body
+                )
+            outcome = answer.attempt
             from ryusen._internal.wire import LateResult
 
             late = LateResult.model_validate(

@@ -25,10 +25,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ryusen import RetryPolicy, Ryusen, Step
-from ryusen._internal.wire import TaskKind, TaskRequest, TaskResponse
+from ryusen._internal.wire import MemoEntry, TaskKind, TaskRequest, TaskResponse
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
 from ryusen_server.core.model import AttemptStatus, RunState, TaskRef
+from ryusen_server.core.view import memo
 from ryusen_server.invoker import InvokeResult
 from ryusen_server.ports import ConflictError
 
@@ -76,8 +77,10 @@ class Interleavings(RuleBasedStateMachine):
         super().__init__()
         self.fail_next: Counter[str] = Counter()
         self.executions: Counter[str] = Counter()
+        self.apps = [build_app(self.fail_next, self.executions)]
+        """Every revision the endpoint has served (each keeps its memos)."""
         self.env = WorkflowEnvironment(
-            build_app(self.fail_next, self.executions),
+            self.apps[0],
             settings=EngineSettings(attempt_timeout_s=20, lease_grace_s=5, redelivery_initial_s=1),
         )
         self.run_ids = [self.env.start("saga", {"fail": False}), self.env.start("saga", {"fail": True})]
@@ -90,11 +93,16 @@ class Interleavings(RuleBasedStateMachine):
         self.authorized_at_stop: dict[str, set[tuple[str, int]]] = {}
         """Per cancelled run: the forward attempts authorized when the stop intent was written."""
         self.after_the_fence: list[str] = []
+        self.check_memo_after: list[tuple[TaskRequest, RunState]] = []
+        """Requests that named their memo (``memo_cache``), with the run they were built from."""
+        self.wrong_memos: list[str] = []
         self.invoke = self.env.invoker.invoke
         self.env.invoker.invoke = self.invoking  # type: ignore[method-assign]
 
     def invoking(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
         request = TaskRequest.model_validate_json(body)
+        if request.memo_token is not None:
+            self.check_memo_after.append((request, self.state(request.run_id)))
         forward = request.kind is TaskKind.FORWARD and request.operation is not None
         if forward and self.duplicate_in_flight and request.operation is not None:
             self.duplicate_in_flight = False
@@ -111,6 +119,7 @@ class Interleavings(RuleBasedStateMachine):
             if key not in self.authorized_at_stop[request.run_id]:
                 self.after_the_fence.append(f"{request.run_id} {key} invoked, authorized after the stop intent")
         result = self.invoke(url, body, headers, timeout_s=timeout_s)
+        self.check_held_memos()
         if not forward or result.kind != "response" or result.body is None:
             return result
         if self.drop_next_continuation:
@@ -132,7 +141,8 @@ class Interleavings(RuleBasedStateMachine):
                 self.cancel_run(request.run_id)
             else:
                 event("a release changed between a callback and its write")
-                self.env.sync(build_app(self.fail_next, self.executions, what))
+                self.apps.append(build_app(self.fail_next, self.executions, what))
+                self.env.sync(self.apps[-1])
         return result
 
     # ---- rules --------------------------------------------------------------------
@@ -200,6 +210,24 @@ class Interleavings(RuleBasedStateMachine):
     @rule()
     def duplicate_while_in_flight(self) -> None:
         self.duplicate_in_flight = True
+
+    @rule(keep=st.integers(min_value=0, max_value=2))
+    def endpoint_loses_its_memos(self, keep: int) -> None:
+        """Another container answers next, or this one was restarted or evicted memos (``memo_cache``)."""
+        event("the endpoint lost its memos")
+        for app in self.apps:
+            app.memo_cache.clear()
+            app.memo_cache.entries = keep or 64
+
+    def check_held_memos(self) -> None:
+        """Whatever memo an endpoint holds under a token is the whole memo of the request that named it."""
+        while self.check_memo_after:
+            request, state = self.check_memo_after.pop()
+            expected = {k: MemoEntry.model_validate(v) for k, v in memo(state).items()}
+            for app in self.apps:
+                held = app.memo_cache.held(request.memo_token or "")
+                if held is not None and (held[1] != expected or held[0] != state.input):
+                    self.wrong_memos.append(f"{request.run_id} {request.kind} {request.step_id}: {held} != {expected}")
 
     @rule(pick=st.integers(min_value=0, max_value=50))
     def late_result(self, pick: int) -> None:
@@ -282,6 +310,10 @@ class Interleavings(RuleBasedStateMachine):
                         assert forward[-1].status not in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN), (
                             f"compensation began while {step.id} forward #{forward[-1].generation} is {forward[-1].status}"
                         )
+
+    @invariant()
+    def an_endpoint_replays_the_memo_the_engine_sent(self) -> None:
+        assert not self.wrong_memos, self.wrong_memos
 
     @invariant()
     def nothing_forward_is_authorized_after_the_stop_intent(self) -> None:

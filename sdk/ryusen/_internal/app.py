@@ -28,8 +28,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import DefinitionError
+from .memo_cache import MemoCache
 from .signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
-from .step import AsyncStep, CallbackInterruptedError, Step, _Replay
+from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
 from .wire import (
     FEATURES_HEADER,
     SDK_FEATURES,
@@ -95,6 +96,8 @@ class Ryusen:
         self._build_id = build_id
         self._functions: dict[str, RegisteredFunction] = {}
         self.clock: Callable[[], float] = time.time
+        self.memo_cache = MemoCache()
+        """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
 
     @property
     def signing_key(self) -> str | None:
@@ -183,8 +186,9 @@ class Ryusen:
             return self._not_found(request)
         if registered.is_async:
             return _run_coroutine(self.execute_async(request))
+        pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request))
-        return _respond(request, outcome, self._continuation(registered, request, outcome))
+        return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
 
     def _pass(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         """One pass of a plain function: what the replay reports once the function returned or raised."""
@@ -196,11 +200,11 @@ class Ryusen:
             raised = exc
         return replay.report(output=output, raised=raised)
 
-    def _continuation(self, registered: RegisteredFunction, request: TaskRequest, outcome: Any) -> Any:
+    def _continuation(self, registered: RegisteredFunction, request: TaskRequest, outcome: Any, run_input: Any) -> Any:
         """After a successful forward callback (``continue_after``): a discovery pass, replayed from the top
         with the callback's result recorded, run within the same request but on a budget of its own. It is
         the pass the server would otherwise send next; None (the server sends it) when it runs out of time."""
-        discovery = _discovery_after(request, outcome)
+        discovery = _discovery_after(request, outcome, run_input)
         if discovery is None:
             return None
         budget = _continuation_budget(request, self.clock())
@@ -230,9 +234,10 @@ class Ryusen:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
             return await asyncio.to_thread(self.execute, request)
+        pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = await self._pass_async(registered, request, _replay(request))
         following: Any = None
-        discovery = _discovery_after(request, outcome)
+        discovery = _discovery_after(request, outcome, pristine)
         budget = _continuation_budget(request, self.clock()) if discovery is not None else 0.0
         if discovery is not None and budget > 0:
             replay = _replay(discovery)
@@ -280,9 +285,12 @@ class Ryusen:
         if problem is not None:
             return problem
         try:
-            request = TaskRequest.model_validate_json(body)
+            sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+        request = self.memo_cache.resolve(sent, len(body))
+        if request is None:
+            return self._reply(200, encode_response(_memo_miss(sent)))
         try:
             response = self.execute(request)
         except CallbackInterruptedError as exc:
@@ -297,9 +305,12 @@ class Ryusen:
         if problem is not None:
             return problem
         try:
-            request = TaskRequest.model_validate_json(body)
+            sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+        request = self.memo_cache.resolve(sent, len(body))
+        if request is None:
+            return self._reply(200, encode_response(_memo_miss(sent)))
         try:
             response = await self.execute_async(request)
         except CallbackInterruptedError as exc:
@@ -483,15 +494,17 @@ def _continuations() -> concurrent.futures.ThreadPoolExecutor:
         return _continuation_pool
 
 
-def _discovery_after(request: TaskRequest, outcome: Any) -> TaskRequest | None:
-    """The discovery pass that follows a forward attempt whose callback succeeded, if the server asked."""
+def _discovery_after(request: TaskRequest, outcome: Any, run_input: Any) -> TaskRequest | None:
+    """The discovery pass that follows a forward attempt whose callback succeeded, if the server asked.
+
+    ``run_input`` is the run's input as the request brought it, before the forward pass could change it."""
     if not request.continue_after or request.kind is not TaskKind.FORWARD or request.step_id is None:
         return None
     if not isinstance(outcome, CallbackSucceeded):
         return None
     memo = {**request.memo, request.step_id: MemoEntry(status="completed", result=outcome.result)}
     return TaskRequest(
-        kind=TaskKind.DISCOVER, run_id=request.run_id, function_id=request.function_id, input=request.input, memo=memo
+        kind=TaskKind.DISCOVER, run_id=request.run_id, function_id=request.function_id, input=run_input, memo=memo
     )
 
 
@@ -503,8 +516,13 @@ def _continuation_budget(request: TaskRequest, now: float) -> float:
 
 
 def encode_response(response: TaskResponse) -> bytes:
-    """A response as JSON; ``next`` only when there is one, so a server that predates it can read the rest."""
-    return response.model_dump_json(exclude={"next"} if response.next is None else None).encode()
+    """A response as JSON; ``next`` and ``memo_miss`` only when set, so a server that predates them can read it."""
+    unset = {name for name in ("next", "memo_miss") if not getattr(response, name)}
+    return response.model_dump_json(exclude=unset or None).encode()
+
+
+def _memo_miss(request: TaskRequest) -> TaskResponse:
+    return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=True)
 
 
 def _respond(request: TaskRequest, outcome: Any, following: Any = None) -> TaskResponse:

@@ -222,10 +222,22 @@ def _fresh(value: Any) -> Any:
     return pydantic_core.from_json(pydantic_core.to_json(value))
 
 
+_LOCATIONS: dict[tuple[object, int], str] = {}
+"""``file:line`` by code object and line: every replayed ``step.run`` asks, at the same few places."""
+_LOCATIONS_KEPT = 4096
+
+
 def _caller_location(depth: int) -> str | None:
     """``file:line`` of the frame ``depth`` levels above this function's caller."""
     frame = sys._getframe(depth + 1)
-    return _text(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+    key = (frame.f_code, frame.f_lineno)
+    location = _LOCATIONS.get(key)
+    if location is None:
+        location = _text(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+        if len(_LOCATIONS) >= _LOCATIONS_KEPT:
+            _LOCATIONS.clear()
+        _LOCATIONS[key] = location
+    return location
 
 
 def _display_name(fn: Callable[..., Any], name: str | None) -> str:
@@ -251,8 +263,15 @@ _PLAN_PROBLEMS = {
 
 @dataclass(slots=True)
 class _Seen:
+    """A ``step.run`` this pass met: its display name is worked out only if a conflict names it."""
+
     location: str | None
-    name: str
+    fn: Callable[..., Any]
+    given_name: str | None
+
+    @property
+    def name(self) -> str:
+        return _display_name(self.fn, self.given_name)
 
 
 @dataclass(slots=True)
@@ -327,13 +346,14 @@ class _Replay:
         """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
         if not isinstance(step_id, str) or not step_id:
             raise TypeError("step id must be a non-empty string")
-        display = _display_name(fn, name)
         with self._lock:
             if self.closed:
                 raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
             if self.stopped_at is not None:
-                return self._after_stop(step_id, location, display)
+                return self._after_stop(step_id, location, _display_name(fn, name))
             first = self.seen.get(step_id)
+            seen = _Seen(location, fn, name)
+            display = seen.name if first is not None or step_id == self.target else ""
             if first is not None:
                 if self.target_without_compensator is not None and step_id == self.target and compensate is None:
                     # the target's id used twice, and neither use declares a compensator: nothing to undo
@@ -345,7 +365,7 @@ class _Replay:
                     duplicate=Occurrence(location=location, name=display),
                 )
                 self._stop(step_id, location, display, ConflictFound(conflict=duplicate))
-            self.seen[step_id] = _Seen(location, display)
+            self.seen[step_id] = seen
             recorded = self.memo.get(step_id)
             if self.kind is TaskKind.COMPENSATE and step_id == self.target:
                 if compensate is not None:
@@ -358,6 +378,7 @@ class _Replay:
                 self.target_without_compensator = location
             if recorded is not None and recorded.status == "completed":
                 return "return", _fresh(recorded.result)
+            display = display or seen.name
             if recorded is not None:
                 err = recorded.error or ErrorInfo(type="Error", message="step failed")
                 failure = StepFailed(step_id, err.type, err.message, err.data)

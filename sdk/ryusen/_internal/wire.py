@@ -27,8 +27,9 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation",)
-"""``continuation``: a forward request may carry ``continue_after``, and its response ``next``."""
+SDK_FEATURES = ("continuation", "memo_cache")
+"""``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
+``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -118,6 +119,15 @@ class MemoEntry(_Wire):
     status: Literal["completed", "failed"]
     result: Any = None
     error: ErrorInfo | None = None
+
+
+class MemoBase(_Wire):
+    """The memo a request's ``memo`` extends (``memo_cache``): the whole memo is that one's entries, less
+    ``removed``, with ``memo``'s added or replacing them; it has ``count`` entries. Its input is that memo's."""
+
+    token: str = Field(min_length=1, max_length=64)
+    removed: list[str] = Field(default_factory=list)
+    count: int = Field(ge=0)
 
 
 class RetryPolicyWire(_Wire):
@@ -222,6 +232,23 @@ class TaskRequest(_Wire):
     continue_after: bool = False
     """Forward: after the callback succeeds, keep replaying with its result, up to the next step with no
     recorded outcome (without running it), the function's end, or a conflict; report that as ``next``."""
+    memo_token: str | None = Field(default=None, min_length=1, max_length=64)
+    """``memo_cache``: the name the server gave this request's whole memo and input. An endpoint may keep
+    them under it, for a later request of the same run to extend (``memo_base``)."""
+    memo_base: MemoBase | None = None
+    """``memo_cache``: ``memo`` holds only what changed since the memo named ``memo_base.token``, and
+    ``input`` is not sent. An endpoint that does not hold that memo runs nothing and answers ``memo_miss``;
+    the server then sends the whole memo."""
+
+
+FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base")
+"""Request fields an SDK understands only if it announced their feature: sent only when set."""
+
+
+def encode_request(request: TaskRequest) -> bytes:
+    """A request as JSON, without the feature fields it does not use (an older SDK refuses unknown fields)."""
+    unused = {name for name in FEATURE_FIELDS if not getattr(request, name)}
+    return request.model_dump_json(exclude=unused or None).encode()
 
 
 # ---- responses -------------------------------------------------------------
@@ -307,6 +334,9 @@ class TaskResponse(_Wire):
     next: DiscoveryResponse | None = None
     """What the replay found after a successful callback (``continue_after``): repeatable orchestration,
     like a discovery pass, so nothing in it ran an effect."""
+    memo_miss: bool = False
+    """``memo_cache``: this endpoint does not hold the memo the request extends (``memo_base``); nothing ran,
+    and ``discovery`` and ``attempt`` are empty. The server sends the request again with the whole memo."""
 
 
 class LateResult(_Wire):

@@ -1,0 +1,117 @@
+"""The endpoint's memo cache (the ``memo_cache`` feature): what a warm endpoint already holds is not sent again.
+
+Every task request replays the run's memo of recorded step outcomes to the function. Without the cache,
+each request carries the whole memo, so the bytes a run sends its endpoint grow with the square of its
+length. With it, the server names each memo it sends with a token it mints (``memo_token``), and the
+next request for the run carries only what changed since that memo (``memo_base``). This process keeps
+the memos it was sent, a few per run and a bounded number in all; one it does not hold (another container,
+a restart, an eviction) is a miss: the endpoint runs nothing and answers ``memo_miss``, and the server
+sends the whole memo again. A miss costs a round trip, never a wrong memo: a token names exactly one
+memo, minted once by one server process, and the count of entries is checked after the change is applied.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic_core
+
+from .wire import MemoEntry, TaskRequest
+
+MEMO_CACHE_ENTRIES = 64
+"""Memos kept by one endpoint process, over all runs (the least recently used goes first)."""
+MEMO_CACHE_BYTES = 64 * 1024 * 1024
+"""The request bytes those memos were built from, at most (a memo over this is used once, not kept)."""
+MEMOS_PER_RUN = 2
+"""Memos kept per run: the newest, and the one before for a request that was sent again."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    run_id: str
+    input: bytes
+    """As JSON: each request gets a fresh copy, which its function may change (as it may a parsed one)."""
+    memo: dict[str, MemoEntry]
+    size: int
+    """The bytes of the requests this memo was built from: what holding it saves sending again."""
+
+
+class MemoCache:
+    """Memos by token, for the requests that extend them."""
+
+    def __init__(self, entries: int = MEMO_CACHE_ENTRIES, max_bytes: int = MEMO_CACHE_BYTES) -> None:
+        self.entries = entries
+        self.max_bytes = max_bytes
+        self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def resolve(self, request: TaskRequest, size: int) -> TaskRequest | None:
+        """``request`` with its whole memo and input, or None when it extends a memo this process lacks.
+
+        ``size`` is the request's size in bytes. A request with a ``memo_token`` leaves its whole memo here
+        for the next request of its run.
+        """
+        base = request.memo_base
+        if base is None:
+            whole, input_json, held_size = request, b"", size
+            if request.memo_token is not None:
+                input_json = pydantic_core.to_json(request.input)
+        else:
+            with self._lock:
+                held = self._held.get(base.token)
+                if held is not None:
+                    self._held.move_to_end(base.token)
+            if held is None or held.run_id != request.run_id:
+                self.misses += 1
+                return None
+            memo = dict(held.memo)
+            for step_id in base.removed:
+                memo.pop(step_id, None)
+            memo.update(request.memo)
+            if len(memo) != base.count:
+                self.misses += 1  # not the memo the server meant: it sends the whole one
+                return None
+            self.hits += 1
+            input_json, held_size = held.input, held.size + size
+            run_input = pydantic_core.from_json(input_json)
+            whole = request.model_copy(update={"memo": memo, "input": run_input, "memo_base": None})
+        if request.memo_token is not None:
+            # a copy: the memo kept must not be the dict the request's pass holds
+            self._keep(request.memo_token, _Held(request.run_id, input_json, dict(whole.memo), held_size))
+        return whole
+
+    def _keep(self, token: str, held: _Held) -> None:
+        if held.size > self.max_bytes:
+            return
+        with self._lock:
+            previous = self._held.pop(token, None)
+            if previous is not None:
+                self._bytes -= previous.size
+            self._held[token] = held
+            self._bytes += held.size
+            same_run = [t for t, h in self._held.items() if h.run_id == held.run_id]
+            for stale in same_run[:-MEMOS_PER_RUN]:
+                self._bytes -= self._held.pop(stale).size
+            while len(self._held) > self.entries or self._bytes > self.max_bytes:
+                _, dropped = self._held.popitem(last=False)
+                self._bytes -= dropped.size
+
+    def held(self, token: str) -> tuple[Any, dict[str, MemoEntry]] | None:
+        """The input and memo kept under ``token``, if this process holds it."""
+        with self._lock:
+            held = self._held.get(token)
+        return None if held is None else (pydantic_core.from_json(held.input), dict(held.memo))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._bytes = 0
