@@ -10,27 +10,42 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
 from ryusen._internal.app import HandlerResponse
 
 from .ports import InvokeResult, RequestCounter
+from .urls import EndpointPolicy, EndpointRefusedError
 
 
 class HttpInvoker:
-    def __init__(self, counter: RequestCounter | None = None) -> None:
+    def __init__(self, counter: RequestCounter | None = None, *, policy: EndpointPolicy | None = None) -> None:
+        """``policy``: what the endpoint URL may reach (decisions 22), checked before each request, which then
+        goes to the address the check resolved; None only where nothing but loopback is served (tests)."""
         self._client = httpx.Client(http2=False, follow_redirects=False)
         self.counter = counter or RequestCounter()
+        self.policy = policy
 
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
         """POST the task and read the answer within ``timeout_s`` in all (an answer that trickles in counts
         as timed out once the time is up, as a silent one does)."""
         self.counter.add("endpoint.invoke", len(body))
+        extensions: dict[str, Any] | None = None
+        if self.policy is not None:
+            try:
+                target = self.policy.check(url)
+            except EndpointRefusedError as exc:
+                return InvokeResult(kind="unreachable", detail=f"not sent: {exc.message}")
+            url, headers = target.url, {**headers, "Host": target.host_header}
+            extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
         timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
         deadline = time.monotonic() + timeout_s
         try:
-            with self._client.stream("POST", url, content=body, headers=headers, timeout=timeout) as response:
+            with self._client.stream(
+                "POST", url, content=body, headers=headers, timeout=timeout, extensions=extensions
+            ) as response:
                 watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), response.close)
                 watchdog.daemon = True
                 watchdog.start()

@@ -18,6 +18,7 @@ import boto3
 import httpx
 from botocore.config import Config
 
+from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, verify_any
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
 from .aws.queue import SqsQueue
@@ -27,6 +28,7 @@ from .engine import Engine, ServerSettings
 from .invoker import HttpInvoker
 from .ports import InvalidRequestError, RequestCounter
 from .settings import server_settings
+from .urls import EndpointPolicy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,12 +78,23 @@ class AwsEngine:
     engine: Engine
     sqs: Any
     counter: RequestCounter
+    policy: EndpointPolicy
+    """What an app may register as its endpoint (decisions 22), for the manifest fetch and every task."""
+
+    def fetcher(self) -> Callable[[str], tuple[Manifest, frozenset[str]]]:
+        """The manifest fetch the API syncs releases with: under the URL policy and the engine's keys."""
+        return manifest_fetcher(self.policy, self.engine.verification_keys)
 
 
 def aws_engine(
-    resources: AwsResources, settings: ServerSettings | None = None, counter: RequestCounter | None = None
+    resources: AwsResources,
+    settings: ServerSettings | None = None,
+    counter: RequestCounter | None = None,
+    policy: EndpointPolicy | None = None,
 ) -> AwsEngine:
+    """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only)."""
     counter = counter or RequestCounter()
+    policy = policy or EndpointPolicy.from_env(os.environ)
     sqs = client("sqs", resources)
     timers = SchedulerTimers(
         client("scheduler", resources),
@@ -104,10 +117,10 @@ def aws_engine(
         ),
         queue=SqsQueue(sqs, resources.queue_url, timers, counter),
         timers=timers,
-        invoker=HttpInvoker(counter),
+        invoker=HttpInvoker(counter, policy=policy),
         settings=settings,
     )
-    return AwsEngine(engine=engine, sqs=sqs, counter=counter)
+    return AwsEngine(engine=engine, sqs=sqs, counter=counter, policy=policy)
 
 
 log = logging.getLogger("ryusen.wiring")
@@ -159,20 +172,68 @@ class SecretKey:
         return str(secret["SecretString"]).strip() or None
 
 
-def fetch_manifest(url: str) -> tuple[Manifest, frozenset[str]]:
+MANIFEST_MAX_BYTES = 1024 * 1024
+
+
+def fetch_manifest(
+    url: str, *, policy: EndpointPolicy | None = None, keys: Callable[[], list[str]] | None = None
+) -> tuple[Manifest, frozenset[str]]:
     """GET an app endpoint's manifest (what ``PUT /v1/apps/{id}`` records as a release), and the features its
-    SDK announced in ``X-Ryusen-Features`` (none from an SDK that predates them)."""
+    SDK announced in ``X-Ryusen-Features`` (none from an SDK that predates them).
+
+    The URL must pass ``policy`` (decisions 22; by default only public addresses) and is fetched at the
+    address the policy checked. With ``keys`` (the server's signing keys), the manifest must be signed with
+    one of them: an app the server cannot verify is refused here, not left to fail every task later. Nothing
+    the endpoint answered is repeated in an error unless it is a well-formed, verified manifest: the
+    fetch must not be a way to read what some other service would answer.
+    """
+    target = (policy or EndpointPolicy()).check(url)
+    headers = {"Host": target.host_header, "Accept": "application/json"}
+    extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
     try:
-        response = httpx.get(url, timeout=10.0)
+        with (
+            httpx.Client(follow_redirects=False, timeout=10.0) as http,
+            http.stream("GET", target.url, headers=headers, extensions=extensions) as response,
+        ):
+            received = bytearray()
+            for chunk in response.iter_bytes():
+                received += chunk
+                if len(received) > MANIFEST_MAX_BYTES:
+                    raise InvalidRequestError(
+                        f"{url} answered with over {MANIFEST_MAX_BYTES} bytes; a manifest is smaller",
+                        code="invalid_manifest",
+                    )
+            body = bytes(received)
     except httpx.HTTPError as exc:
-        raise InvalidRequestError(f"cannot reach {url}: {exc}", code="endpoint_unreachable") from None
+        raise InvalidRequestError(f"cannot reach {url}: {type(exc).__name__}", code="endpoint_unreachable") from None
     if response.status_code != 200:
         raise InvalidRequestError(
             f"{url} answered HTTP {response.status_code} to the manifest request", code="invalid_manifest"
         )
+    try:
+        manifest = Manifest.model_validate_json(body)
+    except ValueError:
+        raise InvalidRequestError(
+            f"{url} did not answer with a Ryusen manifest (its answer is not repeated here)", code="invalid_manifest"
+        ) from None
+    valid_keys = keys() if keys is not None else []
+    if valid_keys:
+        lowered = {k.lower(): v for k, v in response.headers.items()}
+        try:
+            verify_any(valid_keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+        except SignatureError as exc:
+            raise InvalidRequestError(
+                f"the manifest from {url} is not signed with this server's key ({exc.reason}); give the app"
+                " the server's signing key",
+                code="unsigned_app",
+            ) from None
     announced = response.headers.get(FEATURES_HEADER, "")
     features = frozenset(f.strip() for f in announced.split(",") if f.strip())
-    try:
-        return Manifest.model_validate_json(response.content), features
-    except ValueError as exc:
-        raise InvalidRequestError(f"{url} did not return a Ryusen manifest: {exc}", code="invalid_manifest") from None
+    return manifest, features
+
+
+def manifest_fetcher(
+    policy: EndpointPolicy, keys: Callable[[], list[str]]
+) -> Callable[[str], tuple[Manifest, frozenset[str]]]:
+    """``fetch_manifest`` under a deployment's URL policy and signing keys (what the API is built with)."""
+    return lambda url: fetch_manifest(url, policy=policy, keys=keys)

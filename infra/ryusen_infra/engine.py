@@ -90,6 +90,10 @@ class RyusenSettings:
     result_burst_limit: int = 1000
     """The result route, which SDKs call without AWS credentials: a throttle of its own, larger, so that
     operators' traffic cannot crowd it out (and a WAF web ACL can rate-limit callers by address)."""
+    endpoint_allowed_networks: tuple[str, ...] = ()
+    """Networks (CIDRs) besides the public internet that an app's endpoint URL may resolve to (decisions 22):
+    a VPC's private range, say. Loopback, private and link-local addresses (the instance metadata service)
+    are refused otherwise."""
     web_acl_arn: str | None = None
     """A WAF web ACL to associate with the API's stage (recommended: a rate-based rule per IP, since
     anyone can reach the result route; requests that fail the signature check are refused, but still count)."""
@@ -135,6 +139,8 @@ class RyusenSettings:
             env["RYUSEN_MAX_RUN_TIMEOUT_S"] = _seconds(self.max_run_timeout)
         if self.retention is not None:
             env["RYUSEN_RETENTION_DAYS"] = f"{self.retention.to_days():g}"
+        if self.endpoint_allowed_networks:
+            env["RYUSEN_ENDPOINT_ALLOWED_NETWORKS"] = ",".join(self.endpoint_allowed_networks)
         return env
 
 

@@ -30,6 +30,7 @@ from ryusen_server.engine import Engine, ServerSettings
 from ryusen_server.invoker import HttpInvoker
 from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
 from ryusen_server.runtime import fire_due, handle_message
+from ryusen_server.urls import EndpointPolicy
 from ryusen_server.wiring import fetch_manifest
 
 CHAINING = pytest.mark.parametrize("chain_steps", [False, True], ids=["one task per message", "chained"])
@@ -151,7 +152,7 @@ class HttpEngine:
         )
 
     def sync(self, app_id: str) -> None:
-        manifest, features = fetch_manifest(self.url)
+        manifest, features = fetch_manifest(self.url, policy=EndpointPolicy.local())
         self.engine.sync_release(app_id, self.url, manifest, features)
 
     def drive(self, run_id: str, seconds: float) -> dict[str, Any]:

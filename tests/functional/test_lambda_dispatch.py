@@ -66,6 +66,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_QUEUE_URL": url,
             "RYUSEN_QUEUE_ARN": arn,
             "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
+            "RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8",  # the test app runs on loopback
             "RYUSEN_RESULT_URL": f"{gateway.url}/v1/results",
             "RYUSEN_LEASE_GRACE_S": "1",
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",

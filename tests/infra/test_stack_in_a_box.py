@@ -160,8 +160,12 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         gateway = ApiGateway(api_handler, authorize=box.authorize)
         base = {k: v for k, v in saved.items() if not k.startswith(("RYUSEN_", "POWERTOOLS_"))}
         # each function starts cold with exactly the environment the template gives it
-        api_env = box.environment("ryusen_server.lambdas.api.handler", gateway.url)
-        dispatch_env = box.environment("ryusen_server.lambdas.dispatch.handler", gateway.url)
+        # ...except that the box serves the app's function URL on loopback, which a deployment's URL policy
+        # refuses (a real function URL is public): the box allows loopback as the endpoint_allowed_networks
+        # setting would
+        loopback = {"RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8"}
+        api_env = {**box.environment("ryusen_server.lambdas.api.handler", gateway.url), **loopback}
+        dispatch_env = {**box.environment("ryusen_server.lambdas.dispatch.handler", gateway.url), **loopback}
         shop_env = box.environment("shop.lambda_handler", gateway.url)
         os.environ.clear()
         os.environ.update({**base, **api_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})

@@ -386,13 +386,16 @@ class _Transition:
         self.touch()
 
     def clear_blockers(self, kind: BlockerType, step_id: str | None = None) -> None:
-        kept = [b for b in self.s.blockers if not (b.type is kind and (step_id is None or b.step_id == step_id))]
-        if len(kept) != len(self.s.blockers):
-            self.s.blockers = kept
-            self.touch()
-        if kind in DEFINITION_BLOCKERS and not self.s.blocked_by_definition:
-            self.s.probe_interval_s = None
-            self.s.probe_due_at = None
+        s = self.s
+        if s.blockers:
+            kept = [b for b in s.blockers if not (b.type is kind and (step_id is None or b.step_id == step_id))]
+            if len(kept) != len(s.blockers):
+                s.blockers = kept
+                self.touch()
+        probing = s.probe_interval_s is not None or s.probe_due_at is not None
+        if probing and kind in DEFINITION_BLOCKERS and not s.blocked_by_definition:
+            s.probe_interval_s = None
+            s.probe_due_at = None
 
     def clear_definition_blockers(self) -> None:
         for kind in DEFINITION_BLOCKERS:

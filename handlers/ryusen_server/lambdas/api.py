@@ -10,7 +10,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from ..api import build_api
-from ..wiring import AwsResources, aws_engine, fetch_manifest
+from ..wiring import AwsResources, aws_engine
 
 logger = Logger(service="ryusen-api")
 metrics = Metrics(namespace="Ryusen", service="api")
@@ -20,7 +20,8 @@ _resolver: APIGatewayRestResolver | None = None
 def resolver() -> APIGatewayRestResolver:
     global _resolver
     if _resolver is None:
-        _resolver = build_api(aws_engine(AwsResources.from_env()).engine, fetch_manifest)
+        wired = aws_engine(AwsResources.from_env())
+        _resolver = build_api(wired.engine, wired.fetcher())
     return _resolver
 
 

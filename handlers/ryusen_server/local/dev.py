@@ -46,7 +46,8 @@ from ..aws.timers import create_schedule_group
 from ..ports import RequestCounter
 from ..runtime import lease_keeper, process_body
 from ..settings import server_settings
-from ..wiring import AwsEngine, AwsResources, aws_engine, client, fetch_manifest
+from ..urls import EndpointPolicy
+from ..wiring import AwsEngine, AwsResources, aws_engine, client
 from .serve_app import AppSpecError, source_file, split_spec
 from .ui import UI_HTML
 
@@ -152,7 +153,7 @@ class DevStack:
         settings_env = dict(self.env)
         settings_env["RYUSEN_SIGNING_KEY"] = key
         settings_env["RYUSEN_RESULT_URL"] = f"http://127.0.0.1:{self.port}/v1/results"
-        self.wired = aws_engine(self.resources, server_settings(settings_env), self.counter)
+        self.wired = aws_engine(self.resources, server_settings(settings_env), self.counter, EndpointPolicy.local())
         self._serve_api()
         self._spawn(self._dispatch_loop, "ryusen-dispatch")
         self._spawn(self._timer_loop, "ryusen-timers")
@@ -225,7 +226,7 @@ class DevStack:
     def _start_and_sync(self, proc: AppProcess) -> None:
         assert self.wired is not None
         manifest = proc.start()
-        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, *fetch_manifest(proc.url))
+        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, *self.wired.fetcher()(proc.url))
         proc.app_id, proc.release_id = release.app_id, release.release_id
 
     def _supervise(self) -> None:
@@ -268,7 +269,7 @@ class DevStack:
         from werkzeug.serving import make_server
 
         assert self.wired is not None
-        resolver = build_api(self.wired.engine, fetch_manifest)
+        resolver = build_api(self.wired.engine, self.wired.fetcher())
 
         def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")

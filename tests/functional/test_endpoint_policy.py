@@ -1,0 +1,189 @@
+"""What an app may register as its endpoint (decisions 22; issue 11, finding 1).
+
+The security review registered a fake credentials service and a text page as an app's URL: ``PUT
+/v1/apps/{id}`` fetched them and its error repeated what came back (pydantic prints input values), a
+secret key and a password. On AWS any IAM caller of the API could have read the metadata service. Now the
+URL must pass the deployment's policy before anything is fetched (public addresses only unless a network
+is allowed; loopback on ``ryusen dev``), the name is resolved once and that address used, and nothing an
+endpoint answers is repeated unless it is a well-formed manifest signed with the server's key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from ryusen import Ryusen, Step
+from ryusen._internal.serve import wsgi_app
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.api import build_api
+from ryusen_server.invoker import HttpInvoker
+from ryusen_server.urls import EndpointPolicy, EndpointRefusedError
+from ryusen_server.wiring import fetch_manifest, manifest_fetcher
+from tests.conformance.test_security_and_bad_input import call
+
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+KEY = "policy-test-signing-key-0123456789abcdef"
+
+
+@pytest.fixture
+def credentials_service() -> Iterator[str]:
+    """A loopback service answering every GET with a secret, as the metadata service would."""
+
+    @Request.application
+    def answer(request: Request) -> Response:
+        if request.path == "/text":
+            return Response(f"password={SECRET}", content_type="text/plain")
+        body = {"AccessKeyId": "ASIAEXAMPLE", "SecretAccessKey": SECRET, "app_id": SECRET, "functions": SECRET}
+        return Response(json.dumps(body), content_type="application/json")
+
+    server = make_server("127.0.0.1", 0, answer, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.fixture
+def app_server() -> Iterator[tuple[Ryusen, str]]:
+    app = Ryusen("policy-app", signing_key=KEY)
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("s", lambda: data)
+
+    server = make_server("127.0.0.1", 0, wsgi_app(app), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield app, f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+
+
+def api(policy: EndpointPolicy, keys: list[str] | None = None) -> tuple[WorkflowEnvironment, Any]:
+    env = WorkflowEnvironment(Ryusen("unused"))
+    return env, build_api(env.engine, manifest_fetcher(policy, lambda: keys or []))
+
+
+def sync(resolver: Any, url: str) -> tuple[int, Any]:
+    return call(resolver, "PUT", "/v1/apps/policy-app", json.dumps({"url": url}))
+
+
+@pytest.mark.parametrize("path", ["/latest/meta-data/iam/security-credentials/role", "/text"])
+def test_a_loopback_service_is_refused_before_it_is_fetched_on_a_deployment(
+    credentials_service: str, path: str
+) -> None:
+    env, resolver = api(EndpointPolicy())
+    status, body = sync(resolver, credentials_service + path)
+    assert (status, body["error"]["code"]) == (422, "endpoint_refused")
+    assert "loopback" in body["error"]["message"] and SECRET not in json.dumps(body)
+    assert env.store.list_releases() == []
+
+
+@pytest.mark.parametrize("path", ["/latest/meta-data/iam/security-credentials/role", "/text"])
+def test_what_a_non_manifest_answer_says_is_never_repeated(credentials_service: str, path: str) -> None:
+    """Where loopback is allowed (``ryusen dev``), the fetch happens; its answer is not a manifest, and the
+    error says so without quoting it."""
+    env, resolver = api(EndpointPolicy.local())
+    status, body = sync(resolver, credentials_service + path)
+    assert (status, body["error"]["code"]) == (422, "invalid_manifest")
+    assert SECRET not in json.dumps(body) and "ASIA" not in json.dumps(body)
+    assert env.store.list_releases() == []
+
+
+@pytest.mark.parametrize(
+    ("address", "what"),
+    [
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:169.254.169.254", "link-local"),
+        ("10.0.0.7", "private"),
+        ("192.168.1.1", "private"),
+        ("fd00:ec2::254", "private"),
+        ("0.0.0.0", "private"),
+        ("100.64.0.1", "not public"),
+    ],
+)
+def test_addresses_that_are_not_public_are_refused_without_a_request(address: str, what: str) -> None:
+    host = f"[{address}]" if ":" in address else address
+    with pytest.raises(EndpointRefusedError, match=what):
+        EndpointPolicy().check(f"http://{host}/latest/meta-data/")
+
+
+def test_a_name_is_checked_for_every_address_it_has_and_then_used_by_address() -> None:
+    """A name with one public and one private address is refused (a second lookup could pick either); an
+    accepted name is resolved once and the request goes to that address, with the name as Host and as the
+    TLS server name, so a DNS answer that changes afterwards cannot redirect it."""
+    answers = {"mixed.example": ["93.184.216.34", "10.1.2.3"], "public.example": ["93.184.216.34"]}
+    lookups: list[str] = []
+
+    def resolver(host: str, port: int) -> list[str]:
+        lookups.append(host)
+        return answers[host]
+
+    policy = EndpointPolicy(resolver=resolver)
+    with pytest.raises(EndpointRefusedError, match="private"):
+        policy.check("https://mixed.example/api")
+    target = policy.check("https://public.example/api/ryusen?x=1")
+    assert target.url == "https://93.184.216.34/api/ryusen?x=1"
+    assert (target.host_header, target.sni_hostname) == ("public.example", "public.example")
+    answers["public.example"] = ["169.254.169.254"]  # rebinding: the next lookup would say the metadata service
+    assert policy.check("https://public.example/api").url == "https://93.184.216.34/api"
+    assert lookups == ["mixed.example", "public.example"]
+
+
+def test_a_setting_allows_a_private_network_and_only_that_one() -> None:
+    policy = EndpointPolicy.from_env({"RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "10.0.0.0/8, fd00::/8"})
+    assert policy.allowed == (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8"))
+    assert policy.check("http://10.2.3.4:8080/x").url == "http://10.2.3.4:8080/x"
+    with pytest.raises(EndpointRefusedError):
+        policy.check("http://192.168.0.1/x")
+    with pytest.raises(EndpointRefusedError, match="link-local"):
+        policy.check("http://169.254.169.254/")
+    with pytest.raises(ValueError, match="not a CIDR"):
+        EndpointPolicy.from_env({"RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "10.0.0.0/8,private"})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://user:secret@93.184.216.34/",
+        "http://93.184.216.34/\r\nX-Injected: 1",
+        "http://93.184.216.34/a b",
+        "http://93.184.216.34/#frag",
+        "file:///etc/passwd",
+        "http://93.184.216.34:99999/",
+        "http:///nohost",
+        "http://exämple.com/",
+    ],
+)
+def test_malformed_urls_are_refused_with_a_structured_error_and_nothing_stored(url: str) -> None:
+    env, resolver = api(EndpointPolicy())
+    status, body = sync(resolver, url)
+    assert 400 <= status < 500 and body["error"]["code"] in ("endpoint_refused", "invalid_request")
+    assert "secret" not in json.dumps(body) and env.store.list_releases() == []
+
+
+def test_a_server_with_a_key_refuses_an_app_that_does_not_sign_with_it(app_server: tuple[Ryusen, str]) -> None:
+    """Finding 8: a keyed server used to sync an unsigned app, whose runs then retried discovery forever."""
+    _, url = app_server
+    env, resolver = api(EndpointPolicy.local(), keys=["some-other-key-0123456789abcdefgh"])
+    status, body = sync(resolver, url)
+    assert (status, body["error"]["code"]) == (422, "unsigned_app") and env.store.list_releases() == []
+    env, resolver = api(EndpointPolicy.local(), keys=[KEY])
+    status, body = sync(resolver, url)
+    assert status == 200 and body["signed"] is True
+    assert fetch_manifest(url, policy=EndpointPolicy.local(), keys=lambda: [KEY])[0].app_id == "policy-app"
+
+
+def test_the_dispatcher_does_not_send_a_task_to_an_address_the_policy_refuses() -> None:
+    invoker = HttpInvoker(policy=EndpointPolicy())
+    result = invoker.invoke("http://169.254.169.254/latest", b"{}", {}, timeout_s=1)
+    assert result.kind == "unreachable" and "not sent" in (result.detail or "")
+    assert invoker.counter.counts == {"endpoint.invoke": 1}
