@@ -17,7 +17,7 @@ from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ryusen._internal.wire import ErrorInfo, Manifest, Phase
+from ryusen._internal.wire import MAX_VALUE_DEPTH, ErrorInfo, Manifest, Phase, json_value_problem, loads_strict
 
 from .core.events import Resolve
 from .core.model import Outcome, RunPhase
@@ -41,10 +41,14 @@ class SyncRequest(_Body):
     url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://")
 
 
+MAX_TIMEOUT_S = 10 * 366 * 86_400.0
+"""The longest run timeout a request may ask for (ten years); a deployment's own maximum may be shorter."""
+
+
 class StartRunRequest(_Body):
     input: Any = None
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
 
 
 class CancelRequest(_Body):
@@ -60,6 +64,13 @@ class ResolveRequest(_Body):
 class MalformedJsonError(ServerError):
     code = "malformed_json"
     status = 400
+
+
+def _checked_value(what: str, value: Any) -> Any:
+    """``value`` if the server can store it (:func:`json_value_problem`), else a 422 that says why."""
+    if (problem := json_value_problem(value)) is not None:
+        raise InvalidRequestError(f"{what} {problem}", code="invalid_value")
+    return value
 
 
 def _error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response[str]:
@@ -86,9 +97,9 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
                 return model()
             raise MalformedJsonError("request body is empty; a JSON object is required")
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise MalformedJsonError(f"request body is not JSON: {exc}") from None
+            data = loads_strict(raw, max_depth=MAX_VALUE_DEPTH + 3)  # a value's own, and the objects around it
+        except ValueError as exc:
+            raise MalformedJsonError(f"request body is not acceptable JSON: {exc}") from None
         if not isinstance(data, dict):
             raise InvalidRequestError("request body must be a JSON object")
         return parse(event=data, model=model)
@@ -157,8 +168,9 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     @api.post("/v1/functions/<function_id>/runs")
     def start_run(function_id: str) -> Response[str]:
         request = body_of(StartRunRequest)
+        run_input = _checked_value("input", request.input)
         state, created = engine.start_run(
-            function_id, request.input, idempotency_key=request.idempotency_key, timeout_s=request.timeout_s
+            function_id, run_input, idempotency_key=request.idempotency_key, timeout_s=request.timeout_s
         )
         return _json(201 if created else 200, run_view(state))
 
@@ -214,6 +226,8 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
         if not generation.isdigit() or int(generation) < 1:
             raise InvalidRequestError("generation must be a positive integer")
         request = body_of(ResolveRequest)
+        _checked_value("result", request.result)
+        _checked_value("error data", request.error.data if request.error is not None else None)
         if request.action == "fail" and request.error is None:
             raise InvalidRequestError('action \'fail\' needs an error: {"type": ..., "message": ...}')
         if request.action != "succeed" and request.result is not None:

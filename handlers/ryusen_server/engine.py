@@ -32,6 +32,7 @@ from ryusen._internal.wire import (
     TaskRequest,
     TaskResponse,
     encode_request,
+    json_value_problem,
     value_size,
 )
 
@@ -150,9 +151,12 @@ class SentMemos:
     ``capacity`` are forgotten, least recently sent first (their next request carries the whole memo).
     """
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 256, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.capacity = capacity
-        self._runs: OrderedDict[str, tuple[str, dict[str, dict[str, Any]]]] = OrderedDict()
+        self.max_bytes = max_bytes
+        """What the memos remembered may add up to, serialized (each a run's recorded results and errors)."""
+        self._runs: OrderedDict[str, tuple[str, dict[str, dict[str, Any]], int]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def prepare(
@@ -162,15 +166,51 @@ class SentMemos:
         token = uuid.uuid4().hex
         with self._lock:
             last = self._runs.pop(run_id, None)
-            self._runs[run_id] = (token, whole)
-            while len(self._runs) > self.capacity:
-                self._runs.popitem(last=False)
+            if last is not None:
+                self._bytes -= last[2]
         if last is None:
-            return token, None, whole
-        previous_token, previous = last
-        changed = {step_id: entry for step_id, entry in whole.items() if previous.get(step_id) != entry}
-        removed = [step_id for step_id in previous if step_id not in whole]
-        return token, MemoBase(token=previous_token, removed=removed, count=len(whole)), changed
+            changed, base, size = whole, None, value_size(whole)
+        else:
+            previous_token, previous, size = last
+            # compared as JSON, so that a change Python calls equal (1 and true, 1 and 1.0) is still sent
+            changed = {
+                step_id: entry for step_id, entry in whole.items() if not _same_json(previous.get(step_id), entry)
+            }
+            removed = [step_id for step_id in previous if step_id not in whole]
+            size += value_size(changed)
+            base = MemoBase(token=previous_token, removed=removed, count=len(whole))
+        if size <= self.max_bytes:
+            with self._lock:
+                self._runs[run_id] = (token, whole, size)
+                self._bytes += size
+                while self._runs and (len(self._runs) > self.capacity or self._bytes > self.max_bytes):
+                    self._bytes -= self._runs.popitem(last=False)[1][2]
+        return token, base, changed
+
+
+def _values_problem(*outcomes: Any) -> str | None:
+    """Why a JSON value an endpoint reported (an output, a result, an error's data) cannot be stored, or None."""
+    for outcome in outcomes:
+        if outcome is None:
+            continue
+        error = getattr(outcome, "error", None)
+        for value in (getattr(outcome, "output", None), getattr(outcome, "result", None), error and error.data):
+            if value is not None and (problem := json_value_problem(value)) is not None:
+                return problem
+    return None
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON: Python's ``==`` with the types JSON tells apart (True is not 1, 1.0 is not 1)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,7 +548,7 @@ class Engine:
         )
         self._emit("invoke", (task, release.url))
         result = self._post(release, request, key, listen_until)
-        if base is not None and self._memo_missed(result):
+        if base is not None and self._memo_missed(result, request):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
@@ -548,8 +588,9 @@ class Engine:
         timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
         return self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
 
-    def _memo_missed(self, result: Any) -> bool:
-        """The endpoint answered ``memo_miss`` (a short, signed answer that ran nothing)."""
+    def _memo_missed(self, result: Any, request: TaskRequest) -> bool:
+        """The endpoint answered ``memo_miss`` to ``request`` (a short, signed answer that ran nothing, naming
+        this request's run, kind and base memo: a miss relayed from another request is no answer at all)."""
         if result.kind != "response" or result.status != 200 or len(result.body) > 1024:
             return False
         if b"memo_miss" not in result.body:
@@ -562,9 +603,15 @@ class Engine:
             except SignatureError:
                 return False  # recorded as any unsigned answer is, by the usual path
         try:
-            return TaskResponse.model_validate_json(result.body).memo_miss
+            answer = TaskResponse.model_validate_json(result.body)
         except ValidationError:
             return False
+        base = request.memo_base
+        return (
+            base is not None
+            and answer.memo_miss == base.token
+            and (answer.run_id, answer.kind) == (request.run_id, request.kind)
+        )
 
     def _wake_if_release_moved(self, decision: Decision, before: RunState, release: Release) -> None:
         """A pass that just blocked on a definition conflict ran ``release``; if a newer one was synced
@@ -659,6 +706,11 @@ class Engine:
             return InvocationFailed(
                 task=task, failure=InvocationFailure.LOST, detail=f"malformed response: {exc.error_count()} errors"
             )
+        if (problem := _values_problem(response.discovery, response.attempt, response.next)) is not None:
+            # the SDK refuses such values itself; an answer that carries one cannot be stored as it is
+            return InvocationFailed(
+                task=task, failure=InvocationFailure.LOST, detail=f"malformed response: a value {problem}"
+            )
         if task.kind is TaskKind.DISCOVER:
             if response.discovery is None:
                 return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail="response has no discovery")
@@ -692,6 +744,8 @@ class Engine:
             late = LateResult.model_validate_json(body)
         except ValidationError as exc:
             raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
+        if (problem := _values_problem(late.attempt)) is not None:
+            raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         decision = self.apply(
             late.run_id,
             AttemptReported(

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from ryusen import Ryusen, Step
-from ryusen._internal.app import MAX_REQUEST_BYTES, HandlerResponse
+from ryusen import NonRetryableError, Ryusen, Step, StepFailed
+from ryusen._internal.app import HandlerResponse
 from ryusen._internal.memo_cache import MemoCache
 from ryusen._internal.wire import MemoBase, MemoEntry, TaskKind, TaskRequest, TaskResponse
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.engine import ServerSettings
+from ryusen_server.engine import SentMemos, ServerSettings
 
 RESULT_BYTES = 100_000
 KEY = "memo-cache-test-key-0123456789abcdef"
@@ -135,8 +135,9 @@ def _memo_miss_of(app: Ryusen, headers: dict[str, str], body: bytes) -> TaskResp
     probe = MemoCache()
     probe._held = app.memo_cache._held.copy()
     request = TaskRequest.model_validate_json(body)
-    resolved = probe.resolve(request, len(body))
-    return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=resolved is None)
+    resolved = probe.resolve(request)
+    missed = request.memo_base.token if resolved is None and request.memo_base else None
+    return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=missed)
 
 
 def test_an_sdk_that_did_not_announce_the_memo_cache_gets_the_whole_memo_every_time() -> None:
@@ -174,35 +175,68 @@ def _request(run_id: str, memo: dict[str, Any], *, token: str, base: MemoBase | 
 
 def test_the_endpoint_applies_a_change_only_to_the_memo_it_names_for_that_run() -> None:
     cache = MemoCache()
-    first = cache.resolve(_request("r1", {"a": 1, "b": 2}, token="t1"), 100)
+    first = cache.resolve(_request("r1", {"a": 1, "b": 2}, token="t1"))
     assert first is not None and set(first.memo) == {"a", "b"}
     change = _request("r1", {"c": 3, "a": 10}, token="t2", base=MemoBase(token="t1", removed=["b"], count=2))
-    whole = cache.resolve(change, 50)
+    whole = cache.resolve(change)
     assert whole is not None and whole.input == {"order": 1} and whole.memo_base is None
     assert {k: e.result for k, e in whole.memo.items()} == {"a": 10, "c": 3}
     # another run's request naming this run's memo, a count that does not match, a memo never held: misses
-    assert cache.resolve(_request("r2", {}, token="t3", base=MemoBase(token="t2", count=2)), 10) is None
-    assert cache.resolve(_request("r1", {}, token="t4", base=MemoBase(token="t2", count=3)), 10) is None
-    assert cache.resolve(_request("r1", {}, token="t5", base=MemoBase(token="nope", count=0)), 10) is None
+    assert cache.resolve(_request("r2", {}, token="t3", base=MemoBase(token="t2", count=2))) is None
+    assert cache.resolve(_request("r1", {}, token="t4", base=MemoBase(token="t2", count=3))) is None
+    assert cache.resolve(_request("r1", {}, token="t5", base=MemoBase(token="nope", count=0))) is None
     assert cache.misses == 3 and cache.hits == 1
     # what a request's code does to its memo does not change the memo kept
     whole.memo.clear()
-    again = cache.resolve(_request("r1", {}, token="t6", base=MemoBase(token="t2", count=2)), 10)
+    again = cache.resolve(_request("r1", {}, token="t6", base=MemoBase(token="t2", count=2)))
     assert again is not None and set(again.memo) == {"a", "c"}
 
 
 def test_the_endpoint_keeps_a_bounded_number_of_memos_and_bytes() -> None:
-    cache = MemoCache(entries=3, max_bytes=1000)
+    cache = MemoCache(entries=3)
     for run in range(5):
-        assert cache.resolve(_request(f"r{run}", {"a": run}, token=f"t{run}"), 100) is not None
+        assert cache.resolve(_request(f"r{run}", {"a": run}, token=f"t{run}")) is not None
     assert len(cache) == 3 and cache.held("t0") is None and cache.held("t4") is not None
     for n in range(4):  # one run's newer memos replace its older ones
         base = MemoBase(token=f"t4-{n - 1}" if n else "t4", count=1)
-        assert cache.resolve(_request("r4", {}, token=f"t4-{n}", base=base), 100) is not None
+        assert cache.resolve(_request("r4", {}, token=f"t4-{n}", base=base)) is not None
     assert [cache.held(t) is not None for t in ("t4-1", "t4-2", "t4-3")] == [False, True, True]
-    assert cache.resolve(_request("r9", {"a": 1}, token="huge"), 1001) is not None  # used, not kept
-    assert cache.held("huge") is None
-    assert MAX_REQUEST_BYTES > 1000
+
+
+def test_the_endpoints_memory_bound_counts_objects_not_request_bytes() -> None:
+    """A review found the bound counting request bytes: ``[{}, {}, ...]`` is 3 bytes an element as JSON and
+    about 64 as Python objects, so 63 MB of such requests held 1.2 GB. The bound is on the objects held."""
+    small_json = [{} for _ in range(20_000)]  # 60 KB as JSON
+    cache = MemoCache(max_bytes=4 * 1024 * 1024)
+    for run in range(10):
+        assert cache.resolve(_request(f"r{run}", {"a": small_json}, token=f"t{run}")) is not None
+    assert cache.held_bytes <= 4 * 1024 * 1024
+    assert 1 <= len(cache) < 10  # each holds over 1 MB of objects for 60 KB of JSON
+    assert cache.resolve(_request("big", {"a": [{} for _ in range(100_000)]}, token="huge")) is not None
+    assert cache.held("huge") is None  # over the whole bound: used once, not kept
+
+
+def test_the_engine_forgets_memos_past_its_byte_budget() -> None:
+    memos = SentMemos(capacity=100, max_bytes=50_000)
+    for run in range(10):
+        _, base, changed = memos.prepare(f"r{run}", {"a": {"status": "completed", "result": "x" * 10_000}})
+        assert base is None and set(changed) == {"a"}
+    _, base, _ = memos.prepare("r9", {"a": {"status": "completed", "result": "x" * 10_000}})
+    assert base is not None  # the newest runs are remembered...
+    _, base, changed = memos.prepare("r0", {"a": {"status": "completed", "result": "x" * 10_000}})
+    assert base is None and set(changed) == {"a"}  # ...the oldest were forgotten: the whole memo again
+    _, base, _ = memos.prepare("huge", {"a": {"status": "completed", "result": "x" * 60_000}})
+    _, base, _ = memos.prepare("huge", {"a": {"status": "completed", "result": "x" * 60_000}})
+    assert base is None  # over the budget on its own: never remembered
+
+
+def test_a_change_python_calls_equal_is_still_sent() -> None:
+    memos = SentMemos()
+    memos.prepare("r", {"a": {"status": "completed", "result": 1}})
+    _, base, changed = memos.prepare("r", {"a": {"status": "completed", "result": True}})
+    assert base is not None and changed == {"a": {"status": "completed", "result": True}}
+    _, base, changed = memos.prepare("r", {"a": {"status": "completed", "result": True}})
+    assert changed == {}
 
 
 def test_a_memo_miss_is_believed_only_when_signed() -> None:
@@ -273,3 +307,110 @@ def test_an_async_function_that_changes_its_input_does_not_change_the_pass_after
         return data["seen"]
 
     assert WorkflowEnvironment(app).run("wf", {"order": 7}).output == 1
+
+
+def test_a_signed_memo_miss_answers_only_the_request_that_named_its_memo() -> None:
+    """A review replayed a genuine signed ``memo_miss`` of one run as the answer to another run's forward
+    request, after that request had reached the endpoint and run its callback: the engine sent the task
+    again and the charge ran twice. A miss names the memo it lacks; any other is no answer at all."""
+    calls: Counter[str] = Counter()
+    app = Ryusen("signed", signing_key=KEY)
+
+    @app.function("one")
+    def one(data: Any, step: Step) -> Any:
+        step.run("reserve", lambda: calls.update(["reserve"]) or 1)
+        return step.run("charge", lambda: calls.update(["charge"]) or 2)
+
+    env = WorkflowEnvironment(app)
+    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+    endpoint = env.invoker.apps["inproc://signed"]
+    captured: list[HandlerResponse] = []
+
+    def harvesting(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).memo_base is not None and not captured:
+            app.memo_cache.clear()
+            captured.append(endpoint(method, headers, body))
+            return captured[0]
+        return endpoint(method, headers, body)
+
+    env.invoker.apps["inproc://signed"] = harvesting
+    assert env.run("one").outcome == "completed" and TaskResponse.model_validate_json(captured[0].body).memo_miss
+    calls.clear()
+
+    def substituting(method: str, headers: dict[str, str], body: bytes) -> Any:
+        request = TaskRequest.model_validate_json(body)
+        response = endpoint(method, headers, body)
+        if request.step_id == "charge" and request.memo_base is not None:
+            return captured[0]  # the charge ran; the engine is told "memo_miss" about another memo
+        return response
+
+    env.invoker.apps["inproc://signed"] = substituting
+    run_id = env.start("one")
+    env.drive()
+    run = env.get(run_id)
+    assert calls == Counter({"reserve": 1, "charge": 1})
+    assert run.step("charge")["attempts"][0]["status"] == "unknown"
+
+
+def test_what_a_function_does_to_a_caught_failure_does_not_change_what_later_tasks_replay() -> None:
+    """A review: the endpoint kept the recorded failure's data and handed the same object to every pass, so
+    a function that annotated the failure it caught changed the memo. Its compensation pass no longer
+    reached the charge, and the refund was skipped. Every pass gets its own copy, as of a result."""
+    calls: Counter[str] = Counter()
+    app = Ryusen("annotating")
+
+    def check() -> None:
+        raise NonRetryableError("limit check failed", data={"limit": 100})
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        try:
+            step.run("check", check)
+            info: dict[str, Any] = {}
+        except StepFailed as failure:
+            info = failure.data
+        if not info.get("escalated"):
+            step.run(
+                "charge", lambda: calls.update(["charge"]) or "ch_1", compensate=lambda r: calls.update(["refund"])
+            )
+        info["escalated"] = True  # annotates the failure it caught
+        raise RuntimeError("over the limit")
+
+    run = WorkflowEnvironment(app).run("wf")
+    assert run.summary == "failed, fully compensated" and calls == Counter({"charge": 1, "refund": 1})
+
+
+def test_many_runs_in_flight_on_one_endpoint_still_hit() -> None:
+    """A review interleaved 40 runs (one task each at a time) on one endpoint process: with 64 memos kept
+    there, 150 of 400 requests missed. The endpoint keeps enough memos for that, within its memory bound."""
+    app = Ryusen("many")
+
+    @app.function("five")
+    def five(data: Any, step: Step) -> Any:
+        return [step.run(f"s{i}", lambda i=i: i) for i in range(5)]
+
+    env = WorkflowEnvironment(app, chain_steps=False)
+    runs = [env.start("five") for _ in range(40)]
+    env.drive()
+    assert all(env.get(r).outcome == "completed" for r in runs)
+    assert app.memo_cache.misses == 0 and app.memo_cache.hits >= 40 * 4
+
+
+def test_a_replayed_step_is_located_in_its_own_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two identical functions in different files have code objects that compare equal: a location cache
+    keyed by code object reported the second at the first one's file."""
+    source = "def wf(data, step):\n    a = step.run('a', lambda: 1)\n    return step.run('a', lambda: 2)\n"
+    for name in ("orders_v1", "orders_v2"):
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    app = Ryusen("located")
+    for name in ("orders_v1", "orders_v2"):
+        app.function(name)(importlib.import_module(name).wf)
+    env = WorkflowEnvironment(app)
+    for name in ("orders_v1", "orders_v2"):
+        run_id = env.start(name)
+        env.drive()
+        [blocker] = env.get(run_id).blockers
+        assert f"{name}.py:2" in json.dumps(blocker) and f"{name}.py:3" in json.dumps(blocker), blocker

@@ -889,8 +889,12 @@ class DynamoStore:
         counts: dict[str, int] = {}
         for item in items:
             run_id = _run_id_of(item)
-            runs[run_id] = RunState.model_validate(pydantic_core.from_json(zlib.decompress(item["summary"]["B"])))
-            counts[run_id] = int(item["step_count"]["N"])
+            try:
+                runs[run_id] = RunState.model_validate(pydantic_core.from_json(zlib.decompress(item["summary"]["B"])))
+                counts[run_id] = int(item["step_count"]["N"])
+            except (ValueError, KeyError, zlib.error):
+                # one item this code cannot read must not break every listing: it is left out, and said so
+                log.exception("run %s: its summary cannot be read; left out of the list", run_id)
         return runs, counts
 
     # ---- large values (see the module docstring) ---------------------------------------

@@ -36,7 +36,9 @@ from urllib.parse import parse_qsl
 
 import httpx
 
-from ..api import build_api
+from ryusen._internal.serve import content_length
+
+from ..api import MAX_BODY_BYTES, build_api
 
 if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.typing import LambdaContext
@@ -48,6 +50,7 @@ from ..runtime import lease_keeper, process_body
 from ..settings import server_settings
 from ..urls import EndpointPolicy
 from ..wiring import AwsEngine, AwsResources, aws_engine, client
+from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
 from .ui import UI_HTML
 
@@ -131,6 +134,8 @@ class DevStack:
         self.resources: AwsResources | None = None
         self._visibility_s: float | None = None
         """The visibility the dispatch loop receives messages with (the default lease)."""
+        self.session_token = secrets.token_urlsafe(32)
+        """What a browser's change must carry (``X-Ryusen-Session``): given only to the UI's own page."""
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -142,11 +147,9 @@ class DevStack:
         for name, value in (("AWS_ACCESS_KEY_ID", "ryusen-dev"), ("AWS_SECRET_ACCESS_KEY", "ryusen-dev")):
             os.environ.setdefault(name, value)
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        from moto.server import ThreadedMotoServer
-
         moto_port = free_port()
-        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
-        self._moto.start()
+        self._moto = _local_moto(moto_port)
+        self._spawn(self._moto.serve_forever, "ryusen-moto")
         endpoint = f"http://127.0.0.1:{moto_port}"
         self.resources = self._create_resources(endpoint)
         key = self.env.get("RYUSEN_SIGNING_KEY") or secrets.token_hex(32)
@@ -178,11 +181,12 @@ class DevStack:
             proc.stop()
         if self._http is not None:
             self._http.shutdown()
-        for thread in self._threads:
-            thread.join(timeout=5)
         if self._moto is not None:
             with contextlib.suppress(Exception):
-                self._moto.stop()
+                self._moto.shutdown()
+            self._moto = None
+        for thread in self._threads:
+            thread.join(timeout=5)
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -271,15 +275,24 @@ class DevStack:
         assert self.wired is not None
         resolver = build_api(self.wired.engine, self.wired.fetcher())
 
+        page = UI_HTML.replace("__RYUSEN_SESSION__", self.session_token).encode()
+
         def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
             if environ["REQUEST_METHOD"] == "GET" and path in ("/", "/ui", "/index.html"):
-                body = UI_HTML.encode()
                 start_response(
-                    "200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))]
+                    "200 OK",
+                    [
+                        ("Content-Type", "text/html; charset=utf-8"),
+                        ("Content-Length", str(len(page))),
+                        *UI_HEADERS,
+                    ],
                 )
-                return [body]
-            event = wsgi_to_rest_event(environ)
+                return [page]
+            try:
+                event = wsgi_to_rest_event(environ)
+            except RefusedError as refused:
+                return refused.answer(start_response)
             result = resolver.resolve(event, cast("LambdaContext", _LocalContext()))
             payload = result.get("body") or ""
             raw = base64.b64decode(payload) if result.get("isBase64Encoded") else payload.encode()
@@ -290,7 +303,8 @@ class DevStack:
             start_response(f"{result['statusCode']} {_reason(result['statusCode'])}", headers)
             return [raw]
 
-        self._http = make_server("127.0.0.1", self.port, wsgi, threaded=True)
+        checked = guarded(wsgi, lambda: self.port, session_token=self.session_token)
+        self._http = make_server("127.0.0.1", self.port, checked, threaded=True)
         self._spawn(self._http.serve_forever, "ryusen-api")
 
     # ---- engine loops -----------------------------------------------------------------
@@ -393,12 +407,27 @@ def _reason(status: int) -> str:
     return _REASONS.get(status, "Status")
 
 
+def _local_moto(port: int) -> Any:
+    """The embedded moto on loopback: its global CORS off (a page that found its port could otherwise read
+    and rewrite the whole table), a loopback ``Host`` required (no DNS rebinding), no browser at all."""
+    os.environ["MOTO_DISABLE_GLOBAL_CORS"] = "true"
+    from moto.moto_server import threaded_moto_server, werkzeug_app
+    from werkzeug.serving import make_server
+
+    werkzeug_app.DISABLE_GLOBAL_CORS = True  # type: ignore[attr-defined] # read at import: set where it is used
+    backend = werkzeug_app.DomainDispatcherApplication(werkzeug_app.create_backend_app)
+    app = guarded(backend, lambda: port, browsers=False)
+    handler = threaded_moto_server.MotoRequestHandler  # type: ignore[attr-defined]
+    return make_server("127.0.0.1", port, app, threaded=True, request_handler=handler)
+
+
 def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
     """An API Gateway REST (payload 1.0) event for a WSGI request, as API Gateway would build it."""
-    try:
-        length = int(environ.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        length = 0
+    length = content_length(environ)
+    if length is None:
+        raise RefusedError(400, "invalid_content_length", "Content-Length must be a whole number of bytes")
+    if length > MAX_BODY_BYTES:  # refused before it is read
+        raise RefusedError(413, "payload_too_large", f"request body is over {MAX_BODY_BYTES} bytes")
     body = environ["wsgi.input"].read(length) if length else b""
     headers = {k[5:].replace("_", "-").title(): v for k, v in environ.items() if k.startswith("HTTP_")}
     if environ.get("CONTENT_TYPE"):

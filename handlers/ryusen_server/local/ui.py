@@ -2,6 +2,7 @@
 
 UI_HTML = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Ryusen dev</title>
+<meta name="ryusen-session" content="__RYUSEN_SESSION__">
 <style>
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
 header{background:#1d2430;color:#fff;padding:10px 18px;display:flex;gap:18px;align-items:baseline}
@@ -33,7 +34,8 @@ const EXPLAIN = {
 };
 async function j(url){ const r = await fetch(url); return r.json(); }
 async function act(path, body){
-  const r = await fetch(path, {method: "POST", headers: {"content-type": "application/json"}, body: JSON.stringify(body||{})});
+  const session = document.querySelector('meta[name="ryusen-session"]').content;
+  const r = await fetch(path, {method: "POST", headers: {"content-type": "application/json", "x-ryusen-session": session}, body: JSON.stringify(body||{})});
   const out = await r.json();
   document.getElementById("notice").textContent = r.ok ? "" : `${out.error.code}: ${out.error.message}`;
   refresh();
@@ -99,7 +101,7 @@ function renderRun(r){
   document.getElementById("detail").innerHTML = `<h3>${esc(r.function_id)} <code>${esc(r.id)}</code></h3>
     <p>${badge(r.phase)} outcome ${badge(r.outcome)} recovery ${badge(r.recovery)} — <b>${esc(r.summary)}</b></p>
     <p class="explain">${r.blockers.length ? "The run is blocked: see below." : (EXPLAIN[r.phase]||"")}</p>
-    ${r.phase!=="finished" && !r.stop_intent && !r.outcome ? `<button onclick="act('/v1/runs/${esc(r.id)}/cancel')">Cancel run</button>` : ""}
+    ${r.phase!=="finished" && !r.stop_intent && !r.outcome ? `<button onclick="confirm('Cancel run ${esc(r.id)}? Its completed steps are compensated; this cannot be undone.') && act('/v1/runs/${esc(r.id)}/cancel')">Cancel run</button>` : ""}
 
     <p class="att">deadline: ${esc(r.deadline.at||"none")} (source ${esc(r.deadline.source)}) · created ${esc(r.created_at)}
       ${r.stop_intent?` · stop intent: ${esc(r.stop_intent.kind)} at ${esc(r.stop_intent.at)}`:""}</p>

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from .errors import DefinitionError
 from .memo_cache import MemoCache
+from .serve import MAX_REQUEST_BYTES
 from .signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
 from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
 from .wire import (
@@ -46,7 +47,6 @@ from .wire import (
     TaskResponse,
 )
 
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
 LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
 """Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
 
@@ -288,7 +288,7 @@ class Ryusen:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
-        request = self.memo_cache.resolve(sent, len(body))
+        request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)))
         try:
@@ -308,7 +308,7 @@ class Ryusen:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
-        request = self.memo_cache.resolve(sent, len(body))
+        request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)))
         try:
@@ -522,7 +522,10 @@ def encode_response(response: TaskResponse) -> bytes:
 
 
 def _memo_miss(request: TaskRequest) -> TaskResponse:
-    return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=True)
+    """The answer to a request that extends a memo this process does not hold: it names that memo, so the
+    server takes it only as the answer to that request."""
+    assert request.memo_base is not None
+    return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=request.memo_base.token)
 
 
 def _respond(request: TaskRequest, outcome: Any, following: Any = None) -> TaskResponse:

@@ -12,6 +12,7 @@ memo, minted once by one server process, and the count of entries is checked aft
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,10 +22,10 @@ import pydantic_core
 
 from .wire import MemoEntry, TaskRequest
 
-MEMO_CACHE_ENTRIES = 64
+MEMO_CACHE_ENTRIES = 1024
 """Memos kept by one endpoint process, over all runs (the least recently used goes first)."""
-MEMO_CACHE_BYTES = 64 * 1024 * 1024
-"""The request bytes those memos were built from, at most (a memo over this is used once, not kept)."""
+MEMO_CACHE_BYTES = 32 * 1024 * 1024
+"""The memory those memos take, at most, as Python objects (a memo over this is used once, not kept)."""
 MEMOS_PER_RUN = 2
 """Memos kept per run: the newest, and the one before for a request that was sent again."""
 
@@ -36,7 +37,7 @@ class _Held:
     """As JSON: each request gets a fresh copy, which its function may change (as it may a parsed one)."""
     memo: dict[str, MemoEntry]
     size: int
-    """The bytes of the requests this memo was built from: what holding it saves sending again."""
+    """The memory it takes: its entries and input as Python objects (:func:`footprint`)."""
 
 
 class MemoCache:
@@ -51,17 +52,17 @@ class MemoCache:
         self.hits = 0
         self.misses = 0
 
-    def resolve(self, request: TaskRequest, size: int) -> TaskRequest | None:
+    def resolve(self, request: TaskRequest) -> TaskRequest | None:
         """``request`` with its whole memo and input, or None when it extends a memo this process lacks.
 
-        ``size`` is the request's size in bytes. A request with a ``memo_token`` leaves its whole memo here
-        for the next request of its run.
+        A request with a ``memo_token`` leaves its whole memo here for the next request of its run.
         """
         base = request.memo_base
         if base is None:
-            whole, input_json, held_size = request, b"", size
+            whole, input_json, held_size = request, b"", 0
             if request.memo_token is not None:
                 input_json = pydantic_core.to_json(request.input)
+                held_size = len(input_json) + sum(footprint(e) for e in request.memo.values())
         else:
             with self._lock:
                 held = self._held.get(base.token)
@@ -78,7 +79,7 @@ class MemoCache:
                 self.misses += 1  # not the memo the server meant: it sends the whole one
                 return None
             self.hits += 1
-            input_json, held_size = held.input, held.size + size
+            input_json, held_size = held.input, held.size + sum(footprint(e) for e in request.memo.values())
             run_input = pydantic_core.from_json(input_json)
             whole = request.model_copy(update={"memo": memo, "input": run_input, "memo_base": None})
         if request.memo_token is not None:
@@ -108,6 +109,10 @@ class MemoCache:
             held = self._held.get(token)
         return None if held is None else (pydantic_core.from_json(held.input), dict(held.memo))
 
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
     def __len__(self) -> int:
         return len(self._held)
 
@@ -115,3 +120,21 @@ class MemoCache:
         with self._lock:
             self._held.clear()
             self._bytes = 0
+
+
+def footprint(entry: MemoEntry) -> int:
+    """About how much memory a memo entry takes: ``sys.getsizeof`` over its objects (a small JSON text
+    such as ``[{}, {}]`` takes twenty times its length as Python objects, so request bytes would not do)."""
+    total = sys.getsizeof(entry) + 64
+    stack: list[Any] = [entry.result, entry.error.data if entry.error is not None else None]
+    if entry.error is not None:
+        total += sys.getsizeof(entry.error) + len(entry.error.message) + len(entry.error.type)
+    while stack:
+        item = stack.pop()
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .app import Ryusen
 
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""The largest task request an endpoint reads (the app's own check answers 413 above it)."""
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -27,10 +30,13 @@ def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         if scope["type"] != "http":
             return
         chunks = []
-        more = True
+        received, more = 0, True
         while more:
             message = await receive()
-            chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received <= MAX_REQUEST_BYTES + 1:  # past the limit it is refused: kept no further
+                chunks.append(chunk)
             more = message.get("more_body", False)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         response = await app.handle_async(scope["method"], headers, b"".join(chunks))
@@ -49,19 +55,30 @@ def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 413: "Payload Too Large"}
 
 
+def content_length(environ: dict[str, Any]) -> int | None:
+    """A WSGI request's ``Content-Length`` (0 when absent), or None when it is not a whole number: a
+    negative one would otherwise read until the client hangs up."""
+    raw = str(environ.get("CONTENT_LENGTH") or "0").strip()
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 15:
+        return None
+    return int(raw)
+
+
 def wsgi_app(app: Ryusen) -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
     def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        try:
-            length = int(environ.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            length = 0
-        body = environ["wsgi.input"].read(length) if length else b""
+        length = content_length(environ)
         headers = {
             key[5:].replace("_", "-").lower(): value for key, value in environ.items() if key.startswith("HTTP_")
         }
         if environ.get("CONTENT_TYPE"):
             headers["content-type"] = environ["CONTENT_TYPE"]
-        response = app.handle(environ["REQUEST_METHOD"], headers, body)
+        if length is None:
+            response = app._error(400, "invalid_content_length", "Content-Length must be a whole number of bytes")
+        elif length > MAX_REQUEST_BYTES:  # refused before reading it
+            response = app._error(413, "request_too_large", "task request is too large")
+        else:
+            body = environ["wsgi.input"].read(length) if length else b""
+            response = app.handle(environ["REQUEST_METHOD"], headers, body)
         start_response(
             f"{response.status} {_REASONS.get(response.status, 'Error')}",
             [*response.headers.items(), ("Content-Length", str(len(response.body)))],

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import string
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
 MAX_SKEW_S = 300.0
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _plain(text: str, alphabet: str | frozenset[str], longest: int) -> bool:
+    """``text`` has 1 to ``longest`` characters, all from ``alphabet`` (ASCII): anything else in a signature
+    header is malformed, never a reason to fail."""
+    return 0 < len(text) <= longest and all(ch in alphabet for ch in text)
 
 
 class SignatureError(Exception):
@@ -53,7 +63,7 @@ def verify(key: str, body: bytes, header: str | None, *, now: float, max_skew_s:
         raise SignatureError("missing signature")
     parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
     ts, given = parts.get("t"), parts.get("v1")
-    if ts is None or given is None or not ts.isdigit():
+    if ts is None or given is None or not _plain(ts, string.digits, 12) or not _plain(given, _HEX, 64):
         raise SignatureError("malformed signature")
     expected = hmac.new(key.encode(), ts.encode() + b"." + body, hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, given):

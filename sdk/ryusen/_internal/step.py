@@ -72,6 +72,7 @@ from .wire import (
     StepReached,
     TargetNotFound,
     TaskKind,
+    json_value_problem,
 )
 
 T = TypeVar("T")
@@ -212,7 +213,10 @@ def check_value(value: Any, what: str) -> tuple[Any, ErrorInfo | None]:
             message=f"{what} is {size} bytes serialized; the limit is {MAX_VALUE_BYTES}",
             retryable=False,
         )
-    return json.loads(encoded), None
+    checked = json.loads(encoded)
+    if (problem := json_value_problem(checked)) is not None:  # nesting the server could not store
+        return None, ErrorInfo(type="not_json_serializable", message=f"{what} {problem}", retryable=False)
+    return checked, None
 
 
 def _fresh(value: Any) -> Any:
@@ -222,15 +226,16 @@ def _fresh(value: Any) -> Any:
     return pydantic_core.from_json(pydantic_core.to_json(value))
 
 
-_LOCATIONS: dict[tuple[object, int], str] = {}
-"""``file:line`` by code object and line: every replayed ``step.run`` asks, at the same few places."""
+_LOCATIONS: dict[tuple[str, int], str] = {}
+"""``file:line`` by file and line: every replayed ``step.run`` asks, at the same few places. (Not by code
+object: two identical functions in different files have code objects that compare equal.)"""
 _LOCATIONS_KEPT = 4096
 
 
 def _caller_location(depth: int) -> str | None:
     """``file:line`` of the frame ``depth`` levels above this function's caller."""
     frame = sys._getframe(depth + 1)
-    key = (frame.f_code, frame.f_lineno)
+    key = (frame.f_code.co_filename, frame.f_lineno)
     location = _LOCATIONS.get(key)
     if location is None:
         location = _text(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
@@ -381,7 +386,8 @@ class _Replay:
             display = display or seen.name
             if recorded is not None:
                 err = recorded.error or ErrorInfo(type="Error", message="step failed")
-                failure = StepFailed(step_id, err.type, err.message, err.data)
+                # a copy, as for a result: the function may change what it caught, the memo must not change
+                failure = StepFailed(step_id, err.type, err.message, _fresh(err.data))
                 self.recorded_failures.append(failure)
                 raise failure
             if self.kind is TaskKind.DISCOVER:
@@ -650,7 +656,10 @@ def _completed(output: Any) -> FunctionCompleted | ConflictFound:
         )
     if (size := len(encoded)) > MAX_VALUE_BYTES:
         return ConflictFound(conflict=OutputTooLarge(size=size, limit=MAX_VALUE_BYTES))
-    return FunctionCompleted(output=json.loads(encoded))
+    output = json.loads(encoded)
+    if (problem := json_value_problem(output)) is not None:
+        return ConflictFound(conflict=OutputNotJson(message=f"the function's return value {problem}"))
+    return FunctionCompleted(output=output)
 
 
 class Step:

@@ -17,6 +17,7 @@ A task request asks the endpoint to do one of three things:
 from __future__ import annotations
 
 import json
+import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -57,6 +58,82 @@ def _cut(text: str) -> str:
 
 DiagnosticText = Annotated[str, AfterValidator(_cut)]
 """Text shown to people (names, locations, details): never a reason to refuse a response, never unbounded."""
+
+
+MAX_VALUE_DEPTH = 128
+"""How deeply a JSON value may nest (arrays and objects): far beyond real data, and far enough inside the
+limits of the JSON parsers the server and DynamoDB's items pass through that a value stored is always read."""
+
+
+def json_value_problem(value: Any, max_depth: int = MAX_VALUE_DEPTH) -> str | None:
+    """Why a parsed JSON value cannot be accepted, or None: nested deeper than ``max_depth``, a NaN or
+    infinity (which JSON does not have, and which would otherwise become null), invalid Unicode (a lone
+    surrogate, which cannot be stored), a key that is not a string, or a type that is not JSON.
+
+    >>> json_value_problem({"a": [1, 2.5, "x", None, True]}) is None
+    True
+    >>> json_value_problem([[[1]]], max_depth=2)
+    'nested deeper than 2 levels'
+    >>> json_value_problem({"n": float("nan")})
+    'contains NaN or Infinity, which JSON does not have'
+    >>> json_value_problem("\ud800")
+    'contains invalid Unicode (a lone surrogate)'
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _valid_text(item):
+                return "contains invalid Unicode (a lone surrogate)"
+        elif isinstance(item, bool) or item is None or isinstance(item, int):
+            continue
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "contains NaN or Infinity, which JSON does not have"
+        elif isinstance(item, dict):
+            if depth >= max_depth:
+                return f"nested deeper than {max_depth} levels"
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    return "has an object key that is not a string"
+                stack.append((key, depth + 1))
+                stack.append((child, depth + 1))
+        elif isinstance(item, list):
+            if depth >= max_depth:
+                return f"nested deeper than {max_depth} levels"
+            stack.extend((child, depth + 1) for child in item)
+        else:
+            return f"contains a {type(item).__name__}, which is not JSON"
+    return None
+
+
+def _valid_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def loads_strict(text: str | bytes, max_depth: int = MAX_VALUE_DEPTH) -> Any:
+    """Parse JSON as the server accepts it: ``ValueError`` with a message fit to show for anything
+    :func:`json_value_problem` refuses, for NaN and Infinity literals, and for nesting too deep to parse."""
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=constant)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    problem = json_value_problem(value, max_depth)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
 
 
 def value_size(value: Any) -> int:
@@ -334,9 +411,10 @@ class TaskResponse(_Wire):
     next: DiscoveryResponse | None = None
     """What the replay found after a successful callback (``continue_after``): repeatable orchestration,
     like a discovery pass, so nothing in it ran an effect."""
-    memo_miss: bool = False
-    """``memo_cache``: this endpoint does not hold the memo the request extends (``memo_base``); nothing ran,
-    and ``discovery`` and ``attempt`` are empty. The server sends the request again with the whole memo."""
+    memo_miss: str | None = Field(default=None, min_length=1, max_length=64)
+    """``memo_cache``: the token of the memo the request extends (``memo_base``), which this endpoint does not
+    hold; nothing ran, and ``discovery`` and ``attempt`` are empty. The server sends that request again with
+    the whole memo (and takes a miss naming another memo as no answer at all)."""
 
 
 class LateResult(_Wire):
