@@ -76,7 +76,7 @@ def json_value_problem(value: Any, max_depth: int = MAX_VALUE_DEPTH) -> str | No
     'nested deeper than 2 levels'
     >>> json_value_problem({"n": float("nan")})
     'contains NaN or Infinity, which JSON does not have'
-    >>> json_value_problem("\ud800")
+    >>> json_value_problem("a" + chr(0xD800))
     'contains invalid Unicode (a lone surrogate)'
     """
     stack: list[tuple[Any, int]] = [(value, 0)]
