@@ -503,11 +503,11 @@ class _RunRenderer:
                 self.last_release = release
             label = f"{attempt.get('phase', '?')} #{attempt.get('generation', '?')}"
             if what:
-                table.add_row(label, _status(status), times, Text("; ".join(what)))
+                table.add_row(Text(label), _status(status), Text(times), Text("; ".join(what)))
                 if notes:
                     table.add_row("", "", "", Text(" · ".join(notes), style="dim"))
             else:
-                table.add_row(label, _status(status), times, Text(" · ".join(notes), style="dim"))
+                table.add_row(Text(label), _status(status), Text(times), Text(" · ".join(notes), style="dim"))
         self.indented(table, ATTEMPT_INDENT)
 
     def steps(self) -> None:
@@ -577,9 +577,26 @@ class _RunRenderer:
             console.print(Text(json.dumps(view.get("output"), indent=2, default=str, ensure_ascii=False)))
 
 
+_CONTROL = str.maketrans({c: f"\\x{c:02x}" for c in (*range(32), *range(0x7F, 0xA0)) if c not in (9, 10)})
+"""Control characters a terminal would act on (an escape sequence that moves the cursor or retitles the
+window), shown as ``\\x1b`` instead: what a run holds is data, never instructions to the terminal."""
+
+
+def printable(value: Any) -> Any:
+    """A JSON value with every string's control characters made visible (keys too)."""
+    if isinstance(value, str):
+        return value.translate(_CONTROL)
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    return value
+
+
 def render_run(view: dict[str, Any], *, console: Console) -> None:
-    """Draw a run view (``GET /v1/runs/{id}``): header, blockers, step timeline, unwind, then output or error."""
-    _RunRenderer(view, console).render()
+    """Draw a run view (``GET /v1/runs/{id}``): header, blockers, step timeline, unwind, then output or error.
+    Every string is drawn as text (``Text``, never rich markup), with its control characters made visible."""
+    _RunRenderer(printable(view), console).render()
 
 
 def render_runs(runs: list[dict[str, Any]], *, console: Console) -> None:
@@ -590,17 +607,17 @@ def render_runs(runs: list[dict[str, Any]], *, console: Console) -> None:
     table.add_column("SUMMARY", min_width=12)
     table.add_column("STEPS", justify="right", no_wrap=True)
     table.add_column("CREATED")
-    for run in runs:
+    for run in printable(runs):
         created = _parse_time(run.get("created_at"))
         summary = Text(str(run.get("summary", "")), style=_SUMMARY_STYLE.get(run.get("outcome"), ""))
         if run.get("blocked") and "blocked" not in summary.plain:
             summary.append(" (blocked)", style="bold red")
         table.add_row(
-            str(run.get("id")),
-            str(run.get("function_id")),
+            Text(str(run.get("id"))),
+            Text(str(run.get("function_id"))),
             summary,
-            str(run.get("steps", "")),
-            created.strftime("%Y-%m-%d %H:%M") if created else str(run.get("created_at", "")),
+            Text(str(run.get("steps", ""))),
+            Text(created.strftime("%Y-%m-%d %H:%M") if created else str(run.get("created_at", ""))),
         )
     console.print(table)
 
@@ -733,7 +750,7 @@ def run(
             _echo_json(view)
         else:
             how = "started" if status == 201 else "existing run for this idempotency key:"
-            click.echo(f"{how} {run_id} ({function_id}): {view.get('summary', view.get('phase'))}")
+            click.echo(printable(f"{how} {run_id} ({function_id}): {view.get('summary', view.get('phase'))}"))
             click.echo(f"follow it with: ryusen show {run_id}")
         return
     err = Console(stderr=True, highlight=False)
@@ -809,7 +826,7 @@ def show(api: Api, run_id: str, as_json: bool) -> None:
 def cancel(api: Api, run_id: str, reason: str | None) -> None:
     """Cancel a run (it settles, then compensates)."""
     view = api.cancel(run_id, reason)
-    click.echo(f"cancel requested for {run_id}: {view.get('summary', '')}")
+    click.echo(printable(f"cancel requested for {run_id}: {view.get('summary', '')}"))
 
 
 @cli.command()
@@ -818,7 +835,7 @@ def cancel(api: Api, run_id: str, reason: str | None) -> None:
 def rediscover(api: Api, run_id: str) -> None:
     """Retry discovery of a run blocked by a duplicate step id."""
     view = api.rediscover(run_id)
-    click.echo(f"rediscovery queued for {run_id}: {view.get('summary', '')}")
+    click.echo(printable(f"rediscovery queued for {run_id}: {view.get('summary', '')}"))
 
 
 @cli.command()
@@ -863,7 +880,7 @@ def resolve(
     else:
         body = {"action": "retry"}
     view = _api(ctx).resolve(run_id, step_id, phase, generation, body)
-    click.echo(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}")
+    click.echo(printable(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}"))
 
 
 def _usage(ctx: click.Context, message: str) -> NoReturn:

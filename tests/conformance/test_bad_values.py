@@ -212,3 +212,28 @@ def test_json_value_problem_agrees_with_what_a_round_trip_keeps() -> None:
     assert json_value_problem({1: "x"}) == "has an object key that is not a string"
     assert json_value_problem((1, 2)) == "contains a tuple, which is not JSON"
     assert TaskResponse.model_validate_json('{"kind": "discover", "run_id": "r"}').memo_miss is None
+
+
+def test_a_non_ascii_id_is_reached_through_the_dev_server() -> None:
+    """Finding 10: WSGI hands the path over as Latin-1, so ``/v1/functions/café/runs`` did not reach café."""
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/v1/functions/café/runs".encode().decode("latin-1"),
+        "CONTENT_LENGTH": "2",
+        "CONTENT_TYPE": "application/json",
+        "wsgi.input": io.BytesIO(b"{}"),
+    }
+    assert wsgi_to_rest_event(environ)["path"] == "/v1/functions/café/runs"
+    app = Ryusen("unicode")
+
+    @app.function("café")
+    def cafe(data: Any, step: Step) -> Any:
+        return step.run("thé", lambda: "ok")
+
+    env = WorkflowEnvironment(app)
+    resolver = build_api(env.engine, lambda url: (app.manifest(), frozenset()))
+    status, run = call(resolver, "POST", "/v1/functions/café/runs", "{}")
+    assert status == 201, run
+    env.drive()
+    status, view = call(resolver, "GET", f"/v1/runs/{run['id']}")
+    assert view["outcome"] == "completed" and view["steps"][0]["id"] == "thé"

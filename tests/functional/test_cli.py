@@ -840,3 +840,36 @@ def test_the_commands_over_ryusen_dev(stack: DevStack) -> None:
     assert refused.exit_code == 1 and refused.stderr.startswith("error: ")
     missing = ryusen(*server, "show", "run_missing")
     assert missing.exit_code == 1 and missing.stderr.startswith("error: not_found: ")
+
+
+def test_what_a_run_holds_is_shown_as_text_never_as_terminal_controls_or_markup() -> None:
+    """Issue 11 finding 10: `ryusen show` and `ryusen runs` passed raw terminal escapes through (a step id
+    could retitle the window or hide lines) and read rich markup in ids."""
+    hostile = "pay\x1b]0;pwned\x07\x1b[2J[bold red]x[/bold red]\x9b31m"
+    runs = [{"id": hostile, "function_id": hostile, "summary": hostile, "steps": 1, "created_at": None}]
+    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
+    cli.render_runs(runs, console=console)
+    out = console.export_text()
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert "\\x1b]0;pwned\\x07" in out and "[bold red]x[/bold red]" in out and "\\x9b31m" in out
+    full = view_with_hostile_step(hostile)
+    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
+    cli.render_run(full, console=console)
+    out = console.export_text()
+    assert "\x1b" not in out and "\\x1b[2J" in out and "[bold red]x[/bold red]" in out
+
+
+def view_with_hostile_step(text: str) -> dict[str, Any]:
+    return {
+        "id": "run_1",
+        "function_id": "checkout",
+        "phase": "finished",
+        "outcome": "failed",
+        "summary": f"failed ({text})",
+        "created_at": "2026-12-03T10:00:00+00:00",
+        "input": {"k": text},
+        "blockers": [],
+        "steps": [{"id": text, "name": text, "status": "failed", "attempts": [], "location": text}],
+        "unwind": [],
+        "error": {"type": text, "message": text},
+    }

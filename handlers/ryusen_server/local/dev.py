@@ -437,7 +437,10 @@ def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
         text, is_b64 = body.decode(), False
     except UnicodeDecodeError:
         text, is_b64 = base64.b64encode(body).decode(), True
-    path = environ.get("PATH_INFO", "/")
+    try:  # WSGI gives the path's bytes as Latin-1; API Gateway gives the UTF-8 text
+        path = str(environ.get("PATH_INFO", "/")).encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        raise RefusedError(400, "invalid_path", "the request path is not UTF-8") from None
     return {
         "resource": path,
         "path": path,
