@@ -17,7 +17,15 @@ from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ryusen._internal.wire import MAX_VALUE_DEPTH, ErrorInfo, Manifest, Phase, json_value_problem, loads_strict
+from ryusen._internal.wire import (
+    MAX_RUN_TIMEOUT_S,
+    MAX_VALUE_DEPTH,
+    ErrorInfo,
+    Manifest,
+    Phase,
+    json_value_problem,
+    loads_strict,
+)
 
 from .core.events import Resolve
 from .core.model import Outcome, RunPhase
@@ -41,14 +49,10 @@ class SyncRequest(_Body):
     url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://")
 
 
-MAX_TIMEOUT_S = 10 * 366 * 86_400.0
-"""The longest run timeout a request may ask for (ten years); a deployment's own maximum may be shorter."""
-
-
 class StartRunRequest(_Body):
     input: Any = None
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
-    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S, strict=True, allow_inf_nan=False)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_RUN_TIMEOUT_S, strict=True, allow_inf_nan=False)
 
 
 class CancelRequest(_Body):
@@ -90,7 +94,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
 
     def body_of(model: type[_Body], *, optional: bool = False) -> Any:
         raw = api.current_event.body
-        if raw is not None and len(raw.encode()) > MAX_BODY_BYTES:
+        if raw is not None and len(raw.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES:
             raise PayloadTooLargeError(f"request body is over {MAX_BODY_BYTES} bytes", limit=MAX_BODY_BYTES)
         if raw is None or raw.strip() == "":
             if optional:
@@ -223,7 +227,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     def resolve(run_id: str, step_id: str, phase: str, generation: str) -> Response[str]:
         if phase not in {p.value for p in Phase}:
             raise InvalidRequestError(f"phase must be one of {', '.join(p.value for p in Phase)}")
-        if not generation.isdigit() or int(generation) < 1:
+        if not (generation.isascii() and generation.isdigit() and len(generation) <= 9) or int(generation) < 1:
             raise InvalidRequestError("generation must be a positive integer")
         request = body_of(ResolveRequest)
         _checked_value("result", request.result)
@@ -250,7 +254,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     def late_result() -> Response[str]:
         raw = api.current_event.body or ""
         headers = dict(api.current_event.headers or {})
-        decision = engine.submit_late_result(raw.encode(), headers)
+        decision = engine.submit_late_result(raw.encode("utf-8", "surrogatepass"), headers)
         return _json(202, {"accepted": decision.note is None, "note": decision.note})
 
     return api

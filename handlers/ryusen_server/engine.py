@@ -547,13 +547,14 @@ class Engine:
             state, task, changed, respond_by=listen_until, features=release.features, token=token, base=base
         )
         self._emit("invoke", (task, release.url))
-        result = self._post(release, request, key, listen_until)
-        if base is not None and self._memo_missed(result, request):
+        bound = "bound_responses" in release.features  # its answers are signed for the request they answer
+        result, sent = self._post(release, request, key, listen_until)
+        if base is not None and self._memo_missed(result, request, sent, bound):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
             whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
-            result = self._post(release, whole_request, key, listen_until)
+            result, sent = self._post(release, whole_request, key, listen_until)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
@@ -573,22 +574,32 @@ class Engine:
             release.build_id,
         )
         event = self._event_for(
-            task, result, chain=ref, delivery_id=uuid.uuid4().hex if ref else None, trust_next=same_code
+            task,
+            result,
+            chain=ref,
+            delivery_id=uuid.uuid4().hex if ref else None,
+            trust_next=same_code,
+            answers=sent,
+            bound=bound,
         )
         decision = self.apply(task.run_id, event, known=state)
         self._wake_if_release_moved(decision, state, release)
         return decision, chain
 
-    def _post(self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime) -> Any:
-        """POST one request, signed, and listen until ``listen_until`` (and the grace) for the answer."""
+    def _post(
+        self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime
+    ) -> tuple[Any, str | None]:
+        """POST one request, signed, and listen until ``listen_until`` (and the grace) for the answer: it, and
+        the request's signature (which an answer is signed for)."""
         body = encode_request(request)  # a field the release's SDK did not announce is left out
         headers = {"content-type": "application/json"}
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
         timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
-        return self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
+        result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
+        return result, headers.get(SIGNATURE_HEADER)
 
-    def _memo_missed(self, result: Any, request: TaskRequest) -> bool:
+    def _memo_missed(self, result: Any, request: TaskRequest, answers: str | None, bound: bool) -> bool:
         """The endpoint answered ``memo_miss`` to ``request`` (a short, signed answer that ran nothing, naming
         this request's run, kind and base memo: a miss relayed from another request is no answer at all)."""
         if result.kind != "response" or result.status != 200 or len(result.body) > 1024:
@@ -599,7 +610,14 @@ class Engine:
         if keys:
             lowered = {k.lower(): v for k, v in result.headers.items()}
             try:
-                verify_any(keys, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+                verify_any(
+                    keys,
+                    result.body,
+                    lowered.get(SIGNATURE_HEADER.lower()),
+                    now=time.time(),
+                    answers=answers,
+                    bound=bound,
+                )
             except SignatureError:
                 return False  # recorded as any unsigned answer is, by the usual path
         try:
@@ -677,7 +695,11 @@ class Engine:
         chain: ReleaseRef | None = None,
         delivery_id: str | None = None,
         trust_next: bool = False,
+        answers: str | None = None,
+        bound: bool = False,
     ) -> Event:
+        """The event for what the endpoint answered. With keys, the answer must be signed; an answer signed
+        for a request (``bound_responses``) must be signed for ``answers``, the request this one was."""
         if result.kind == "unreachable":
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
         if result.kind != "response":
@@ -686,7 +708,14 @@ class Engine:
         lowered = {k.lower(): v for k, v in result.headers.items()}
         if keys:
             try:
-                verify_any(keys, result.body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+                verify_any(
+                    keys,
+                    result.body,
+                    lowered.get(SIGNATURE_HEADER.lower()),
+                    now=time.time(),
+                    answers=answers,
+                    bound=bound,
+                )
             except SignatureError as exc:
                 return InvocationFailed(
                     task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {exc.reason}"

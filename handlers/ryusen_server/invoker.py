@@ -58,16 +58,20 @@ class HttpInvoker:
                 return InvokeResult(
                     kind="response", status=response.status_code, headers=dict(response.headers), body=content
                 )
+        # Details name the error's kind only: an exception's text may quote what the other end sent (a
+        # banner, a header line), and nothing an endpoint answers is repeated unless it is a valid answer.
         except httpx.ConnectError as exc:
-            return InvokeResult(kind="unreachable", detail=f"connection failed before sending: {exc}")
-        except httpx.ConnectTimeout as exc:
-            return InvokeResult(kind="unreachable", detail=f"connect timed out: {exc}")
+            return InvokeResult(kind="unreachable", detail=f"connection failed before sending ({type(exc).__name__})")
+        except httpx.ConnectTimeout:
+            return InvokeResult(kind="unreachable", detail="connect timed out")
         except httpx.TimeoutException as exc:
-            return InvokeResult(kind="timed_out", detail=f"no response within {timeout_s:g}s after sending: {exc}")
+            return InvokeResult(
+                kind="timed_out", detail=f"no response within {timeout_s:g}s after sending ({type(exc).__name__})"
+            )
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if time.monotonic() > deadline:
                 return InvokeResult(kind="timed_out", detail=f"no complete response within {timeout_s:g}s")
-            return InvokeResult(kind="lost", detail=f"connection lost after sending: {type(exc).__name__}: {exc}")
+            return InvokeResult(kind="lost", detail=f"connection lost after sending ({type(exc).__name__})")
 
     def close(self) -> None:
         self._client.close()

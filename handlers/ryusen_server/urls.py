@@ -119,6 +119,8 @@ class EndpointPolicy:
         host = parts.hostname
         if not host:
             raise EndpointRefusedError("the endpoint URL has no host")
+        if "%" in host:  # a zone, or an encoding: either way a name the check would not be the one connected to
+            raise EndpointRefusedError("an endpoint host may not contain '%'")
         if parts.fragment:
             raise EndpointRefusedError("an endpoint URL may not have a #fragment")
         path = parts.path or "/"
@@ -133,7 +135,7 @@ class EndpointPolicy:
         if cached is not None and now - cached[0] < RESOLVED_KEPT_S:
             return cached[1]
         if _is_ip(host):
-            candidates = [host]
+            candidates = [str(ipaddress.ip_address(host))]  # the address as the check reads it, nothing else
         else:
             try:
                 candidates = self.resolver(host, port)

@@ -237,3 +237,47 @@ def test_a_non_ascii_id_is_reached_through_the_dev_server() -> None:
     env.drive()
     status, view = call(resolver, "GET", f"/v1/runs/{run['id']}")
     assert view["outcome"] == "completed" and view["steps"][0]["id"] == "thé"
+
+
+@pytest.mark.parametrize("generation", ["²", "①", "¹²", "\u0661", "9" * 5000, "0", "-1", "1.0"])
+def test_a_generation_that_is_not_a_plain_number_is_a_4xx(
+    api_env: tuple[WorkflowEnvironment, Any], generation: str
+) -> None:
+    env, resolver = api_env
+    status, run = call(resolver, "POST", "/v1/functions/wf/runs", '{"input": 1}')
+    before = snapshot(env)
+    status, answer = call(
+        resolver, "POST", f"/v1/runs/{run['id']}/steps/s/forward/{generation}/resolve", '{"action": "retry"}'
+    )
+    assert 400 <= status < 500, answer
+    assert snapshot(env) == before
+
+
+@pytest.mark.parametrize("path", ["/v1/functions/wf/runs", "/v1/results"])
+def test_a_body_with_a_lone_surrogate_is_a_4xx(api_env: tuple[WorkflowEnvironment, Any], path: str) -> None:
+    env, resolver = api_env
+    before = snapshot(env)
+    status, answer = call(resolver, "POST", path, '{"input": "\ud800"}')
+    assert 400 <= status < 500, answer
+    assert snapshot(env) == before
+
+
+def test_an_app_cannot_declare_ids_or_timeouts_the_server_cannot_hold() -> None:
+    """A review synced a function declared with ``timeout=timedelta.max``: the sync answered 200, and every
+    start of that function then answered 500; ids of 3,000 characters broke the DynamoDB store's keys."""
+    from datetime import timedelta
+
+    from ryusen import DefinitionError
+    from ryusen._internal.wire import Manifest
+
+    app = Ryusen("ids")
+    with pytest.raises(DefinitionError, match="ten years"):
+        app.function("wf", timeout=timedelta.max)(lambda data, step: None)
+    with pytest.raises(DefinitionError, match="1 to 256"):
+        app.function("f" * 3000)(lambda data, step: None)
+    with pytest.raises(DefinitionError, match="1 to 256"):
+        Ryusen("a" * 3000)
+    forged = {"app_id": "ids", "release_id": "r", "build_id": "b", "signed": False}
+    for functions in ([{"id": "wf", "timeout_s": 1e300}], [{"id": "f" * 3000}]):
+        with pytest.raises(ValueError):
+            Manifest.model_validate({**forged, "functions": functions})

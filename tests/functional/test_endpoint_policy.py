@@ -187,3 +187,36 @@ def test_the_dispatcher_does_not_send_a_task_to_an_address_the_policy_refuses() 
     result = invoker.invoke("http://169.254.169.254/latest", b"{}", {}, timeout_s=1)
     assert result.kind == "unreachable" and "not sent" in (result.detail or "")
     assert invoker.counter.counts == {"endpoint.invoke": 1}
+
+
+def test_what_a_non_http_endpoint_answers_is_not_repeated_in_the_run() -> None:
+    """A review pointed a release at a socket that answers with a banner (or a header line) holding a
+    secret: the invoker's detail quoted it, and the run view showed it to anyone who could read runs."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        for reply in (b"SSH-2.0-OpenSSH_9.6 db_password=hunter2\r\n\r\n", b"HTTP/1.1 200 OK\r\nAWS hunter2\r\n\r\n"):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(reply)
+            conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    invoker = HttpInvoker(policy=EndpointPolicy.local())
+    for _ in range(2):
+        result = invoker.invoke(f"http://127.0.0.1:{port}/", b"{}", {}, timeout_s=5)
+        assert result.kind == "lost" and "hunter2" not in (result.detail or ""), result
+        assert "RemoteProtocolError" in (result.detail or "")
+    listener.close()
+
+
+@pytest.mark.parametrize("url", ["http://8.8.8.8%zz.evil.example/", "http://[fe80::1%25eth0]/", "http://8.8.8.8%00/"])
+def test_a_host_with_a_percent_is_refused_so_the_name_connected_to_is_the_one_checked(url: str) -> None:
+    with pytest.raises(EndpointRefusedError, match="'%'"):
+        EndpointPolicy(resolver=lambda host, port: ["93.184.216.34"]).check(url)
+    assert EndpointPolicy().check("http://8.8.8.8:80/x").url == "http://8.8.8.8:80/x"

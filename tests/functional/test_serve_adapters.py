@@ -34,10 +34,11 @@ def task() -> bytes:
     return request.model_dump_json().encode()
 
 
-def check(status: int, headers: dict[str, str], body: bytes) -> None:
+def check(status: int, headers: dict[str, str], body: bytes, request_signature: str) -> None:
+    """A 200 whose body is signed for the request it answers (``bound_responses``)."""
     assert status == 200
     lowered = {k.lower(): v for k, v in headers.items()}
-    verify(KEY, body, lowered[SIGNATURE_HEADER.lower()], now=time.time())
+    verify(KEY, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=request_signature, bound=True)
     assert json.loads(body)["discovery"]["step"]["id"] == "s"
 
 
@@ -59,7 +60,7 @@ def test_asgi(app: Ryusen) -> None:
     scope = {"type": "http", "method": "POST", "headers": [(SIGNATURE_HEADER.lower().encode(), header.encode())]}
     asyncio.run(app.asgi()(scope, receive, send))
     start, payload = sent
-    check(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, payload["body"])
+    check(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, payload["body"], header)
 
 
 def test_asgi_get_returns_the_manifest(app: Ryusen) -> None:
@@ -82,28 +83,30 @@ def test_wsgi(app: Ryusen) -> None:
     def start_response(status: str, headers: list[tuple[str, str]]) -> None:
         captured["status"], captured["headers"] = int(status.split()[0]), dict(headers)
 
+    header = sign(KEY, body, now=time.time())
     environ = {
         "REQUEST_METHOD": "POST",
         "CONTENT_LENGTH": str(len(body)),
         "wsgi.input": io.BytesIO(body),
-        "HTTP_X_RYUSEN_SIGNATURE": sign(KEY, body, now=time.time()),
+        "HTTP_X_RYUSEN_SIGNATURE": header,
     }
     out = b"".join(app.wsgi()(environ, start_response))
-    check(captured["status"], captured["headers"], out)
+    check(captured["status"], captured["headers"], out, header)
 
 
 @pytest.mark.parametrize("encoded", [False, True])
 def test_lambda_function_url_event(app: Ryusen, encoded: bool) -> None:
     body = task()
+    header = sign(KEY, body, now=time.time())
     event = {
         "version": "2.0",
         "requestContext": {"http": {"method": "POST"}},
-        "headers": {SIGNATURE_HEADER.lower(): sign(KEY, body, now=time.time())},
+        "headers": {SIGNATURE_HEADER.lower(): header},
         "body": base64.b64encode(body).decode() if encoded else body.decode(),
         "isBase64Encoded": encoded,
     }
     response = app.lambda_handler(event)
-    check(response["statusCode"], response["headers"], response["body"].encode())
+    check(response["statusCode"], response["headers"], response["body"].encode(), header)
 
 
 def test_lambda_unsigned_is_refused(app: Ryusen) -> None:

@@ -30,10 +30,12 @@ from pydantic import ValidationError
 from .errors import DefinitionError
 from .memo_cache import MemoCache
 from .serve import MAX_REQUEST_BYTES
-from .signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
+from .signing import SIGNATURE_HEADER, SeenRequests, SignatureError, sign, verify_any
 from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
 from .wire import (
     FEATURES_HEADER,
+    MAX_ID_LENGTH,
+    MAX_RUN_TIMEOUT_S,
     SDK_FEATURES,
     CallbackFailed,
     CallbackSucceeded,
@@ -88,14 +90,16 @@ class Ryusen:
         release_id: str | None = None,
         build_id: str | None = None,
     ) -> None:
-        if not app_id or not isinstance(app_id, str):
-            raise DefinitionError("app id must be a non-empty string")
+        if not app_id or not isinstance(app_id, str) or len(app_id) > MAX_ID_LENGTH:
+            raise DefinitionError(f"app id must be a string of 1 to {MAX_ID_LENGTH} characters")
         self.app_id = app_id
         self._signing_key = signing_key
         self._release_id = release_id
         self._build_id = build_id
         self._functions: dict[str, RegisteredFunction] = {}
         self.clock: Callable[[], float] = time.time
+        self._seen_requests = SeenRequests()
+        """Signed requests this process accepted in the last minutes: one played back again is refused."""
         self.memo_cache = MemoCache()
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
 
@@ -124,10 +128,10 @@ class Ryusen:
 
         ``timeout`` is the run timeout every run of this function inherits.
         """
-        if not function_id or not isinstance(function_id, str):
-            raise DefinitionError("function id must be a non-empty string")
-        if timeout is not None and timeout <= timedelta(0):
-            raise DefinitionError(f"function {function_id!r}: timeout must be positive")
+        if not function_id or not isinstance(function_id, str) or len(function_id) > MAX_ID_LENGTH:
+            raise DefinitionError(f"function id must be a string of 1 to {MAX_ID_LENGTH} characters")
+        if timeout is not None and not timedelta(0) < timeout <= timedelta(seconds=MAX_RUN_TIMEOUT_S):
+            raise DefinitionError(f"function {function_id!r}: timeout must be positive and at most ten years")
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             if function_id in self._functions:
@@ -284,19 +288,20 @@ class Ryusen:
         problem = self._verify(headers, body)
         if problem is not None:
             return problem
+        answers = self._request_signature(headers)
         try:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
-            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answers)
         request = self.memo_cache.resolve(sent)
         if request is None:
-            return self._reply(200, encode_response(_memo_miss(sent)))
+            return self._reply(200, encode_response(_memo_miss(sent)), answers)
         try:
             response = self.execute(request)
         except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc))
+            return self._error(500, "callback_interrupted", str(exc), answers)
         self._submit_late(request, response)
-        return self._reply(200, encode_response(response))
+        return self._reply(200, encode_response(response), answers)
 
     async def handle_async(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
         if method != "POST" or len(body) > MAX_REQUEST_BYTES:
@@ -304,19 +309,20 @@ class Ryusen:
         problem = self._verify(headers, body)
         if problem is not None:
             return problem
+        answers = self._request_signature(headers)
         try:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
-            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]))
+            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answers)
         request = self.memo_cache.resolve(sent)
         if request is None:
-            return self._reply(200, encode_response(_memo_miss(sent)))
+            return self._reply(200, encode_response(_memo_miss(sent)), answers)
         try:
             response = await self.execute_async(request)
         except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc))
+            return self._error(500, "callback_interrupted", str(exc), answers)
         await asyncio.to_thread(self._submit_late, request, response)
-        return self._reply(200, encode_response(response))
+        return self._reply(200, encode_response(response), answers)
 
     def _verify(self, headers: dict[str, str], body: bytes) -> HandlerResponse | None:
         key = self.signing_key
@@ -327,22 +333,33 @@ class Ryusen:
         if secret and not (self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY")):
             keys.extend(k for k in _secret_keys(secret, time.monotonic())[1:] if k)  # the key a rotation replaced
         lowered = {k.lower(): v for k, v in headers.items()}
+        header = lowered.get(SIGNATURE_HEADER.lower())
         try:
-            verify_any(keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=self.clock())
+            verify_any(keys, body, header, now=self.clock())
         except SignatureError as exc:
-            return self._error(401, "invalid_signature", exc.reason)
+            return self._error(401, "invalid_signature", exc.reason, header)
+        assert header is not None
+        if not self._seen_requests.first_time(header, self.clock()):
+            # the server never sends one signed request twice: this is a capture played back
+            return self._error(401, "replayed_request", "this signed request was already received", header)
         return None
 
-    def _reply(self, status: int, body: bytes) -> HandlerResponse:
+    def _request_signature(self, headers: dict[str, str]) -> str | None:
+        """The request's signature header, which this endpoint's answer is signed for (``bound_responses``)."""
+        if self.signing_key is None:
+            return None
+        return next((v for k, v in headers.items() if k.lower() == SIGNATURE_HEADER.lower()), None)
+
+    def _reply(self, status: int, body: bytes, answers: str | None = None) -> HandlerResponse:
         headers = {"content-type": "application/json"}
         key = self.signing_key
         if key is not None:
-            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
+            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock(), answers=answers)
         return HandlerResponse(status, headers, body)
 
-    def _error(self, status: int, code: str, message: str) -> HandlerResponse:
+    def _error(self, status: int, code: str, message: str, answers: str | None = None) -> HandlerResponse:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        return self._reply(status, body)
+        return self._reply(status, body, answers)
 
     def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
         """Submit an effect outcome to the server when its response window has closed (decisions 6.15).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import string
+import threading
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
 MAX_SKEW_S = 300.0
@@ -33,23 +34,50 @@ class SignatureError(Exception):
         self.reason = reason
 
 
-def sign(key: str, body: bytes, *, now: float) -> str:
+def _signed(ts: str, body: bytes, answers: str | None) -> bytes:
+    """What is signed: the timestamp, for an answer the request's own signature (by digest), and the body."""
+    if answers is None:
+        return ts.encode() + b"." + body
+    return (
+        ts.encode()
+        + b".answers:"
+        + hashlib.sha256(answers.encode("utf-8", "replace")).hexdigest().encode()
+        + b"."
+        + body
+    )
+
+
+def sign(key: str, body: bytes, *, now: float, answers: str | None = None) -> str:
     """Return the signature header value for ``body`` at time ``now``.
+
+    ``answers`` is the signature header of the request this body answers: the signature then holds only as
+    the answer to that request (``a=1`` says so), never to another run's or attempt's.
 
     >>> sign("k", b"{}", now=0.0).startswith("t=0,v1=")
     True
+    >>> sign("k", b"{}", now=0.0, answers="t=0,v1=ab").endswith(",a=1")
+    True
     """
     ts = str(int(now))
-    digest = hmac.new(key.encode(), ts.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"t={ts},v1={digest}"
+    digest = hmac.new(key.encode(), _signed(ts, body, answers), hashlib.sha256).hexdigest()
+    return f"t={ts},v1={digest}" + (",a=1" if answers is not None else "")
 
 
-def verify_any(keys: list[str], body: bytes, header: str | None, *, now: float, max_skew_s: float = MAX_SKEW_S) -> None:
+def verify_any(
+    keys: list[str],
+    body: bytes,
+    header: str | None,
+    *,
+    now: float,
+    max_skew_s: float = MAX_SKEW_S,
+    answers: str | None = None,
+    bound: bool = False,
+) -> None:
     """Like :func:`verify`, accepting a signature by any of ``keys`` (a key and the one it replaced)."""
     problem = SignatureError("no signing key")
     for key in keys:
         try:
-            verify(key, body, header, now=now, max_skew_s=max_skew_s)
+            verify(key, body, header, now=now, max_skew_s=max_skew_s, answers=answers, bound=bound)
         except SignatureError as exc:
             problem = exc
         else:
@@ -57,16 +85,58 @@ def verify_any(keys: list[str], body: bytes, header: str | None, *, now: float, 
     raise problem
 
 
-def verify(key: str, body: bytes, header: str | None, *, now: float, max_skew_s: float = MAX_SKEW_S) -> None:
-    """Raise :class:`SignatureError` unless ``header`` signs ``body`` with ``key``, fresh at ``now``."""
+def verify(
+    key: str,
+    body: bytes,
+    header: str | None,
+    *,
+    now: float,
+    max_skew_s: float = MAX_SKEW_S,
+    answers: str | None = None,
+    bound: bool = False,
+) -> None:
+    """Raise :class:`SignatureError` unless ``header`` signs ``body`` with ``key``, fresh at ``now``.
+
+    An answer signed for a request (``a=1``) holds only for ``answers``, that request's signature header;
+    ``bound`` requires that it was (an SDK that announced ``bound_responses`` always binds its answers).
+    """
     if not header:
         raise SignatureError("missing signature")
     parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
     ts, given = parts.get("t"), parts.get("v1")
     if ts is None or given is None or not _plain(ts, string.digits, 12) or not _plain(given, _HEX, 64):
         raise SignatureError("malformed signature")
-    expected = hmac.new(key.encode(), ts.encode() + b"." + body, hashlib.sha256).hexdigest()
+    is_answer = parts.get("a") == "1"
+    if bound and not is_answer:
+        raise SignatureError("the answer is not signed for the request it answers")
+    if is_answer and answers is None:
+        raise SignatureError("an answer's signature is not a request's")
+    expected = hmac.new(key.encode(), _signed(ts, body, answers if is_answer else None), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, given):
         raise SignatureError("signature does not match the body")
     if abs(now - int(ts)) > max_skew_s:
         raise SignatureError("signature timestamp is stale")
+
+
+class SeenRequests:
+    """The request signatures an endpoint process accepted within the skew window: the same signed request
+    again is a replay (the server never sends one request twice), refused before it runs anything."""
+
+    def __init__(self, window_s: float = MAX_SKEW_S, most: int = 100_000) -> None:
+        self.window_s = window_s
+        self.most = most
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def first_time(self, header: str, now: float) -> bool:
+        """Record ``header``; False if it was seen within the window."""
+        with self._lock:
+            if len(self._seen) >= self.most:
+                self._seen = {h: at for h, at in self._seen.items() if now - at <= self.window_s * 2}
+                if len(self._seen) >= self.most:  # still full of fresh ones: forget the oldest half
+                    kept = sorted(self._seen.items(), key=lambda item: item[1])[len(self._seen) // 2 :]
+                    self._seen = dict(kept)
+            if header in self._seen:
+                return False
+            self._seen[header] = now
+            return True

@@ -28,9 +28,11 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache")
+SDK_FEATURES = ("continuation", "memo_cache", "bound_responses")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
-``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``."""
+``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
+``bound_responses``: every answer to a signed request is signed for that request (``a=1``), and a signed
+request is refused if it comes again, so the server accepts no other answer from it."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -430,15 +432,21 @@ class LateResult(_Wire):
 # ---- manifest --------------------------------------------------------------
 
 
+MAX_ID_LENGTH = 256
+"""The longest app or function id (a store key holds it, with room to spare under DynamoDB's 2 KB)."""
+MAX_RUN_TIMEOUT_S = 10 * 366 * 86_400.0
+"""The longest run timeout anything may declare: ten years (a deployment's own maximum may be shorter)."""
+
+
 class FunctionManifest(_Wire):
-    id: str
-    timeout_s: float | None = None
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_RUN_TIMEOUT_S, allow_inf_nan=False)
 
 
 class Manifest(_Wire):
     protocol: str = PROTOCOL_VERSION
     sdk: str = "ryusen-python"
-    app_id: str
+    app_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     release_id: str
     build_id: str
     functions: list[FunctionManifest]
