@@ -91,8 +91,14 @@ def aws_engine(
     settings: ServerSettings | None = None,
     counter: RequestCounter | None = None,
     policy: EndpointPolicy | None = None,
+    *,
+    deployed: bool = False,
 ) -> AwsEngine:
-    """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only)."""
+    """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only).
+
+    ``deployed`` (the Lambda handlers): there is no unsigned mode; without a signing key (its secret, or
+    ``RYUSEN_SIGNING_KEY``) the engine refuses to start rather than send unsigned tasks and accept unsigned
+    results."""
     counter = counter or RequestCounter()
     policy = policy or EndpointPolicy.from_env(os.environ)
     sqs = client("sqs", resources)
@@ -105,6 +111,11 @@ def aws_engine(
         counter=counter,
     )
     settings = settings or server_settings()
+    if deployed and resources.signing_key_secret_arn is None and not settings.signing_key:
+        raise RuntimeError(
+            "a deployed Ryusen engine signs every task and accepts only signed results: set"
+            " RYUSEN_SIGNING_KEY_SECRET_ARN (the CDK stack does); there is no unsigned mode on AWS"
+        )
     if resources.signing_key_secret_arn is not None:
         key = SecretKey(client("secretsmanager", resources), resources.signing_key_secret_arn)
         settings = replace(settings, signing_keys_source=key.keys)

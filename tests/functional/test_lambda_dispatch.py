@@ -67,6 +67,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_QUEUE_ARN": arn,
             "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
             "RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8",  # the test app runs on loopback
+            "RYUSEN_SIGNING_KEY": "lambda-tests-signing-key-0123456789abcdef",  # the app reads it too
             "RYUSEN_RESULT_URL": f"{gateway.url}/v1/results",
             "RYUSEN_LEASE_GRACE_S": "1",
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
@@ -269,6 +270,7 @@ def test_a_secret_that_cannot_be_read_leaves_nothing_authorized_and_a_cached_key
     secrets = boto3.client("secretsmanager")
     arn = secrets.create_secret(Name="ryusen/flaky", SecretString="key-1")["ARN"]
     monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
+    monkeypatch.delenv("RYUSEN_SIGNING_KEY")  # the engine and the app both read the secret
     monkeypatch.setattr(dispatch_lambda, "_engine", None)
     call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
     run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
@@ -318,3 +320,21 @@ def test_time_spent_before_the_invocation_comes_off_the_budget(
     dispatch(aws, [message], remaining_s=25)
     # the invocation must end 10 s before the Lambda does, to record the answer; 4 s went on the read
     assert sent and sent[0] <= started + 25 - 10 - 2 + 0.5, sent[0] - started
+
+
+def test_a_deployed_engine_refuses_to_start_without_a_signing_key(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11 finding 8: a server without a key accepted unsigned late results, with no warning on AWS.
+    A deployed engine has no unsigned mode: without its key it does not start, so nothing unsigned is sent
+    or accepted, and the message comes back until the deployment is fixed."""
+    monkeypatch.delenv("RYUSEN_SIGNING_KEY")
+    monkeypatch.delenv("RYUSEN_SIGNING_KEY_SECRET_ARN", raising=False)
+    monkeypatch.setattr(dispatch_lambda, "_engine", None)
+    with pytest.raises(RuntimeError, match="no unsigned mode"):
+        dispatch_lambda.engine()
+    from ryusen_server.lambdas import api as api_lambda
+
+    monkeypatch.setattr(api_lambda, "_resolver", None)
+    with pytest.raises(RuntimeError, match="no unsigned mode"):
+        api_lambda.resolver()

@@ -20,7 +20,7 @@ _resolver: APIGatewayRestResolver | None = None
 def resolver() -> APIGatewayRestResolver:
     global _resolver
     if _resolver is None:
-        wired = aws_engine(AwsResources.from_env())
+        wired = aws_engine(AwsResources.from_env(), deployed=True)
         _resolver = build_api(wired.engine, wired.fetcher())
     return _resolver
 

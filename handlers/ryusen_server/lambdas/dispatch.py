@@ -55,7 +55,7 @@ class KeepMessageError(Exception):
 def engine() -> AwsEngine:
     global _engine
     if _engine is None:
-        _engine = aws_engine(AwsResources.from_env())
+        _engine = aws_engine(AwsResources.from_env(), deployed=True)
         _engine.engine.hooks.append(_observe)
     return _engine
 
