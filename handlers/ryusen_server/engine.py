@@ -599,6 +599,20 @@ class Engine:
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
         return result, headers.get(SIGNATURE_HEADER)
 
+    def _signature_problem(self, result: Any, answers: str | None, bound: bool) -> str | None:
+        """Why the answer's signature is not good for the request signed ``answers``, or None (and None
+        where this engine has no key)."""
+        keys = self.verification_keys()
+        if not keys:
+            return None
+        lowered = {k.lower(): v for k, v in result.headers.items()}
+        header = lowered.get(SIGNATURE_HEADER.lower())
+        try:
+            verify_any(keys, result.body, header, now=time.time(), answers=answers, bound=bound)
+        except SignatureError as exc:
+            return exc.reason
+        return None
+
     def _memo_missed(self, result: Any, request: TaskRequest, answers: str | None, bound: bool) -> bool:
         """The endpoint answered ``memo_miss`` to ``request`` (a short, signed answer that ran nothing, naming
         this request's run, kind and base memo: a miss relayed from another request is no answer at all)."""
@@ -606,20 +620,8 @@ class Engine:
             return False
         if b"memo_miss" not in result.body:
             return False
-        keys = self.verification_keys()
-        if keys:
-            lowered = {k.lower(): v for k, v in result.headers.items()}
-            try:
-                verify_any(
-                    keys,
-                    result.body,
-                    lowered.get(SIGNATURE_HEADER.lower()),
-                    now=time.time(),
-                    answers=answers,
-                    bound=bound,
-                )
-            except SignatureError:
-                return False  # recorded as any unsigned answer is, by the usual path
+        if self._signature_problem(result, answers, bound) is not None:
+            return False  # recorded as any unsigned answer is, by the usual path
         try:
             answer = TaskResponse.model_validate_json(result.body)
         except ValidationError:
@@ -705,21 +707,10 @@ class Engine:
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
         keys = self.verification_keys()
-        lowered = {k.lower(): v for k, v in result.headers.items()}
-        if keys:
-            try:
-                verify_any(
-                    keys,
-                    result.body,
-                    lowered.get(SIGNATURE_HEADER.lower()),
-                    now=time.time(),
-                    answers=answers,
-                    bound=bound,
-                )
-            except SignatureError as exc:
-                return InvocationFailed(
-                    task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {exc.reason}"
-                )
+        if (problem := self._signature_problem(result, answers, bound)) is not None:
+            return InvocationFailed(
+                task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {problem}"
+            )
         if result.status in (400, 401, 404, 405, 413) and keys:
             # a signed refusal: the SDK ran no user code
             return InvocationFailed(
