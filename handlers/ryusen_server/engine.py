@@ -656,31 +656,24 @@ class Engine:
     ) -> TaskRequest:
         """The request for ``task``: ``memo_entries`` is the whole memo, or with ``base`` what changed since it
         (and then the input is not sent either: the endpoint holds it with that memo)."""
-        entries = {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()}
-        run_input = None if base is not None else state.input
+        common: dict[str, Any] = {
+            "kind": task.kind,
+            "run_id": state.id,
+            "function_id": state.function_id,
+            "input": None if base is not None else state.input,
+            "memo": {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()},
+            "memo_token": token,
+            "memo_base": base,
+        }
         if task.kind is TaskKind.DISCOVER:
-            return TaskRequest(
-                kind=task.kind,
-                run_id=state.id,
-                function_id=state.function_id,
-                input=run_input,
-                memo=entries,
-                memo_token=token,
-                memo_base=base,
-            )
+            return TaskRequest(**common)
         assert task.step_id is not None and task.generation is not None and task.phase is not None
         step = state.step(task.step_id)
         assert step is not None
         attempt = step.attempt(task.phase, task.generation)
         assert attempt is not None
         return TaskRequest(
-            kind=task.kind,
-            run_id=state.id,
-            function_id=state.function_id,
-            input=run_input,
-            memo=entries,
-            memo_token=token,
-            memo_base=base,
+            **common,
             step_id=step.id,
             operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
