@@ -20,7 +20,14 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify_any
+from ryusen._internal.signing import (
+    ANSWER_BINDING_HEADER,
+    SIGNATURE_HEADER,
+    SignatureError,
+    request_binding,
+    sign,
+    verify_any,
+)
 from ryusen._internal.wire import (
     LateResult,
     Manifest,
@@ -548,13 +555,13 @@ class Engine:
         )
         self._emit("invoke", (task, release.url))
         bound = "bound_responses" in release.features  # its answers are signed for the request they answer
-        result, sent = self._post(release, request, key, listen_until)
+        result, sent = self._post(release, request, key, listen_until, bound)
         if base is not None and self._memo_missed(result, request, sent, bound):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
             whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
-            result, sent = self._post(release, whole_request, key, listen_until)
+            result, sent = self._post(release, whole_request, key, listen_until, bound)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
@@ -587,17 +594,21 @@ class Engine:
         return decision, chain
 
     def _post(
-        self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime
+        self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime, bound: bool
     ) -> tuple[Any, str | None]:
         """POST one request, signed, and listen until ``listen_until`` (and the grace) for the answer: it, and
-        the request's signature (which an answer is signed for)."""
+        what a bound answer must be signed for (``bound``: the release's SDK binds answers when asked)."""
         body = encode_request(request)  # a field the release's SDK did not announce is left out
         headers = {"content-type": "application/json"}
+        binding: str | None = None
         if key is not None:
             headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
+            if bound:
+                headers[ANSWER_BINDING_HEADER] = "1"
+                binding = request_binding(headers[SIGNATURE_HEADER], body)
         timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
-        return result, headers.get(SIGNATURE_HEADER)
+        return result, binding
 
     def _signature_problem(self, result: Any, answers: str | None, bound: bool) -> str | None:
         """Why the answer's signature is not good for the request signed ``answers``, or None (and None
@@ -704,6 +715,11 @@ class Engine:
             return InvocationFailed(
                 task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {problem}"
             )
+        if result.status == 401 and keys and b'"replayed_request"' in result.body[:200]:
+            # this signed request reached the endpoint before (someone else delivered it): what it asked for
+            # may have run, so its outcome is not known; it is never simply sent again
+            detail = "the endpoint had already received this request from elsewhere"
+            return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=detail)
         if result.status in (400, 401, 404, 405, 413) and keys:
             # a signed refusal: the SDK ran no user code
             return InvocationFailed(

@@ -163,7 +163,9 @@ class SecretKey:
             if self._value is None or self._clock() - self._read_at > self._ttl_s:
                 try:
                     current = self._read("AWSCURRENT")
-                    previous = self._read("AWSPREVIOUS") if current is not None else None
+                    if current is None:  # an empty secret is no key: fail closed, never unsigned
+                        raise RuntimeError(f"the signing key secret {self._secret_id} is empty")
+                    previous = self._read("AWSPREVIOUS")
                 except Exception:
                     if self._value is None:
                         raise  # a cold start without the key: fail closed, the message comes back

@@ -17,7 +17,14 @@ import pytest
 
 from ryusen import Ryusen, Step
 from ryusen._internal.app import HandlerResponse
-from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from ryusen._internal.signing import (
+    ANSWER_BINDING_HEADER,
+    SIGNATURE_HEADER,
+    SignatureError,
+    request_binding,
+    sign,
+    verify,
+)
 from ryusen._internal.wire import FEATURES_HEADER, TaskRequest
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.engine import ServerSettings
@@ -121,3 +128,92 @@ def test_an_sdk_that_does_not_bind_its_answers_still_works_unbound() -> None:
     assert env.run("pay", 3).output == "receipt-3"
     manifest = app.handle("GET", {}, b"")
     assert "bound_responses" in manifest.headers[FEATURES_HEADER]
+
+
+@pytest.mark.parametrize(
+    "respell",
+    [
+        lambda h: h + ",a=0",
+        lambda h: h + ",x",
+        lambda h: h + ",",
+        lambda h: "junk," + h,
+        lambda h: ",".join(reversed(h.split(","))),
+        lambda h: h.split(",")[0] + "," + h,
+    ],
+)
+def test_a_played_back_request_is_refused_however_its_header_is_spelt(respell: Any) -> None:
+    """A review replayed a capture with ``,a=0`` or a trailing comma added, or its parts swapped: the replay
+    set remembered the header's text, so each spelling ran the charge again (1 call became 8)."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env(app)
+    endpoint = env.invoker.apps["inproc://bound"]
+    captured: list[tuple[dict[str, str], bytes]] = []
+
+    def capturing(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).step_id == "charge":
+            captured.append((dict(headers), body))
+        return endpoint(method, headers, body)
+
+    env.invoker.apps["inproc://bound"] = capturing
+    assert env.run("pay", 7).output == "receipt-7"
+    headers, body = captured[0]
+    headers = {**headers, SIGNATURE_HEADER: respell(headers[SIGNATURE_HEADER])}
+    replayed = app.handle("POST", headers, body)
+    assert replayed.status == 401 and calls == Counter({"charge-7": 1})
+
+
+@pytest.mark.parametrize("how", ["again", "another body"])
+def test_a_refusal_the_endpoint_gave_someone_else_does_not_make_the_engine_send_the_task_again(how: str) -> None:
+    """A review relayed the engine's request (the charge ran), dropped the real answer, then got the endpoint
+    to refuse the same signature (sent again, or over another body) and handed that signed refusal to the
+    engine, which took it for "nothing ran" and charged again. A refusal is signed for the body the endpoint
+    received, and "already received" means the outcome is not known."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env(app)
+    endpoint = env.invoker.apps["inproc://bound"]
+    done: list[bool] = []
+
+    def relaying(method: str, headers: dict[str, str], body: bytes) -> Any:
+        request = TaskRequest.model_validate_json(body)
+        if request.step_id != "charge" or done:
+            return endpoint(method, headers, body)
+        done.append(True)
+        endpoint(method, headers, body)  # the charge runs; its answer is dropped
+        return endpoint(method, headers, body if how == "again" else body.replace(b'"pay"', b'"pay" '))
+
+    env.invoker.apps["inproc://bound"] = relaying
+    run_id = env.start("pay", 9)
+    env.drive()
+    assert calls == Counter({"charge-9": 1})
+    assert env.get(run_id).step("charge")["attempts"][0]["status"] == "unknown"
+
+
+def test_an_sdk_binds_its_answer_only_when_the_server_asks() -> None:
+    """A review: a new SDK behind a server that predates binding had every answer refused, because it bound
+    them anyway. It binds only for a request that asks (``X-Ryusen-Answer-Binding``), which such a server
+    does not send; its answers then verify as they always did."""
+    app = charging_app(Counter())
+    body = TaskRequest(kind="discover", run_id="r", function_id="pay", input=1).model_dump_json().encode()
+    old_server = {SIGNATURE_HEADER: sign(KEY, body, now=app.clock())}
+    answer = app.handle("POST", old_server, body)
+    verify(KEY, answer.body, answer.headers[SIGNATURE_HEADER], now=app.clock())  # as a server before binding
+    new_server = {SIGNATURE_HEADER: sign(KEY, body, now=app.clock() + 1), ANSWER_BINDING_HEADER: "1"}
+    bound = app.handle("POST", new_server, body)
+    binding = request_binding(new_server[SIGNATURE_HEADER], body)
+    verify(KEY, bound.body, bound.headers[SIGNATURE_HEADER], now=app.clock(), answers=binding, bound=True)
+
+
+def test_an_empty_key_secret_is_no_key() -> None:
+    """A deployed engine whose secret holds an empty string ran unsigned: it now fails closed."""
+    import boto3
+    from moto import mock_aws
+
+    from ryusen_server.wiring import SecretKey
+
+    with mock_aws():
+        client = boto3.client("secretsmanager", region_name="us-east-1")
+        arn = client.create_secret(Name="ryusen/empty", SecretString="  ")["ARN"]
+        with pytest.raises(RuntimeError, match="is empty"):
+            SecretKey(client, arn).keys()

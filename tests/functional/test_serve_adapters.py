@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ryusen import Ryusen, Step
-from ryusen._internal.signing import SIGNATURE_HEADER, sign, verify
+from ryusen._internal.signing import SIGNATURE_HEADER, request_binding, sign, verify
 from ryusen._internal.wire import TaskKind, TaskRequest
 
 KEY = "adapter-key"
@@ -35,10 +35,12 @@ def task() -> bytes:
 
 
 def check(status: int, headers: dict[str, str], body: bytes, request_signature: str) -> None:
-    """A 200 whose body is signed for the request it answers (``bound_responses``)."""
+    """A 200 whose body is signed for the request it answers (``bound_responses``; each adapter passes the
+    request's ``X-Ryusen-Answer-Binding`` on)."""
     assert status == 200
     lowered = {k.lower(): v for k, v in headers.items()}
-    verify(KEY, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=request_signature, bound=True)
+    binding = request_binding(request_signature, task())
+    verify(KEY, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=binding, bound=True)
     assert json.loads(body)["discovery"]["step"]["id"] == "s"
 
 
@@ -57,7 +59,11 @@ def test_asgi(app: Ryusen) -> None:
         sent.append(message)
 
     header = sign(KEY, body, now=time.time())
-    scope = {"type": "http", "method": "POST", "headers": [(SIGNATURE_HEADER.lower().encode(), header.encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "headers": [(SIGNATURE_HEADER.lower().encode(), header.encode()), (b"x-ryusen-answer-binding", b"1")],
+    }
     asyncio.run(app.asgi()(scope, receive, send))
     start, payload = sent
     check(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, payload["body"], header)
@@ -89,6 +95,7 @@ def test_wsgi(app: Ryusen) -> None:
         "CONTENT_LENGTH": str(len(body)),
         "wsgi.input": io.BytesIO(body),
         "HTTP_X_RYUSEN_SIGNATURE": header,
+        "HTTP_X_RYUSEN_ANSWER_BINDING": "1",
     }
     out = b"".join(app.wsgi()(environ, start_response))
     check(captured["status"], captured["headers"], out, header)
@@ -101,7 +108,7 @@ def test_lambda_function_url_event(app: Ryusen, encoded: bool) -> None:
     event = {
         "version": "2.0",
         "requestContext": {"http": {"method": "POST"}},
-        "headers": {SIGNATURE_HEADER.lower(): header},
+        "headers": {SIGNATURE_HEADER.lower(): header, "x-ryusen-answer-binding": "1"},
         "body": base64.b64encode(body).decode() if encoded else body.decode(),
         "isBase64Encoded": encoded,
     }

@@ -30,7 +30,15 @@ from pydantic import ValidationError
 from .errors import DefinitionError
 from .memo_cache import MemoCache
 from .serve import MAX_REQUEST_BYTES
-from .signing import SIGNATURE_HEADER, SeenRequests, SignatureError, sign, verify_any
+from .signing import (
+    ANSWER_BINDING_HEADER,
+    SIGNATURE_HEADER,
+    SeenRequests,
+    SignatureError,
+    request_binding,
+    sign,
+    verify_any,
+)
 from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
 from .wire import (
     FEATURES_HEADER,
@@ -288,7 +296,7 @@ class Ryusen:
         problem = self._verify(headers, body)
         if problem is not None:
             return problem
-        answers = self._request_signature(headers)
+        answers = self._binding(headers, body)
         try:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -309,7 +317,7 @@ class Ryusen:
         problem = self._verify(headers, body)
         if problem is not None:
             return problem
-        answers = self._request_signature(headers)
+        answers = self._binding(headers, body)
         try:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -334,21 +342,28 @@ class Ryusen:
             keys.extend(k for k in _secret_keys(secret, time.monotonic())[1:] if k)  # the key a rotation replaced
         lowered = {k.lower(): v for k, v in headers.items()}
         header = lowered.get(SIGNATURE_HEADER.lower())
+        answers = self._binding(headers, body)
         try:
             verify_any(keys, body, header, now=self.clock())
         except SignatureError as exc:
-            return self._error(401, "invalid_signature", exc.reason, header)
+            return self._error(401, "invalid_signature", exc.reason, answers)
         assert header is not None
         if not self._seen_requests.first_time(header, self.clock()):
-            # the server never sends one signed request twice: this is a capture played back
-            return self._error(401, "replayed_request", "this signed request was already received", header)
+            # the server never sends one signed request twice: this one was received before, so what it
+            # asked for may have run (the server records this answer's outcome as not known)
+            return self._error(401, "replayed_request", "this signed request was already received", answers)
         return None
 
-    def _request_signature(self, headers: dict[str, str]) -> str | None:
-        """The request's signature header, which this endpoint's answer is signed for (``bound_responses``)."""
+    def _binding(self, headers: dict[str, str], body: bytes) -> str | None:
+        """What this endpoint's answer is signed for, when the request asks for a bound answer
+        (``X-Ryusen-Answer-Binding``, sent by a server that checks it): its signature and the body received."""
         if self.signing_key is None:
             return None
-        return next((v for k, v in headers.items() if k.lower() == SIGNATURE_HEADER.lower()), None)
+        lowered = {k.lower(): v for k, v in headers.items()}
+        header = lowered.get(SIGNATURE_HEADER.lower())
+        if header is None or lowered.get(ANSWER_BINDING_HEADER.lower()) != "1":
+            return None
+        return request_binding(header, body)
 
     def _reply(self, status: int, body: bytes, answers: str | None = None) -> HandlerResponse:
         headers = {"content-type": "application/json"}

@@ -14,6 +14,9 @@ import string
 import threading
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
+ANSWER_BINDING_HEADER = "X-Ryusen-Answer-Binding"
+"""Sent (``1``) by a server that checks bound answers: the endpoint then signs its answer for the request.
+Removing it only makes the answer unbound, which such a server does not accept."""
 MAX_SKEW_S = 300.0
 
 
@@ -97,16 +100,12 @@ def verify(
 ) -> None:
     """Raise :class:`SignatureError` unless ``header`` signs ``body`` with ``key``, fresh at ``now``.
 
-    An answer signed for a request (``a=1``) holds only for ``answers``, that request's signature header;
-    ``bound`` requires that it was (an SDK that announced ``bound_responses`` always binds its answers).
+    An answer signed for a request (``a=1``) holds only for ``answers``, that request's
+    :func:`request_binding`; ``bound`` requires that it was (a request that asked for a bound answer).
     """
-    if not header:
-        raise SignatureError("missing signature")
-    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
-    ts, given = parts.get("t"), parts.get("v1")
-    if ts is None or given is None or not _plain(ts, string.digits, 12) or not _plain(given, _HEX, 64):
-        raise SignatureError("malformed signature")
-    is_answer = parts.get("a") == "1"
+    parts = _parts(header)
+    ts, given = parts["t"], parts["v1"]
+    is_answer = "a" in parts
     if bound and not is_answer:
         raise SignatureError("the answer is not signed for the request it answers")
     if is_answer and answers is None:
@@ -116,6 +115,35 @@ def verify(
         raise SignatureError("signature does not match the body")
     if abs(now - int(ts)) > max_skew_s:
         raise SignatureError("signature timestamp is stale")
+
+
+def _parts(header: str | None) -> dict[str, str]:
+    """A signature header's parts, which must be exactly ``t=<digits>,v1=<64 hex>`` and, for an answer signed
+    for its request, ``,a=1``: nothing else, nothing twice, in that order (one signature, one spelling)."""
+    if not header:
+        raise SignatureError("missing signature")
+    pieces = header.split(",")
+    if len(pieces) not in (2, 3) or any("=" not in p for p in pieces):
+        raise SignatureError("malformed signature")
+    pairs = [p.split("=", 1) for p in pieces]
+    names = [name for name, _ in pairs]
+    if names not in (["t", "v1"], ["t", "v1", "a"]) or (len(pairs) == 3 and pairs[2][1] != "1"):
+        raise SignatureError("malformed signature")
+    parts = dict(pairs)
+    if not _plain(parts["t"], string.digits, 12) or not _plain(parts["v1"], _HEX, 64):
+        raise SignatureError("malformed signature")
+    return parts
+
+
+def signature_digest(header: str) -> str:
+    """The HMAC a well-formed signature header carries: what names one signed message, however it is spelt."""
+    return _parts(header)["v1"]
+
+
+def request_binding(header: str, body: bytes) -> str:
+    """What an answer is signed for: the request's signature and the body the endpoint received under it, so
+    that an answer to another body sent under a captured header does not verify as this request's."""
+    return f"{header}|{hashlib.sha256(body).hexdigest()}"
 
 
 class SeenRequests:
@@ -129,7 +157,9 @@ class SeenRequests:
         self._lock = threading.Lock()
 
     def first_time(self, header: str, now: float) -> bool:
-        """Record ``header``; False if it was seen within the window."""
+        """Record the signed request ``header`` names (by its HMAC: one request however the header is spelt);
+        False if it was seen within the window."""
+        header = signature_digest(header)
         with self._lock:
             if len(self._seen) >= self.most:
                 self._seen = {h: at for h, at in self._seen.items() if now - at <= self.window_s * 2}

@@ -31,8 +31,9 @@ never sent to it (its wire models refuse unknown fields)."""
 SDK_FEATURES = ("continuation", "memo_cache", "bound_responses")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
-``bound_responses``: every answer to a signed request is signed for that request (``a=1``), and a signed
-request is refused if it comes again, so the server accepts no other answer from it."""
+``bound_responses``: when a signed request asks (``X-Ryusen-Answer-Binding: 1``), its answer is signed for
+that request and the body received (``a=1``), and a signed request is refused if it comes again; a server
+that asks accepts no other answer from such a release."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
