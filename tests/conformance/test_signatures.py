@@ -76,9 +76,8 @@ def test_an_answer_to_one_request_is_not_accepted_as_the_answer_to_another() -> 
     assert calls == Counter({"charge-1": 1, "charge-2": 1})
 
 
-def test_a_captured_request_played_back_runs_nothing() -> None:
-    calls: Counter[str] = Counter()
-    app = charging_app(calls)
+def capturing_charges(app: Ryusen) -> tuple[WorkflowEnvironment, list[tuple[dict[str, str], bytes]]]:
+    """A signed environment whose every charge request (headers, body) is kept, as someone on the path would."""
     env = signed_env(app)
     endpoint = env.invoker.apps["inproc://bound"]
     captured: list[tuple[dict[str, str], bytes]] = []
@@ -89,6 +88,13 @@ def test_a_captured_request_played_back_runs_nothing() -> None:
         return endpoint(method, headers, body)
 
     env.invoker.apps["inproc://bound"] = capturing
+    return env, captured
+
+
+def test_a_captured_request_played_back_runs_nothing() -> None:
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env, captured = capturing_charges(app)
     assert env.run("pay", 7).output == "receipt-7" and calls == Counter({"charge-7": 1})
     headers, body = captured[0]
     for _ in range(3):
@@ -146,16 +152,7 @@ def test_a_played_back_request_is_refused_however_its_header_is_spelt(respell: A
     set remembered the header's text, so each spelling ran the charge again (1 call became 8)."""
     calls: Counter[str] = Counter()
     app = charging_app(calls)
-    env = signed_env(app)
-    endpoint = env.invoker.apps["inproc://bound"]
-    captured: list[tuple[dict[str, str], bytes]] = []
-
-    def capturing(method: str, headers: dict[str, str], body: bytes) -> Any:
-        if TaskRequest.model_validate_json(body).step_id == "charge":
-            captured.append((dict(headers), body))
-        return endpoint(method, headers, body)
-
-    env.invoker.apps["inproc://bound"] = capturing
+    env, captured = capturing_charges(app)
     assert env.run("pay", 7).output == "receipt-7"
     headers, body = captured[0]
     headers = {**headers, SIGNATURE_HEADER: respell(headers[SIGNATURE_HEADER])}
