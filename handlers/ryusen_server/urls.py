@@ -154,8 +154,13 @@ class EndpointPolicy:
 
     def _permit(self, host: str, candidate: str) -> None:
         address: IpAddress = ipaddress.ip_address(candidate.split("%", 1)[0])
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        if isinstance(address, ipaddress.IPv6Address):
+            # an IPv6 address that carries an IPv4 one (mapped, 6to4, Teredo) is judged by that one too
+            embedded = address.ipv4_mapped or address.sixtofour or (address.teredo[1] if address.teredo else None)
+            if embedded is not None:
+                self._permit(host, str(embedded))
+            if address.ipv4_mapped is not None:
+                return
         if any(address in network for network in self.allowed):
             return
         if address.is_link_local:

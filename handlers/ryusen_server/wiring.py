@@ -186,6 +186,7 @@ class SecretKey:
 
 
 MANIFEST_MAX_BYTES = 1024 * 1024
+MANIFEST_TIMEOUT_S = 10.0
 
 
 def fetch_manifest(
@@ -203,13 +204,18 @@ def fetch_manifest(
     target = (policy or EndpointPolicy()).check(url)
     headers = {"Host": target.host_header, "Accept": "application/json"}
     extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
+    give_up = time.monotonic() + MANIFEST_TIMEOUT_S
     try:
         with (
-            httpx.Client(follow_redirects=False, timeout=10.0) as http,
+            httpx.Client(follow_redirects=False, timeout=MANIFEST_TIMEOUT_S) as http,
             http.stream("GET", target.url, headers=headers, extensions=extensions) as response,
         ):
             received = bytearray()
             for chunk in response.iter_bytes():
+                if time.monotonic() > give_up:  # the timeout is per read: a slow drip must not hold the API
+                    raise InvalidRequestError(
+                        f"{url} took over {MANIFEST_TIMEOUT_S:g}s to answer", code="endpoint_unreachable"
+                    )
                 received += chunk
                 if len(received) > MANIFEST_MAX_BYTES:
                     raise InvalidRequestError(

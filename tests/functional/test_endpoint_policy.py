@@ -108,6 +108,9 @@ def test_what_a_non_manifest_answer_says_is_never_repeated(credentials_service: 
         ("fd00:ec2::254", "private"),
         ("0.0.0.0", "private"),
         ("100.64.0.1", "not public"),
+        ("2002:7f00:1::", "loopback"),
+        ("2002:a9fe:a9fe::", "link-local"),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback"),
     ],
 )
 def test_addresses_that_are_not_public_are_refused_without_a_request(address: str, what: str) -> None:
@@ -220,3 +223,36 @@ def test_a_host_with_a_percent_is_refused_so_the_name_connected_to_is_the_one_ch
     with pytest.raises(EndpointRefusedError, match="'%'"):
         EndpointPolicy(resolver=lambda host, port: ["93.184.216.34"]).check(url)
     assert EndpointPolicy().check("http://8.8.8.8:80/x").url == "http://8.8.8.8:80/x"
+
+
+def test_a_manifest_that_drips_in_is_given_up_on_at_the_total_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's timeout bounds each read: an endpoint sending a byte a second would hold the API for ever."""
+    import contextlib
+    import socket
+    import time
+
+    from ryusen_server import wiring
+    from ryusen_server.ports import InvalidRequestError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        with contextlib.suppress(OSError):  # the fetch gives up and closes its end
+            for _ in range(20):
+                time.sleep(0.25)
+                conn.sendall(b"x")
+        conn.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    monkeypatch.setattr(wiring, "MANIFEST_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="took over 1s"):
+        fetch_manifest(f"http://127.0.0.1:{port}/", policy=EndpointPolicy.local())
+    assert time.monotonic() - started < 3
+    listener.close()
