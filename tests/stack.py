@@ -93,7 +93,8 @@ def launch(tmp: Path, app_source: str = "http_app.py") -> Iterator[DevStack]:
     port = free_port()
     output = tmp / "ryusen-dev.out"
     env = {**os.environ, **FAST_SETTINGS, "RYUSEN_TEST_LOG": str(log_file), "PYTHONUNBUFFERED": "1"}
-    env.pop("RYUSEN_SIGNING_KEY", None)
+    for name in ("RYUSEN_SIGNING_KEY", "RYUSEN_MASTER_KEY", "RYUSEN_INSECURE_LOCAL"):
+        env.pop(name, None)  # ryusen dev makes the keys of its session
     ryusen = Path(sys.executable).parent / "ryusen"
     with output.open("w") as out:
         process = subprocess.Popen(

@@ -37,8 +37,8 @@ logger = logging.getLogger("ryusen.api")
 
 MAX_BODY_BYTES = 1024 * 1024
 
-ManifestFetcher = Callable[[str], tuple[Manifest, frozenset[str]]]
-"""GET an endpoint's manifest: it, and the features its SDK announced."""
+ManifestFetcher = Callable[[str, str], tuple[Manifest, frozenset[str]]]
+"""GET app ``app_id``'s endpoint's manifest (app id, URL): it, and the features its SDK announced."""
 
 
 class _Body(BaseModel):
@@ -134,7 +134,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     @api.put("/v1/apps/<app_id>")
     def sync_app(app_id: str) -> Response[str]:
         request = body_of(SyncRequest)
-        manifest, features = fetch_manifest(request.url)
+        manifest, features = fetch_manifest(app_id, request.url)
         release = engine.sync_release(app_id, request.url, manifest, features)
         return _json(
             200,

@@ -883,6 +883,42 @@ def resolve(
     click.echo(printable(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}"))
 
 
+@cli.group()
+def key() -> None:
+    """Signing keys (docs/security.md#keys)."""
+
+
+@key.command()
+@click.argument("app_id", metavar="APP_ID")
+@click.option(
+    "--master-secret",
+    metavar="SECRET_ID",
+    help="Read the master from this Secrets Manager secret (the stack's MasterKeySecret) instead of"
+    " RYUSEN_MASTER_KEY.",
+)
+def derive(app_id: str, master_secret: str | None) -> None:
+    """Print APP_ID's signing key, derived from the deployment's master (RYUSEN_MASTER_KEY, or --master-secret).
+
+    Give the app this key (RYUSEN_SIGNING_KEY, or a secret of its own): it signs for that app only. The key id
+    that signatures with it carry goes to stderr."""
+    from ryusen._internal.signing import app_key, key_id, split_keys
+
+    if not app_id or len(app_id) > 256:
+        raise CliError("the app id must be 1 to 256 characters")
+    if master_secret:
+        import boto3
+
+        master = str(boto3.client("secretsmanager").get_secret_value(SecretId=master_secret)["SecretString"]).strip()
+    else:
+        masters = split_keys(os.environ.get("RYUSEN_MASTER_KEY"))
+        master = masters[0] if masters else ""
+    if not master:
+        raise CliError("no master key: set RYUSEN_MASTER_KEY, or pass --master-secret SECRET_ID")
+    derived = app_key(master, app_id)
+    click.echo(derived)
+    click.echo(f"key id {key_id(derived)} (app {printable(app_id)})", err=True)
+
+
 def _usage(ctx: click.Context, message: str) -> NoReturn:
     raise click.UsageError(message, ctx)
 

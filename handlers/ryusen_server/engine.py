@@ -9,6 +9,7 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -21,12 +22,17 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from ryusen._internal.signing import (
-    ANSWER_BINDING_HEADER,
     SIGNATURE_HEADER,
+    Scope,
+    Signature,
     SignatureError,
-    request_binding,
+    answer_binding,
+    app_key,
+    parse,
     sign,
-    verify_any,
+    split_keys,
+    url_path,
+    verify,
 )
 from ryusen._internal.wire import (
     LateResult,
@@ -40,6 +46,8 @@ from ryusen._internal.wire import (
     TaskResponse,
     encode_request,
     json_value_problem,
+    late_result_scope,
+    task_scope,
     value_size,
 )
 
@@ -70,6 +78,7 @@ from .ports import (
     ConflictError,
     InvalidRequestError,
     Invoker,
+    InvokeResult,
     NotFoundError,
     PayloadTooLargeError,
     Release,
@@ -105,14 +114,27 @@ def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[d
     return attempt.lease_expires_at, attempt.respond_by
 
 
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A signed request as sent: its scope and signature, and the app's keys, which its answer must be signed
+    with as the answer to it."""
+
+    scope: Scope
+    signature: Signature
+    body: bytes
+    keys: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
-    signing_key: str | None = None
-    signing_keys_source: Callable[[], tuple[str | None, str | None]] | None = None
-    """Where the signing keys are read from when they are not fixed (a deployment's secret, cached and re-read
+    master_key: str | None = None
+    """The deployment's master secret (several, comma-separated: the first signs, any verifies), from which
+    each app's signing key is derived (decisions 21). None: no signing (insecure local mode only)."""
+    master_keys_source: Callable[[], tuple[str | None, str | None]] | None = None
+    """Where the master keys are read from when they are not fixed (a deployment's secret, cached and re-read
     so that a rotation takes effect): (the key to sign with, the one it replaced, still accepted when
-    verifying). It wins over ``signing_key``."""
+    verifying). It wins over ``master_key``."""
     result_url: str | None = None
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
@@ -254,15 +276,17 @@ class Engine:
         self.sent_memos = SentMemos()
         """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
 
-    def signing_key(self) -> str | None:
-        source = self.settings.signing_keys_source
-        return source()[0] if source is not None else self.settings.signing_key
+    def master_keys(self) -> list[str]:
+        """The valid master keys, the one to sign with first (during a rotation, also the one it replaced)."""
+        source = self.settings.master_keys_source
+        if source is not None:
+            return [key for key in source() if key]
+        return split_keys(self.settings.master_key)
 
-    def verification_keys(self) -> list[str]:
-        """The keys a signature may be made with: the current one, and during a rotation the previous one."""
-        source = self.settings.signing_keys_source
-        keys = source() if source is not None else (self.settings.signing_key,)
-        return [key for key in keys if key]
+    def app_keys(self, app_id: str) -> list[str]:
+        """App ``app_id``'s keys, derived from the master keys: what its messages are signed and verified with
+        (empty: this engine signs nothing)."""
+        return [app_key(master, app_id) for master in self.master_keys()]
 
     # ---- the decide/write/act loop ---------------------------------------------
 
@@ -485,7 +509,7 @@ class Engine:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
             return Delivered(done=False)  # too little time left to hear an answer: the message comes back
-        key = self.signing_key()
+        self.master_keys()  # read now (a cold start's secret): a failure leaves nothing authorized and unsent
         state = self.store.get(task.run_id)
         if state is None:
             return Delivered(done=True)
@@ -504,7 +528,7 @@ class Engine:
             invoke = next((c for c in decision.commands if isinstance(c, InvokeTask)), None)
             if invoke is None or release is None:
                 return Delivered(done=True)
-            outcome = self._invoke(decision.state, invoke.task, release, key, deadline, lease.cover, chain_until)
+            outcome = self._invoke(decision.state, invoke.task, release, deadline, lease.cover, chain_until)
             if isinstance(outcome, Delivered):
                 return outcome
             decision, release = outcome
@@ -527,7 +551,6 @@ class Engine:
         state: RunState,
         task: TaskRef,
         release: Release,
-        key: str | None,
         deadline: float | None,
         on_authorized: Callable[[float], None] | None,
         chain_until: float | None = None,
@@ -554,14 +577,22 @@ class Engine:
             state, task, changed, respond_by=listen_until, features=release.features, token=token, base=base
         )
         self._emit("invoke", (task, release.url))
-        bound = "bound_responses" in release.features  # its answers are signed for the request they answer
-        result, sent = self._post(release, request, key, listen_until, bound)
-        if base is not None and self._memo_missed(result, request, sent, bound):
+        keys = self.app_keys(release.app_id)
+        if keys and "signing_v2" not in release.features:
+            # an SDK that predates these signatures would refuse the request, or worse, run it and answer in
+            # a way that cannot be verified (an Unknown): nothing is sent, and syncing a release built with a
+            # current SDK repairs the run
+            detail = "the release's SDK predates signing v2: sync a release built with a current SDK"
+            result: Any = InvokeResult(kind="unreachable", detail=detail)
+            sent = None
+        else:
+            result, sent = self._post(release, request, keys, listen_until)
+        if base is not None and sent is not None and self._memo_missed(result, request, sent):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
             whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
-            result, sent = self._post(release, whole_request, key, listen_until, bound)
+            result, sent = self._post(release, whole_request, keys, listen_until)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
@@ -586,52 +617,58 @@ class Engine:
             chain=ref,
             delivery_id=uuid.uuid4().hex if ref else None,
             trust_next=same_code,
-            answers=sent,
-            bound=bound,
+            sent=sent,
         )
         decision = self.apply(task.run_id, event, known=state)
         self._wake_if_release_moved(decision, state, release)
         return decision, chain
 
     def _post(
-        self, release: Release, request: TaskRequest, key: str | None, listen_until: datetime, bound: bool
-    ) -> tuple[Any, str | None]:
-        """POST one request, signed, and listen until ``listen_until`` (and the grace) for the answer: it, and
-        what a bound answer must be signed for (``bound``: the release's SDK binds answers when asked)."""
+        self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime
+    ) -> tuple[Any, Sent | None]:
+        """POST one request, signed with the app's key for its scope, and listen until ``listen_until`` (and the
+        grace) for the answer: it, and what the answer must be signed for (None: nothing is signed)."""
         body = encode_request(request)  # a field the release's SDK did not announce is left out
         headers = {"content-type": "application/json"}
-        binding: str | None = None
-        if key is not None:
-            headers[SIGNATURE_HEADER] = sign(key, body, now=time.time())
-            if bound:
-                headers[ANSWER_BINDING_HEADER] = "1"
-                binding = request_binding(headers[SIGNATURE_HEADER], body)
+        sent: Sent | None = None
+        if keys:
+            scope = task_scope(request, path=url_path(release.url), app_id=release.app_id)
+            header = sign(keys[0], scope, body, now=time.time(), nonce=secrets.token_hex(16))
+            headers[SIGNATURE_HEADER] = header
+            sent = Sent(scope=scope, signature=parse(header), body=body, keys=tuple(keys))
         timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
-        return result, binding
+        return result, sent
 
-    def _signature_problem(self, result: Any, answers: str | None, bound: bool) -> str | None:
-        """Why the answer's signature is not good for the request signed ``answers``, or None (and None
-        where this engine has no key)."""
-        keys = self.verification_keys()
-        if not keys:
+    @staticmethod
+    def _signature_problem(result: Any, sent: Sent | None) -> str | None:
+        """Why the answer's signature is not good as the answer to the request ``sent``, or None (and None
+        where nothing was signed: an engine with no key)."""
+        if sent is None:
             return None
         lowered = {k.lower(): v for k, v in result.headers.items()}
-        header = lowered.get(SIGNATURE_HEADER.lower())
         try:
-            verify_any(keys, result.body, header, now=time.time(), answers=answers, bound=bound)
+            verify(
+                sent.keys,
+                sent.scope.answer(),
+                result.body,
+                lowered.get(SIGNATURE_HEADER.lower()),
+                now=time.time(),
+                answers=answer_binding(sent.signature, sent.body),
+                nonce=sent.signature.nonce,
+            )
         except SignatureError as exc:
             return exc.reason
         return None
 
-    def _memo_missed(self, result: Any, request: TaskRequest, answers: str | None, bound: bool) -> bool:
+    def _memo_missed(self, result: Any, request: TaskRequest, sent: Sent | None) -> bool:
         """The endpoint answered ``memo_miss`` to ``request`` (a short, signed answer that ran nothing, naming
         this request's run, kind and base memo: a miss relayed from another request is no answer at all)."""
         if result.kind != "response" or result.status != 200 or len(result.body) > 1024:
             return False
         if b"memo_miss" not in result.body:
             return False
-        if self._signature_problem(result, answers, bound) is not None:
+        if self._signature_problem(result, sent) is not None:
             return False  # recorded as any unsigned answer is, by the usual path
         try:
             answer = TaskResponse.model_validate_json(result.body)
@@ -701,17 +738,16 @@ class Engine:
         chain: ReleaseRef | None = None,
         delivery_id: str | None = None,
         trust_next: bool = False,
-        answers: str | None = None,
-        bound: bool = False,
+        sent: Sent | None = None,
     ) -> Event:
-        """The event for what the endpoint answered. With keys, the answer must be signed; an answer signed
-        for a request (``bound_responses``) must be signed for ``answers``, the request this one was."""
+        """The event for what the endpoint answered. A signed request's answer must be signed as the answer
+        to that request (``sent``)."""
         if result.kind == "unreachable":
             return InvocationFailed(task=task, failure=InvocationFailure.UNREACHABLE, detail=result.detail)
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
-        keys = self.verification_keys()
-        if (problem := self._signature_problem(result, answers, bound)) is not None:
+        keys = sent is not None
+        if (problem := self._signature_problem(result, sent)) is not None:
             return InvocationFailed(
                 task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {problem}"
             )
@@ -761,18 +797,25 @@ class Engine:
     # ---- late results and timers -----------------------------------------------------
 
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
-        """The SDK's late submission (decisions 6.15): signed, and fenced like any result."""
-        keys = self.verification_keys()
-        if keys:
-            lowered = {k.lower(): v for k, v in headers.items()}
-            try:
-                verify_any(keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
-            except SignatureError as exc:
-                raise SignatureRejectedError(exc.reason) from None
+        """The SDK's late submission (decisions 6.15): signed with the key of the app whose run it is about, for
+        that run's attempt at the result URL, and fenced like any result."""
         try:
             late = LateResult.model_validate_json(body)
         except ValidationError as exc:
+            if self.master_keys():
+                raise SignatureRejectedError("not a signed late result") from None
             raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
+        if self.master_keys():
+            state = self.store.get(late.run_id)
+            if state is None:
+                raise SignatureRejectedError("not signed by the app of any run")  # says nothing about which runs exist
+            lowered = {k.lower(): v for k, v in headers.items()}
+            path = url_path(self.settings.result_url or "/v1/results")
+            scope = late_result_scope(late, path=path, app_id=state.app_id)
+            try:
+                verify(self.app_keys(state.app_id), scope, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+            except SignatureError as exc:
+                raise SignatureRejectedError(exc.reason) from None
         if (problem := _values_problem(late.attempt)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         decision = self.apply(

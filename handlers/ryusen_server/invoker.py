@@ -86,12 +86,12 @@ class InProcessInvoker:
     def __init__(self, counter: RequestCounter | None = None) -> None:
         self.apps: dict[str, Handler] = {}
         self.counter = counter or RequestCounter()
-        self.intercept: Callable[[str, bytes], InvokeResult | None] | None = None
+        self.intercept: Callable[[str, bytes, dict[str, str]], InvokeResult | None] | None = None
 
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
         self.counter.add("endpoint.invoke", len(body))
         if self.intercept is not None:
-            forced = self.intercept(url, body)
+            forced = self.intercept(url, body, headers)
             if forced is not None:
                 return forced
         handler = self.apps.get(url)

@@ -88,7 +88,7 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
     env = os.environ if env is None else env
     return ServerSettings(
         engine=engine_settings(env),
-        signing_key=env.get("RYUSEN_SIGNING_KEY") or None,
+        master_key=env.get("RYUSEN_MASTER_KEY") or None,
         result_url=env.get("RYUSEN_RESULT_URL") or None,
         default_run_timeout_s=_float(env, "RYUSEN_DEFAULT_RUN_TIMEOUT_S", None),
         max_run_timeout_s=_float(env, "RYUSEN_MAX_RUN_TIMEOUT_S", None),

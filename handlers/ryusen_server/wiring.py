@@ -18,7 +18,7 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, verify_any
+from ryusen._internal.signing import SIGNATURE_HEADER, Scope, SignatureError, url_path, verify
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
 from .aws.queue import SqsQueue
@@ -39,10 +39,11 @@ class AwsResources:
     schedule_group: str
     scheduler_role_arn: str
     scheduler_dlq_arn: str | None = None
-    signing_key_secret_arn: str | None = None
+    master_key_secret_arn: str | None = None
     retention_days: float | None = None
     """How long a finished run is kept (the table's TTL); None: forever."""
-    """The Secrets Manager secret holding the signing key (a deployment never puts the key in its environment)."""
+    """The Secrets Manager secret holding the master key every app's key is derived from (a deployment never
+    puts a key in its environment)."""
     """Where a schedule whose target keeps failing leaves its input (the deployment's scheduler DLQ)."""
     endpoint_url: str | None = None
     region: str = "us-east-1"
@@ -57,7 +58,7 @@ class AwsResources:
             schedule_group=env.get("RYUSEN_SCHEDULE_GROUP", "ryusen"),
             scheduler_role_arn=env["RYUSEN_SCHEDULER_ROLE_ARN"],
             scheduler_dlq_arn=env.get("RYUSEN_SCHEDULER_DLQ_ARN") or None,
-            signing_key_secret_arn=env.get("RYUSEN_SIGNING_KEY_SECRET_ARN") or None,
+            master_key_secret_arn=env.get("RYUSEN_MASTER_KEY_SECRET_ARN") or None,
             retention_days=float(env["RYUSEN_RETENTION_DAYS"]) if env.get("RYUSEN_RETENTION_DAYS") else None,
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -81,9 +82,9 @@ class AwsEngine:
     policy: EndpointPolicy
     """What an app may register as its endpoint (decisions 22), for the manifest fetch and every task."""
 
-    def fetcher(self) -> Callable[[str], tuple[Manifest, frozenset[str]]]:
-        """The manifest fetch the API syncs releases with: under the URL policy and the engine's keys."""
-        return manifest_fetcher(self.policy, self.engine.verification_keys)
+    def fetcher(self) -> Callable[[str, str], tuple[Manifest, frozenset[str]]]:
+        """The manifest fetch the API syncs releases with: under the URL policy, verified with the app's keys."""
+        return manifest_fetcher(self.policy, self.engine.app_keys)
 
 
 def aws_engine(
@@ -97,7 +98,7 @@ def aws_engine(
     """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only).
 
     ``deployed`` (the Lambda handlers): there is no unsigned mode; without a signing key (its secret, or
-    ``RYUSEN_SIGNING_KEY``) the engine refuses to start rather than send unsigned tasks and accept unsigned
+    ``RYUSEN_MASTER_KEY``) the engine refuses to start rather than send unsigned tasks and accept unsigned
     results."""
     counter = counter or RequestCounter()
     policy = policy or EndpointPolicy.from_env(os.environ)
@@ -111,14 +112,14 @@ def aws_engine(
         counter=counter,
     )
     settings = settings or server_settings()
-    if deployed and resources.signing_key_secret_arn is None and not settings.signing_key:
+    if deployed and resources.master_key_secret_arn is None and not settings.master_key:
         raise RuntimeError(
             "a deployed Ryusen engine signs every task and accepts only signed results: set"
-            " RYUSEN_SIGNING_KEY_SECRET_ARN (the CDK stack does); there is no unsigned mode on AWS"
+            " RYUSEN_MASTER_KEY_SECRET_ARN (the CDK stack does); there is no unsigned mode on AWS"
         )
-    if resources.signing_key_secret_arn is not None:
-        key = SecretKey(client("secretsmanager", resources), resources.signing_key_secret_arn)
-        settings = replace(settings, signing_keys_source=key.keys)
+    if resources.master_key_secret_arn is not None:
+        key = SecretKey(client("secretsmanager", resources), resources.master_key_secret_arn)
+        settings = replace(settings, master_keys_source=key.keys)
     engine = Engine(
         store=DynamoStore(
             client("dynamodb", resources),
@@ -190,14 +191,19 @@ MANIFEST_TIMEOUT_S = 10.0
 
 
 def fetch_manifest(
-    url: str, *, policy: EndpointPolicy | None = None, keys: Callable[[], list[str]] | None = None
+    url: str,
+    *,
+    app_id: str = "",
+    policy: EndpointPolicy | None = None,
+    keys: Callable[[str], list[str]] | None = None,
 ) -> tuple[Manifest, frozenset[str]]:
     """GET an app endpoint's manifest (what ``PUT /v1/apps/{id}`` records as a release), and the features its
     SDK announced in ``X-Ryusen-Features`` (none from an SDK that predates them).
 
     The URL must pass ``policy`` (decisions 22; by default only public addresses) and is fetched at the
-    address the policy checked. With ``keys`` (the server's signing keys), the manifest must be signed with
-    one of them: an app the server cannot verify is refused here, not left to fail every task later. Nothing
+    address the policy checked. With ``keys`` (an app id's keys: the server's), the manifest must be signed
+    by app ``app_id`` as the answer to a GET of this URL's path, with the features it announces: an app the
+    server cannot verify is refused here, not left to fail every task later. Nothing
     the endpoint answered is repeated in an error unless it is a well-formed, verified manifest: the
     fetch must not be a way to read what some other service would answer.
     """
@@ -235,24 +241,24 @@ def fetch_manifest(
         raise InvalidRequestError(
             f"{url} did not answer with a Ryusen manifest (its answer is not repeated here)", code="invalid_manifest"
         ) from None
-    valid_keys = keys() if keys is not None else []
+    announced = response.headers.get(FEATURES_HEADER, "")
+    valid_keys = keys(app_id) if keys is not None else []
     if valid_keys:
-        lowered = {k.lower(): v for k, v in response.headers.items()}
+        scope = Scope("response", "GET", url_path(url), app_id, extra=announced)
         try:
-            verify_any(valid_keys, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
+            verify(valid_keys, scope, body, response.headers.get(SIGNATURE_HEADER), now=time.time())
         except SignatureError as exc:
             raise InvalidRequestError(
-                f"the manifest from {url} is not signed with this server's key ({exc.reason}); give the app"
-                " the server's signing key",
+                f"the manifest from {url} is not signed with app {app_id!r}'s key ({exc.reason}); give the app"
+                " its key (ryusen key derive), and build it with a current SDK",
                 code="unsigned_app",
             ) from None
-    announced = response.headers.get(FEATURES_HEADER, "")
     features = frozenset(f.strip() for f in announced.split(",") if f.strip())
     return manifest, features
 
 
 def manifest_fetcher(
-    policy: EndpointPolicy, keys: Callable[[], list[str]]
-) -> Callable[[str], tuple[Manifest, frozenset[str]]]:
-    """``fetch_manifest`` under a deployment's URL policy and signing keys (what the API is built with)."""
-    return lambda url: fetch_manifest(url, policy=policy, keys=keys)
+    policy: EndpointPolicy, keys: Callable[[str], list[str]]
+) -> Callable[[str, str], tuple[Manifest, frozenset[str]]]:
+    """``fetch_manifest(app_id, url)`` under a deployment's URL policy and app keys (what the API is built with)."""
+    return lambda app_id, url: fetch_manifest(url, app_id=app_id, policy=policy, keys=keys)

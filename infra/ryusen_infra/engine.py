@@ -15,8 +15,9 @@ What it creates, and why each piece is shaped the way it is:
 * **api_function** and **api**: the server API as a REST API with IAM (SigV4) authorization on every
   route except ``POST /v1/results``, where SDKs submit late results signed with the app's key (they
   have no AWS credentials; the handler verifies the signature and refuses anything else).
-* **signing_key**: a Secrets Manager secret the functions read at cold start (never an environment
-  variable), re-read every 5 minutes so a rotation takes effect.
+* **master_key**: a Secrets Manager secret holding the master key every app's signing key is derived
+  from (decisions 21); the functions read it at cold start (never an environment variable) and again every
+  5 minutes, so a rotation takes effect.
 * **scheduler_role**, **schedule_group**, **scheduler_dead_letter_queue**: EventBridge Scheduler puts
   deadline, probe and long-delay messages on the dispatch queue through a role that may do exactly
   that; a target that keeps failing leaves its input in a dead-letter queue, with an alarm.
@@ -219,10 +220,10 @@ class RyusenEngine(Construct):
             encryption=sqs.QueueEncryption.SQS_MANAGED,
         )
 
-        self.signing_key = secretsmanager.Secret(
+        self.master_key = secretsmanager.Secret(
             self,
-            "SigningKey",
-            description="Ryusen's HMAC key for signing task requests and results (read by the functions)",
+            "SigningKey",  # the logical id of the secret since the first release: kept, so it is not replaced
+            description="Ryusen's master key: each app's HMAC signing key is derived from it (read by the functions)",
             generate_secret_string=secretsmanager.SecretStringGenerator(password_length=64, exclude_punctuation=True),
         )
 
@@ -251,7 +252,7 @@ class RyusenEngine(Construct):
             "RYUSEN_SCHEDULE_GROUP": self.schedule_group.ref,
             "RYUSEN_SCHEDULER_ROLE_ARN": self.scheduler_role.role_arn,
             "RYUSEN_SCHEDULER_DLQ_ARN": self.scheduler_dead_letter_queue.queue_arn,
-            "RYUSEN_SIGNING_KEY_SECRET_ARN": self.signing_key.secret_arn,
+            "RYUSEN_MASTER_KEY_SECRET_ARN": self.master_key.secret_arn,
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
             **settings.environment(),
         }
@@ -391,7 +392,7 @@ class RyusenEngine(Construct):
                 conditions={"StringEquals": {"iam:PassedToService": "scheduler.amazonaws.com"}},
             ),
             iam.PolicyStatement(
-                sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.signing_key.secret_arn]
+                sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.master_key.secret_arn]
             ),
         ]
         for statement in statements:

@@ -41,10 +41,10 @@ class ShopExample(Construct):
             code=code,
             timeout=cdk.Duration.minutes(15),
             memory_size=256,
-            environment={"RYUSEN_SIGNING_KEY_SECRET_ARN": engine.signing_key.secret_arn},
+            environment={"RYUSEN_MASTER_KEY_SECRET_ARN": engine.master_key.secret_arn},
             log_group=log_group,
         )
         self.function.add_to_role_policy(
-            iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=[engine.signing_key.secret_arn])
+            iam.PolicyStatement(actions=["secretsmanager:GetSecretValue"], resources=[engine.master_key.secret_arn])
         )
         self.url = self.function.add_function_url(auth_type=aws_lambda.FunctionUrlAuthType.NONE)

@@ -76,11 +76,11 @@ def suppress(engine: RyusenEngine) -> None:
         ],
     )
     NagSuppressions.add_resource_suppressions(
-        engine.signing_key,
+        engine.master_key,
         [
             NagPackSuppression(
                 id="AwsSolutions-SMG4",
-                reason="the signing key is shared with the apps; docs/deploy.md gives the rotation procedure",
+                reason="apps hold keys derived from it; docs/security.md gives the rotation procedure",
             )
         ],
     )

@@ -28,7 +28,7 @@ class RyusenStack(cdk.Stack):
         self.engine = RyusenEngine(self, "Engine", settings=settings)
         nag.suppress(self.engine)
         cdk.CfnOutput(self, "ApiUrl", value=self.engine.api.url, description="ryusen --server / RYUSEN_URL")
-        cdk.CfnOutput(self, "SigningKeySecret", value=self.engine.signing_key.secret_arn)
+        cdk.CfnOutput(self, "MasterKeySecret", value=self.engine.master_key.secret_arn)
         cdk.CfnOutput(self, "DashboardName", value=self.engine.dashboard.dashboard_name)
         if example:
             self.shop = ShopExample(self, "Shop", engine=self.engine)

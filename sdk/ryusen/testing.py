@@ -16,13 +16,16 @@ transitions. Requires the server extra (``pip install 'ryusen[server]'``).
 from __future__ import annotations
 
 import contextlib
+import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ryusen._internal.app import Ryusen
-from ryusen._internal.wire import SDK_FEATURES, Manifest, Phase, TaskKind, TaskRequest
+from ryusen._internal.app import HandlerResponse, Ryusen
+from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign, url_path
+from ryusen._internal.wire import SDK_FEATURES, LateResult, Manifest, Phase, TaskKind, TaskRequest, late_result_scope
 
 try:
     from ryusen_server.aws.store import DynamoStore, create_table
@@ -213,12 +216,16 @@ class WorkflowEnvironment:
         start: datetime = EPOCH,
         store: str = "memory",
         chain_steps: bool = True,
+        signing: bool = True,
     ) -> None:
         """``store="moto"`` keeps runs in Ryusen's DynamoDB store on an in-process moto
         (slower; close the environment, or use it as a context manager, to stop moto).
 
         ``chain_steps=False`` runs the engine as a deployment with ``RYUSEN_CHAIN_STEPS=false`` does:
-        no continuation after a callback, and every task a queue message of its own."""
+        no continuation after a callback, and every task a queue message of its own.
+
+        ``signing=False`` runs unsigned, as insecure local mode does (for a test that rewrites what an
+        endpoint answers); by default every task is signed as on a deployment."""
         self.clock = VirtualClock(start)
         self.counter = RequestCounter()
         self._mock: Any = None
@@ -233,6 +240,9 @@ class WorkflowEnvironment:
         self.timers = MemoryTimers(self.clock, counter=self.counter)
         self.invoker = InProcessInvoker(self.counter)
         self.faults = Faults()
+        self.master_key = secrets.token_hex(32) if signing else None
+        """Every task is signed as on a deployment: with the app's key, derived from this environment's master
+        (an app with keys of its own is served with those, and the engine's master must then be its)."""
         ids = iter(range(1, 1 << 62))
         self.engine = Engine(
             store=self.store,
@@ -244,6 +254,7 @@ class WorkflowEnvironment:
                 default_run_timeout_s=default_run_timeout.total_seconds() if default_run_timeout else None,
                 max_run_timeout_s=max_run_timeout.total_seconds() if max_run_timeout else None,
                 chain=chain_steps,
+                master_key=self.master_key,
             ),
             clock=self.clock,
             new_id=lambda: f"run_{next(ids):06d}",
@@ -252,6 +263,7 @@ class WorkflowEnvironment:
         self._chain = True
         self.engine.chain_guards.append(lambda: self._chain)
         self._apps: dict[str, Ryusen] = {}
+        self._keys: dict[str, list[str]] = {}
         for app in apps:
             self.sync(app)
 
@@ -287,11 +299,34 @@ class WorkflowEnvironment:
         """Serve ``app`` and sync it as the newest release (as ``ryusen dev`` does on reload)."""
         url = f"inproc://{app.app_id}"
         self._apps[url] = app
-        self.invoker.apps[url] = app.handle
+        self.invoker.apps[url] = self.endpoint(app)
         manifest = app.manifest()
         if release_id is not None:
             manifest = Manifest.model_validate({**manifest.model_dump(), "release_id": release_id})
         self.engine.sync_release(app.app_id, url, manifest, frozenset(SDK_FEATURES))
+
+    def endpoint(self, app: Ryusen) -> Callable[[str, dict[str, str], bytes], HandlerResponse]:
+        """``app``'s handler as its endpoint would run it: with its own keys, or if it has none, the key this
+        environment's engine derives for it from the master it signs with."""
+        if app.signing_keys:
+            return app.handle
+        master = self.engine.master_keys()
+        keys = [app_key(master[0], app.app_id)] if master else []
+        self._keys[app.app_id] = keys
+        return lambda method, headers, body: app._serve(method, headers, body, "/", keys, insecure=not keys)
+
+    def _signed_late_result(self, app_id: str, late: LateResult) -> dict[str, str]:
+        """The headers the SDK of app ``app_id`` sends a late result with."""
+        app = next(a for a in self._apps.values() if a.app_id == app_id)
+        keys = app.signing_keys or self._keys.get(app_id, [])
+        if not keys:
+            return {}
+        scope = late_result_scope(late, path=url_path(self.engine.settings.result_url or "/v1/results"), app_id=app_id)
+        return {
+            SIGNATURE_HEADER: sign(
+                keys[0], scope, late.model_dump_json().encode(), now=time.time(), nonce=secrets.token_hex(16)
+            )
+        }
 
     # ---- queue with faults ---------------------------------------------------------
 
@@ -300,7 +335,7 @@ class WorkflowEnvironment:
         if self.faults.duplicate_messages:
             self.queue.send(task, delay_s)
 
-    def _intercept(self, url: str, body: bytes) -> InvokeResult | None:
+    def _intercept(self, url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
         request = TaskRequest.model_validate_json(body)
         step_id = request.step_id
         phase = request.operation.phase.value if request.operation else None
@@ -319,7 +354,7 @@ class WorkflowEnvironment:
             rule.action()
         rule = self.faults.take(step_id, phase, ("lose",))
         if rule is not None:
-            response = self._apps[url].handle("POST", {}, body)
+            response = self.invoker.apps[url]("POST", headers, body)
             assert request.operation is not None and step_id is not None
             from ryusen._internal.wire import TaskResponse
 
@@ -330,8 +365,6 @@ class WorkflowEnvironment:
                     kind="response", status=response.status, headers=response.headers, body=response.body
                 )
             outcome = answer.attempt
-            from ryusen._internal.wire import LateResult
-
             late = LateResult.model_validate(
                 {
                     "run_id": request.run_id,
@@ -348,7 +381,7 @@ class WorkflowEnvironment:
                     request.operation.phase.value,
                     request.operation.generation,
                     late.model_dump_json().encode(),
-                    {},
+                    self._signed_late_result(self._apps[url].app_id, late),
                 )
             )
             return InvokeResult(kind="lost", detail="injected: response lost after the callback ran")

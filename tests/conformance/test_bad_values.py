@@ -22,7 +22,7 @@ import pytest
 from ryusen import Ryusen, Step
 from ryusen._internal.app import HandlerResponse
 from ryusen._internal.serve import wsgi_app
-from ryusen._internal.signing import SIGNATURE_HEADER, SignatureError, sign, verify
+from ryusen._internal.signing import SIGNATURE_HEADER, Scope, SignatureError, sign, verify
 from ryusen._internal.wire import MAX_VALUE_DEPTH, TaskRequest, TaskResponse, json_value_problem
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
@@ -136,7 +136,7 @@ def test_an_endpoint_answer_with_a_value_too_deep_to_store_is_no_answer() -> Non
     def wf(data: Any, step: Step) -> Any:
         return step.run("s", lambda: 1)
 
-    env = WorkflowEnvironment(app)
+    env = WorkflowEnvironment(app, signing=False)  # the answer is rewritten below
     endpoint = env.invoker.apps["inproc://deep"]
 
     def deep_answer(method: str, headers: dict[str, str], body: bytes) -> Any:
@@ -176,15 +176,22 @@ def test_the_sdk_refuses_results_and_outputs_the_server_could_not_store() -> Non
 
 @pytest.mark.parametrize(
     "header",
-    ["t=1,v1=é", "t=١٢٣,v1=" + "0" * 64, "t=" + "9" * 5000 + ",v1=" + "0" * 64, "t=1,v1=" + "0" * 5000, "t=1,v1=ABC"],
+    [
+        "v2,k=é,t=1,n=" + "0" * 32 + ",s=" + "0" * 64,
+        "v2,k=" + "0" * 16 + ",t=١٢٣,n=" + "0" * 32 + ",s=" + "0" * 64,
+        "v2,k=" + "0" * 16 + ",t=" + "9" * 5000 + ",n=" + "0" * 32 + ",s=" + "0" * 64,
+        "v2,k=" + "0" * 16 + ",t=1,n=" + "0" * 32 + ",s=" + "0" * 5000,
+        "v2,k=" + "0" * 16 + ",t=1,n=" + "0" * 32 + ",s=ABC",
+        "v2,k=" + "0" * 16 + ",t=1,n=0,s=" + "0" * 64,
+    ],
 )
 def test_a_malformed_signature_header_is_refused_not_a_crash(header: str) -> None:
     with pytest.raises(SignatureError, match="malformed"):
-        verify("key", b"{}", header, now=1.0)
+        verify(["key"], Scope("request", "POST", "/", "signed"), b"{}", header, now=1.0)
     app = Ryusen("signed", signing_key="k" * 32)
     response = app.handle("POST", {SIGNATURE_HEADER: header}, b"{}")
     assert response.status == 401 and json.loads(response.body)["error"]["code"] == "invalid_signature"
-    assert sign("key", b"{}", now=1.0).split("v1=")[1].islower()
+    assert sign("key", Scope("request", "POST", "/", "s"), b"{}", now=1.0, nonce="0" * 32).split("s=")[1].islower()
 
 
 class _Unreadable(io.RawIOBase):

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,6 +33,8 @@ from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
 from ryusen_server.runtime import fire_due, handle_message
 from ryusen_server.urls import EndpointPolicy
 from ryusen_server.wiring import fetch_manifest
+
+MASTER = "continuation-tests-master-key"
 
 CHAINING = pytest.mark.parametrize("chain_steps", [False, True], ids=["one task per message", "chained"])
 
@@ -133,7 +136,9 @@ def test_a_release_synced_while_a_callback_runs_decides_what_comes_next(chain_st
 class HttpEngine:
     """The engine on its in-memory store and queue, on wall time, calling an app served over real HTTP."""
 
-    def __init__(self, app: Any, *, settings: EngineSettings, chain: bool = True) -> None:
+    def __init__(
+        self, app: Any, *, settings: EngineSettings, chain: bool = True, master_key: str | None = MASTER
+    ) -> None:
         self.server = make_server("127.0.0.1", 0, app, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}/"
@@ -147,12 +152,14 @@ class HttpEngine:
             queue=self.queue,
             timers=self.timers,
             invoker=HttpInvoker(),
-            settings=ServerSettings(engine=settings, chain=chain),
+            settings=ServerSettings(engine=settings, chain=chain, master_key=master_key),
             clock=clock,
         )
 
     def sync(self, app_id: str) -> None:
-        manifest, features = fetch_manifest(self.url, policy=EndpointPolicy.local())
+        manifest, features = fetch_manifest(
+            self.url, app_id=app_id, policy=EndpointPolicy.local(), keys=self.engine.app_keys
+        )
         self.engine.sync_release(app_id, self.url, manifest, features)
 
     def drive(self, run_id: str, seconds: float) -> dict[str, Any]:
@@ -173,7 +180,7 @@ class HttpEngine:
 
 @pytest.fixture
 def slow_after_charge() -> tuple[Ryusen, Counter[str]]:
-    app = Ryusen("slow")
+    app = Ryusen("slow", master_key=MASTER)
     calls: Counter[str] = Counter()
 
     @app.function("pay")
@@ -225,7 +232,7 @@ PROTOCOL_1_REQUEST_FIELDS = {
 def test_an_app_on_an_sdk_without_continuation_still_runs_with_chaining_on() -> None:
     """Its manifest announces no features: the server never sends it ``continue_after`` (which its wire
     models would refuse), and chains through separate discovery passes instead."""
-    app = Ryusen("legacy")
+    app = Ryusen("legacy", insecure=True)  # an SDK without signing_v2 is served only by an unkeyed server
     calls: Counter[str] = Counter()
 
     @app.function("two")
@@ -256,7 +263,7 @@ def test_an_app_on_an_sdk_without_continuation_still_runs_with_chaining_on() -> 
 
         return handler(environ, without_features)
 
-    http = HttpEngine(previous_sdk, settings=EngineSettings())
+    http = HttpEngine(previous_sdk, settings=EngineSettings(), master_key=None)
     try:
         http.sync("legacy")
         assert http.store.get_release("two") is not None and http.store.get_release("two").features == frozenset()  # type: ignore[union-attr]
@@ -288,7 +295,7 @@ def test_a_response_without_a_continuation_has_only_protocol_1_fields() -> None:
         return response
 
     env.invoker.apps["inproc://plain"] = recording
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, chain=False)
+    env.engine.settings = replace(env.engine.settings, chain=False)
     assert env.run("one").outcome == "completed"
     forward = [b["response"] for b in bodies if b["kind"] is TaskKind.FORWARD]
     assert forward and all(set(r) == {"protocol", "kind", "run_id", "attempt", "discovery"} for r in forward)
@@ -326,7 +333,7 @@ def test_a_chain_hands_over_to_the_queue_after_its_window_so_other_runs_get_a_di
         return [step.run(f"s{i}", lambda i=i: i) for i in range(3)]
 
     env = WorkflowEnvironment(app)
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, chain_window_s=0.0)
+    env.engine.settings = replace(env.engine.settings, chain_window_s=0.0)
     received: list[str] = []
     receive = env.queue.receive
 

@@ -251,7 +251,7 @@ def test_a_release_synced_while_the_blocking_pass_is_in_flight_still_wakes_the_r
         if not synced and ("charge" in request.memo or request.step_id == "charge"):
             synced.append(True)
             env.sync(new)  # the fix lands now; the run is not blocked yet, so the sync wakes nothing
-        return old.handle(method, headers, body)
+        return env.endpoint(old)(method, headers, body)
 
     env.invoker.apps["inproc://billing"] = old_code_answering_while_the_fix_is_synced
     run_id = env.start("invoice")

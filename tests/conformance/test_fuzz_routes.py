@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import time
 from collections import Counter
 from typing import Any
 
@@ -21,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ryusen import Ryusen, Step
-from ryusen._internal.signing import SIGNATURE_HEADER
+from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign
+from ryusen._internal.wire import TaskRequest, task_scope
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
 from tests.conformance.test_security_and_bad_input import rest_event
@@ -168,7 +171,18 @@ outcomes: Counter[str] = Counter()
     query=st.dictionaries(
         st.sampled_from(["limit", "cursor", "phase", "outcome", "function_id", "x"]), st.text(max_size=20), max_size=3
     ),
-    signature=st.one_of(st.none(), st.text(max_size=80), st.just("t=1,v1=" + "0" * 64)),
+    signature=st.one_of(
+        st.none(),
+        st.text(max_size=80),
+        st.just("t=1,v1=" + "0" * 64),
+        st.builds(
+            lambda k, t, n, d: f"v2,k={k},t={t},n={n},s={d}",
+            st.text("0123456789abcdef", min_size=16, max_size=16),
+            st.integers(min_value=0, max_value=10**12),
+            st.text("0123456789abcdef", min_size=32, max_size=32),
+            st.text("0123456789abcdef", min_size=64, max_size=64),
+        ),
+    ),
 )
 def test_no_route_answers_5xx_and_a_refused_request_changes_nothing(
     server: tuple[WorkflowEnvironment, Any, Ryusen],
@@ -207,7 +221,18 @@ def test_the_fuzz_reached_the_routes_and_some_requests_were_accepted() -> None:
 @given(
     method=st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
     body=st.one_of(st.binary(max_size=200), raw_json().map(str.encode), st.just(b"")),
-    signature=st.one_of(st.none(), st.text(max_size=80), st.just("t=1,v1=" + "0" * 64)),
+    signature=st.one_of(
+        st.none(),
+        st.text(max_size=80),
+        st.just("t=1,v1=" + "0" * 64),
+        st.builds(
+            lambda k, t, n, d: f"v2,k={k},t={t},n={n},s={d}",
+            st.text("0123456789abcdef", min_size=16, max_size=16),
+            st.integers(min_value=0, max_value=10**12),
+            st.text("0123456789abcdef", min_size=32, max_size=32),
+            st.text("0123456789abcdef", min_size=64, max_size=64),
+        ),
+    ),
 )
 def test_a_keyed_endpoint_refuses_every_forged_task_and_never_fails(
     method: str, body: bytes, signature: str | None
@@ -224,3 +249,123 @@ def test_a_keyed_endpoint_refuses_every_forged_task_and_never_fails(
     assert response.status < 500, response.body[:300]
     if method == "POST":
         assert response.status == 401 and ran == [], response.body[:300]
+
+
+# ---- genuine messages, then moved: every copy and every re-targeted or cross-app one is refused --------------
+
+MASTER = "fuzz-master-key-0123456789abcdef0123"
+MUTATIONS = (
+    "replayed",
+    "replayed later",
+    "another path",
+    "another app",
+    "another app holding this app's key",
+    "another run",
+    "another step",
+    "another phase",
+    "another generation",
+    "signed by the master",
+    "signed by another app's key",
+    "an answer's signature",
+    "body changed",
+    "header changed",
+    "stale",
+)
+moved: Counter[str] = Counter()
+
+
+def attempt_request(run_id: str, step_id: str, phase: str, generation: int) -> TaskRequest:
+    return TaskRequest.model_validate(
+        {
+            "kind": "forward" if phase == "forward" else "compensate",
+            "run_id": run_id,
+            "function_id": "wf",
+            "step_id": step_id,
+            "operation": {"id": f"op-{generation}", "phase": phase, "generation": generation},
+        }
+    )
+
+
+@FUZZ
+@given(
+    run_id=st.text(min_size=1, max_size=12),
+    step_id=st.sampled_from(["charge", "ship"]),
+    phase=st.sampled_from(["forward", "compensation"]),
+    generation=st.integers(min_value=1, max_value=50),
+    path=st.sampled_from(["/", "/ryusen", "/api/tasks"]),
+    mutation=st.sampled_from(MUTATIONS),
+)
+def test_a_signed_request_moved_anywhere_else_runs_nothing(
+    run_id: str, step_id: str, phase: str, generation: int, path: str, mutation: str
+) -> None:
+    """The engine's genuine request runs once; a copy of it, or it moved to another path, app, attempt or
+    direction, or signed by any key but this app's, is refused and runs nothing."""
+    ran: list[str] = []
+
+    def app_named(app_id: str, **keys: Any) -> Ryusen:
+        app = Ryusen(app_id, **(keys or {"master_key": MASTER}))
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            return step.run(step_id, lambda: ran.append(app_id) or "done", compensate=lambda r: ran.append("undo"))
+
+        return app
+
+    shop = app_named("shop")
+    request = attempt_request(run_id, step_id, phase, generation)
+    body = request.model_dump_json().encode()
+    key = app_key(MASTER, "shop")
+    now = time.time()
+    header = sign(key, task_scope(request, path=path, app_id="shop"), body, now=now, nonce=secrets.token_hex(16))
+    genuine = shop.handle("POST", {SIGNATURE_HEADER: header}, body, path=path)
+    assert genuine.status == 200 and ran, genuine.body[:300]
+    ran.clear()
+    target, sent_path, sent_body, sent_header = shop, path, body, header
+    other = attempt_request(run_id, step_id, phase, generation)
+    if mutation == "replayed":
+        pass
+    elif mutation == "replayed later":
+        shop.clock = lambda: now + 250  # inside the skew window
+    elif mutation == "another path":
+        sent_path = path + "x"
+    elif mutation == "another app":
+        target = app_named("billing")
+    elif mutation == "another app holding this app's key":
+        target = app_named("billing", signing_key=key)
+    elif mutation in ("another run", "another step", "another phase", "another generation"):
+        field = mutation.removeprefix("another ")
+        operation = other.operation
+        assert operation is not None
+        if field == "run":
+            other = other.model_copy(update={"run_id": run_id + "x"})
+        elif field == "step":
+            other = other.model_copy(update={"step_id": "ship" if step_id == "charge" else "charge"})
+        elif field == "phase":
+            flipped = "forward" if phase == "compensation" else "compensation"
+            other = attempt_request(run_id, step_id, flipped, generation)
+        else:
+            other = attempt_request(run_id, step_id, phase, generation + 1)
+        sent_body = other.model_dump_json().encode()  # under the genuine request's signature
+    elif mutation in ("signed by the master", "signed by another app's key", "an answer's signature"):
+        scope = task_scope(request, path=path, app_id="shop")
+        signer = {"signed by the master": MASTER, "signed by another app's key": app_key(MASTER, "billing")}
+        if mutation == "an answer's signature":
+            sent_header = sign(key, scope.answer(), body, now=now, nonce=secrets.token_hex(16))
+        else:
+            sent_header = sign(signer[mutation], scope, body, now=now, nonce=secrets.token_hex(16))
+    elif mutation == "body changed":
+        sent_body = body.replace(b"}", b" }", 1)
+    elif mutation == "header changed":
+        digest = header.rsplit("s=", 1)[1]
+        sent_header = header[: -len(digest)] + ("0" if digest[0] != "0" else "1") + digest[1:]
+    elif mutation == "stale":
+        target = app_named("shop")
+        sent_header = sign(key, task_scope(request, path=path, app_id="shop"), body, now=now - 301, nonce="1" * 32)
+    refused = target.handle("POST", {SIGNATURE_HEADER: sent_header}, sent_body, path=sent_path)
+    assert refused.status == 401 and ran == [], (mutation, refused.status, refused.body[:300])
+    moved[mutation] += 1
+
+
+def test_every_kind_of_moved_message_was_tried() -> None:
+    """The run above counts only if it tried each way of moving a message (and all of them were refused)."""
+    assert set(moved) == set(MUTATIONS), moved

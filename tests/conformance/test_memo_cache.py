@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from ryusen._internal.app import HandlerResponse
 from ryusen._internal.memo_cache import MemoCache
 from ryusen._internal.wire import MemoBase, MemoEntry, TaskKind, TaskRequest, TaskResponse
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.engine import SentMemos, ServerSettings
+from ryusen_server.engine import SentMemos
 
 RESULT_BYTES = 100_000
 KEY = "memo-cache-test-key-0123456789abcdef"
@@ -111,9 +112,9 @@ def test_an_endpoint_without_the_memo_runs_nothing_and_gets_the_whole_memo(how: 
             if how == "restarted":
                 app.memo_cache.clear()
             else:
-                env.invoker.apps["inproc://big"] = fresh.handle  # the recording wrapper sees only the old one
+                env.invoker.apps["inproc://big"] = env.endpoint(fresh)  # the recording wrapper sees only the old one
                 seen.append((TaskRequest.model_validate_json(body), _memo_miss_of(fresh, headers, body), len(body)))
-                return fresh.handle(method, headers, body)
+                return env.endpoint(fresh)(method, headers, body)
         return inner(method, headers, body)
 
     losing_memos.done = False  # type: ignore[attr-defined]
@@ -143,7 +144,7 @@ def _memo_miss_of(app: Ryusen, headers: dict[str, str], body: bytes) -> TaskResp
 def test_an_sdk_that_did_not_announce_the_memo_cache_gets_the_whole_memo_every_time() -> None:
     calls: Counter[str] = Counter()
     app = big_results_app(calls, steps=3)
-    env = WorkflowEnvironment(app)
+    env = WorkflowEnvironment(app, signing=False)  # an SDK that predates the memo cache predates signing v2
     env.engine.sync_release(app.app_id, "inproc://big", app.manifest(), frozenset({"continuation"}))
     bodies: list[dict[str, Any]] = []
     endpoint = env.invoker.apps["inproc://big"]
@@ -244,14 +245,14 @@ def test_a_memo_miss_is_believed_only_when_signed() -> None:
     treated as any unsigned answer is: the attempt's outcome is not known. The engine does not send the
     task again, so nothing can make it run an effect twice."""
     calls: Counter[str] = Counter()
-    app = Ryusen("signed", signing_key=KEY)
+    app = Ryusen("signed", master_key=KEY)
 
     @app.function("one")
     def one(data: Any, step: Step) -> Any:
         return [step.run(n, lambda n=n: calls.update([n]) or n) for n in ("a", "b")]
 
     env = WorkflowEnvironment(app)
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+    env.engine.settings = replace(env.engine.settings, master_key=KEY)
     endpoint = env.invoker.apps["inproc://signed"]
     forged: list[TaskRequest] = []
     sent: list[TaskRequest] = []
@@ -314,7 +315,7 @@ def test_a_signed_memo_miss_answers_only_the_request_that_named_its_memo() -> No
     request, after that request had reached the endpoint and run its callback: the engine sent the task
     again and the charge ran twice. A miss names the memo it lacks; any other is no answer at all."""
     calls: Counter[str] = Counter()
-    app = Ryusen("signed", signing_key=KEY)
+    app = Ryusen("signed", master_key=KEY)
 
     @app.function("one")
     def one(data: Any, step: Step) -> Any:
@@ -322,7 +323,7 @@ def test_a_signed_memo_miss_answers_only_the_request_that_named_its_memo() -> No
         return step.run("charge", lambda: calls.update(["charge"]) or 2)
 
     env = WorkflowEnvironment(app)
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+    env.engine.settings = replace(env.engine.settings, master_key=KEY)
     endpoint = env.invoker.apps["inproc://signed"]
     captured: list[HandlerResponse] = []
 

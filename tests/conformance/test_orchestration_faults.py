@@ -226,7 +226,7 @@ class Harness:
         def handle(method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
             request = TaskRequest.model_validate_json(body)
             self.current_pass = request.kind.value
-            response = app.handle(method, headers, body)
+            response = env.endpoint(app)(method, headers, body)
             if request.kind is TaskKind.COMPENSATE and response.status == 200:
                 outcome = TaskResponse.model_validate_json(response.body).attempt
                 if outcome is not None and outcome.type == "target_not_found":

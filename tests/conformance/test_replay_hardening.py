@@ -387,7 +387,7 @@ def test_target_not_found_again_and_again_backs_off() -> None:
     old, new = build("v1"), build("v2")
     env = WorkflowEnvironment(old)
     turn = itertools.cycle([old, new])  # an endpoint alternating between two revisions during a rollout
-    env.invoker.apps["inproc://shop"] = lambda m, h, b: next(turn).handle(m, h, b)
+    env.invoker.apps["inproc://shop"] = lambda m, h, b: env.endpoint(next(turn))(m, h, b)
     # each task to the next revision: without the memo cache, whose misses take a second request
     env.engine.sent_memos.capacity = 0
     env.start("pay")
@@ -593,7 +593,7 @@ def test_steps_gathered_inside_a_callback_are_refused_not_hung() -> None:
 
 @pytest.mark.rfd("F10")
 def test_a_sync_workflow_served_by_asgi_runs_off_the_event_loop() -> None:
-    app = Ryusen("asgi-sync")
+    app = Ryusen("asgi-sync", insecure=True)  # called directly, unsigned
 
     def fetch_rate() -> float:
         async def call() -> float:

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ryusen import Ryusen, Step
-from ryusen._internal.signing import SIGNATURE_HEADER, sign
-from ryusen._internal.wire import TaskKind, TaskRequest
+from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign
+from ryusen._internal.wire import LateResult, TaskKind, TaskRequest, late_result_scope, task_scope
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
-from ryusen_server.engine import ServerSettings, SignatureRejectedError
+from ryusen_server.engine import SignatureRejectedError
 
-KEY = "k" * 32
+MASTER = "k" * 32
+KEY = app_key(MASTER, "secure")
 EVENTS = Path(__file__).resolve().parents[2] / "events"
 
 
@@ -35,14 +38,21 @@ def discover_body() -> bytes:
     return TaskRequest(kind=TaskKind.DISCOVER, run_id="r1", function_id="wf", input=None).model_dump_json().encode()
 
 
+def signed(key: str, body: bytes, *, now: float) -> str:
+    """The header the engine sends ``body`` to app ``secure``'s endpoint at ``/`` with."""
+    scope = task_scope(TaskRequest.model_validate_json(body), path="/", app_id="secure")
+    return sign(key, scope, body, now=now, nonce=secrets.token_hex(16))
+
+
 @pytest.mark.rfd("O2")
 @pytest.mark.parametrize(
     "headers",
     [
         pytest.param({}, id="unsigned"),
         pytest.param({SIGNATURE_HEADER: "t=1,v1=deadbeef"}, id="garbage"),
-        pytest.param({SIGNATURE_HEADER: sign("other-key", discover_body(), now=time.time())}, id="wrong-key"),
-        pytest.param({SIGNATURE_HEADER: sign(KEY, discover_body(), now=time.time() - 600)}, id="stale"),
+        pytest.param({SIGNATURE_HEADER: signed("other-key", discover_body(), now=time.time())}, id="wrong-key"),
+        pytest.param({SIGNATURE_HEADER: signed(MASTER, discover_body(), now=time.time())}, id="the-master"),
+        pytest.param({SIGNATURE_HEADER: signed(KEY, discover_body(), now=time.time() - 600)}, id="stale"),
     ],
 )
 def test_sdk_refuses_unsigned_tampered_or_stale_requests(headers: dict[str, str]) -> None:
@@ -58,18 +68,18 @@ def test_sdk_refuses_unsigned_tampered_or_stale_requests(headers: dict[str, str]
 def test_sdk_refuses_a_tampered_body() -> None:
     ran: list[str] = []
     app = signed_app(ran)
-    header = sign(KEY, discover_body(), now=time.time())
+    header = signed(KEY, discover_body(), now=time.time())
     tampered = discover_body().replace(b'"r1"', b'"r2"')
     assert app.handle("POST", {SIGNATURE_HEADER: header}, tampered).status == 401
     assert ran == []
     ok = app.handle("POST", {SIGNATURE_HEADER: header}, discover_body())
     assert ok.status == 200 and ran == ["function body"]
-    assert ok.headers[SIGNATURE_HEADER].startswith("t=")  # responses are signed too
+    assert ok.headers[SIGNATURE_HEADER].startswith("v2,k=")  # responses are signed too
 
 
 def signed_env(app: Ryusen) -> WorkflowEnvironment:
     env = WorkflowEnvironment()
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+    env.engine.settings = replace(env.engine.settings, master_key=MASTER)
     env.sync(app)
     return env
 
@@ -124,8 +134,10 @@ def test_server_rejects_a_forged_late_result() -> None:
         }
     ).encode()
     version = env.engine.get_run(run_id).version
+    scope = late_result_scope(LateResult.model_validate_json(body), path="/v1/results", app_id="secure")
+    forged = sign("wrong", scope, body, now=time.time(), nonce=secrets.token_hex(16))
     with pytest.raises(SignatureRejectedError):
-        env.engine.submit_late_result(body, {SIGNATURE_HEADER: sign("wrong", body, now=time.time())})
+        env.engine.submit_late_result(body, {SIGNATURE_HEADER: forged})
     with pytest.raises(SignatureRejectedError):
         env.engine.submit_late_result(body, {})
     assert env.engine.get_run(run_id).version == version

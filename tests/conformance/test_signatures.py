@@ -1,51 +1,87 @@
-"""Signed answers bound to their requests, and captured requests refused when played back (issue 11,
-findings 5 and 6; part of decision 21).
+"""Signatures as decisions 21 says (issue 11, findings 5 to 8 and 10's key rotation).
 
-The review relayed run 1's signed response to run 2's request, and run 2 completed with run 1's result; and
-it replayed a captured task request within the 300 s window, which ran the callback again, three times.
-An SDK that announces ``bound_responses`` now signs every answer for the request it answers (the request's
-signature is part of what it signs), and refuses a signed request it has already received.
+The review relayed run 1's signed response to run 2's request, and run 2 completed with run 1's result; it
+replayed a captured task request within the 300 s window, which ran the callback again; a request signed for
+one app was accepted by another, and any key holder could forge late results for any run; an SDK with no
+key ran any POST; and one key only meant a rotation turned attempts in flight Unknown.
+
+Each app now has its own key (derived from the deployment's master), named by a key id, several valid at
+once; the signed string names the direction, method, path, app, run, step, phase and generation, the
+timestamp, a nonce and the body's digest; an answer is signed for its request; an endpoint refuses what it
+has received before; and an endpoint or server with no key refuses to run outside insecure local mode.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ryusen import Ryusen, Step
 from ryusen._internal.app import HandlerResponse
 from ryusen._internal.signing import (
-    ANSWER_BINDING_HEADER,
     SIGNATURE_HEADER,
+    Scope,
     SignatureError,
-    request_binding,
+    app_key,
+    key_id,
+    parse,
     sign,
     verify,
 )
-from ryusen._internal.wire import FEATURES_HEADER, TaskRequest
+from ryusen._internal.wire import LateResult, TaskRequest, late_result_scope, task_scope
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.engine import ServerSettings
+from ryusen_server.engine import SignatureRejectedError
 
-KEY = "signatures-test-key-0123456789abcdef"
+MASTER = "signatures-test-master-0123456789abcdef"
+NEW_MASTER = "signatures-test-master-rotated-fedcba98"
+NONCE = "0" * 32
 
 
-def signed_env(app: Ryusen) -> WorkflowEnvironment:
-    env = WorkflowEnvironment(app)
-    env.engine.settings = ServerSettings(engine=env.engine.settings.engine, signing_key=KEY)
+def signed_env(*apps: Ryusen, master: str = MASTER) -> WorkflowEnvironment:
+    env = WorkflowEnvironment()
+    env.engine.settings = replace(env.engine.settings, master_key=master)
+    for app in apps:
+        env.sync(app)
     return env
 
 
-def charging_app(calls: Counter[str]) -> Ryusen:
-    app = Ryusen("bound", signing_key=KEY)
+def charging_app(calls: Counter[str], app_id: str = "bound", **keys: Any) -> Ryusen:
+    app = Ryusen(app_id, **(keys or {"master_key": MASTER}))
 
-    @app.function("pay")
+    @app.function(f"pay-{app_id}" if app_id != "bound" else "pay")
     def pay(data: Any, step: Step) -> Any:
         return step.run("charge", lambda: calls.update([f"charge-{data}"]) or f"receipt-{data}")
 
     return app
+
+
+def capturing(env: WorkflowEnvironment, url: str) -> list[tuple[dict[str, str], bytes]]:
+    """Keep every charge request (headers, body) to ``url``, as someone on the path would."""
+    endpoint = env.invoker.apps[url]
+    captured: list[tuple[dict[str, str], bytes]] = []
+
+    def keep(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).step_id == "charge":
+            captured.append((dict(headers), body))
+        return endpoint(method, headers, body)
+
+    env.invoker.apps[url] = keep
+    return captured
+
+
+def error_code(response: HandlerResponse) -> str:
+    return str(json.loads(response.body)["error"]["code"])
+
+
+# ---- answers are bound to their requests (finding 5) ------------------------------------------------------
 
 
 def test_an_answer_to_one_request_is_not_accepted_as_the_answer_to_another() -> None:
@@ -66,106 +102,99 @@ def test_an_answer_to_one_request_is_not_accepted_as_the_answer_to_another() -> 
         return response
 
     env.invoker.apps["inproc://bound"] = relay
-    first = env.run("pay", 1)
-    assert first.output == "receipt-1"
+    assert env.run("pay", 1).output == "receipt-1"
     run_id = env.start("pay", 2)
     env.drive()
     run = env.get(run_id)
     assert run.output != "receipt-1" and run.step("charge")["attempts"][0]["status"] == "unknown"
-    assert run.step("charge")["attempts"][0]["detail"] == "HTTP 200: signature does not match the body"
+    assert (
+        run.step("charge")["attempts"][0]["detail"] == "HTTP 200: the answer is not signed for the request it answers"
+    )
     assert calls == Counter({"charge-1": 1, "charge-2": 1})
 
 
-def capturing_charges(app: Ryusen) -> tuple[WorkflowEnvironment, list[tuple[dict[str, str], bytes]]]:
-    """A signed environment whose every charge request (headers, body) is kept, as someone on the path would."""
-    env = signed_env(app)
-    endpoint = env.invoker.apps["inproc://bound"]
-    captured: list[tuple[dict[str, str], bytes]] = []
+@pytest.mark.parametrize("field", ["direction", "method", "path", "app_id", "run_id", "step_id", "phase", "generation"])
+def test_a_signature_holds_only_for_the_scope_it_was_made_for(field: str) -> None:
+    """Each part of the scope is signed: a signature moved to another direction, route, app or attempt fails."""
+    scope = Scope("request", "POST", "/tasks", "shop", "run_1", "charge", "forward", "1")
+    header = sign("k", scope, b"{}", now=100.0, nonce=NONCE)
+    verify(["k"], scope, b"{}", header, now=100.0)
+    other = {"direction": "response", "method": "GET"}.get(field, "other")
+    with pytest.raises(SignatureError, match="does not match"):
+        verify(["k"], replace(scope, **{field: other}), b"{}", header, now=100.0)
 
-    def capturing(method: str, headers: dict[str, str], body: bytes) -> Any:
-        if TaskRequest.model_validate_json(body).step_id == "charge":
-            captured.append((dict(headers), body))
-        return endpoint(method, headers, body)
 
-    env.invoker.apps["inproc://bound"] = capturing
-    return env, captured
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.text(max_size=12), min_size=9, max_size=9),
+    st.lists(st.text(max_size=12), min_size=9, max_size=9),
+)
+def test_two_different_scopes_never_share_a_signed_string(a: list[str], b: list[str]) -> None:
+    """The fields are encoded unambiguously: no two scopes (whatever characters they hold) sign alike."""
+    scope_a = Scope("request", *a[:8])  # type: ignore[arg-type]
+    scope_b = Scope("request", *b[:8])  # type: ignore[arg-type]
+    header = sign("k", scope_a, b"", now=1.0, nonce=NONCE)
+    if scope_a == scope_b:
+        verify(["k"], scope_b, b"", header, now=1.0)
+    else:
+        with pytest.raises(SignatureError):
+            verify(["k"], scope_b, b"", header, now=1.0)
+
+
+def test_an_answer_verifies_only_with_its_requests_digest_and_nonce() -> None:
+    scope = Scope("request", "POST", "/", "shop", "r", "s", "forward", "1")
+    request = parse(sign("k", scope, b"{}", now=100.0, nonce="1" * 32))
+    answer = sign("k", scope.answer(), b'{"ok":1}', now=100.0, nonce=request.nonce, answers=request.digest)
+    verify(["k"], scope.answer(), b'{"ok":1}', answer, now=100.0, answers=request.digest, nonce=request.nonce)
+    with pytest.raises(SignatureError, match="does not match"):  # not a request: the direction is signed
+        verify(["k"], scope, b'{"ok":1}', answer, now=100.0)
+    other = parse(sign("k", scope, b"{ }", now=100.0, nonce="1" * 32))
+    with pytest.raises(SignatureError, match="does not match"):
+        verify(["k"], scope.answer(), b'{"ok":1}', answer, now=100.0, answers=other.digest, nonce=request.nonce)
+
+
+# ---- replays (finding 6) ----------------------------------------------------------------------------------
 
 
 def test_a_captured_request_played_back_runs_nothing() -> None:
     calls: Counter[str] = Counter()
     app = charging_app(calls)
-    env, captured = capturing_charges(app)
+    env = signed_env(app)
+    captured = capturing(env, "inproc://bound")
     assert env.run("pay", 7).output == "receipt-7" and calls == Counter({"charge-7": 1})
     headers, body = captured[0]
     for _ in range(3):
-        replayed = app.handle("POST", headers, body)
-        assert replayed.status == 401 and json.loads(replayed.body)["error"]["code"] == "replayed_request"
+        replayed = env.endpoint(app)("POST", headers, body)
+        assert replayed.status == 401 and error_code(replayed) == "replayed_request"
     assert calls == Counter({"charge-7": 1})
-
-
-def test_the_signed_string_of_an_answer_names_its_request() -> None:
-    request = sign(KEY, b"{}", now=100.0)
-    answer = sign(KEY, b'{"ok": 1}', now=100.0, answers=request)
-    verify(KEY, b'{"ok": 1}', answer, now=100.0, answers=request, bound=True)
-    other = sign(KEY, b"{ }", now=100.0)
-    with pytest.raises(SignatureError, match="does not match"):
-        verify(KEY, b'{"ok": 1}', answer, now=100.0, answers=other, bound=True)
-    with pytest.raises(SignatureError, match="not signed for the request"):
-        verify(KEY, b'{"ok": 1}', sign(KEY, b'{"ok": 1}', now=100.0), now=100.0, answers=request, bound=True)
-    with pytest.raises(SignatureError, match="not a request's"):  # an answer's signature cannot sign a request
-        verify(KEY, b'{"ok": 1}', answer, now=100.0)
-
-
-def test_an_sdk_that_does_not_bind_its_answers_still_works_unbound() -> None:
-    """An app on an SDK that predates ``bound_responses`` signs its answers as before; the server accepts
-    them from it (and only from it: a release whose SDK announced the feature must bind every answer)."""
-    calls: Counter[str] = Counter()
-    app = charging_app(calls)
-    env = signed_env(app)
-    env.engine.sync_release(app.app_id, "inproc://bound", app.manifest(), frozenset({"continuation"}))
-    endpoint = env.invoker.apps["inproc://bound"]
-
-    def unbound(method: str, headers: dict[str, str], body: bytes) -> Any:
-        response = endpoint(method, headers, body)
-        resigned = {**response.headers, SIGNATURE_HEADER: sign(KEY, response.body, now=app.clock())}
-        return HandlerResponse(response.status, resigned, response.body)
-
-    env.invoker.apps["inproc://bound"] = unbound
-    assert env.run("pay", 3).output == "receipt-3"
-    manifest = app.handle("GET", {}, b"")
-    assert "bound_responses" in manifest.headers[FEATURES_HEADER]
 
 
 @pytest.mark.parametrize(
     "respell",
     [
-        lambda h: h + ",a=0",
-        lambda h: h + ",x",
         lambda h: h + ",",
-        lambda h: "junk," + h,
+        lambda h: h.replace("v2,", "v2,,"),
+        lambda h: h.upper(),
         lambda h: ",".join(reversed(h.split(","))),
-        lambda h: h.split(",")[0] + "," + h,
+        lambda h: h.replace("k=", "k= "),
     ],
 )
 def test_a_played_back_request_is_refused_however_its_header_is_spelt(respell: Any) -> None:
-    """A review replayed a capture with ``,a=0`` or a trailing comma added, or its parts swapped: the replay
-    set remembered the header's text, so each spelling ran the charge again (1 call became 8)."""
     calls: Counter[str] = Counter()
     app = charging_app(calls)
-    env, captured = capturing_charges(app)
+    env = signed_env(app)
+    captured = capturing(env, "inproc://bound")
     assert env.run("pay", 7).output == "receipt-7"
     headers, body = captured[0]
-    headers = {**headers, SIGNATURE_HEADER: respell(headers[SIGNATURE_HEADER])}
-    replayed = app.handle("POST", headers, body)
+    replayed = env.endpoint(app)("POST", {**headers, SIGNATURE_HEADER: respell(headers[SIGNATURE_HEADER])}, body)
     assert replayed.status == 401 and calls == Counter({"charge-7": 1})
 
 
 @pytest.mark.parametrize("how", ["again", "another body"])
 def test_a_refusal_the_endpoint_gave_someone_else_does_not_make_the_engine_send_the_task_again(how: str) -> None:
-    """A review relayed the engine's request (the charge ran), dropped the real answer, then got the endpoint
-    to refuse the same signature (sent again, or over another body) and handed that signed refusal to the
-    engine, which took it for "nothing ran" and charged again. A refusal is signed for the body the endpoint
-    received, and "already received" means the outcome is not known."""
+    """The engine's request is relayed first (the charge runs), the real answer dropped, and the endpoint's
+    refusal of the same signature (sent again, or over another body) handed to the engine: "already
+    received" means not known, and a refusal of another body is no answer to this request."""
     calls: Counter[str] = Counter()
     app = charging_app(calls)
     env = signed_env(app)
@@ -187,19 +216,192 @@ def test_a_refusal_the_endpoint_gave_someone_else_does_not_make_the_engine_send_
     assert env.get(run_id).step("charge")["attempts"][0]["status"] == "unknown"
 
 
-def test_an_sdk_binds_its_answer_only_when_the_server_asks() -> None:
-    """A review: a new SDK behind a server that predates binding had every answer refused, because it bound
-    them anyway. It binds only for a request that asks (``X-Ryusen-Answer-Binding``), which such a server
-    does not send; its answers then verify as they always did."""
-    app = charging_app(Counter())
-    body = TaskRequest(kind="discover", run_id="r", function_id="pay", input=1).model_dump_json().encode()
-    old_server = {SIGNATURE_HEADER: sign(KEY, body, now=app.clock())}
-    answer = app.handle("POST", old_server, body)
-    verify(KEY, answer.body, answer.headers[SIGNATURE_HEADER], now=app.clock())  # as a server before binding
-    new_server = {SIGNATURE_HEADER: sign(KEY, body, now=app.clock() + 1), ANSWER_BINDING_HEADER: "1"}
-    bound = app.handle("POST", new_server, body)
-    binding = request_binding(new_server[SIGNATURE_HEADER], body)
-    verify(KEY, bound.body, bound.headers[SIGNATURE_HEADER], now=app.clock(), answers=binding, bound=True)
+def test_two_sends_of_one_request_are_two_messages() -> None:
+    """The engine signs each send with a fresh nonce: a resend it makes itself (the memo it extended was
+    missed) is not taken for a replay."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env(app)
+    app.memo_cache.capacity = 0  # every request that extends a memo is missed, and sent again whole
+    assert env.run("pay", 3).output == "receipt-3" and calls == Counter({"charge-3": 1})
+
+
+# ---- per-app keys, cross-app and re-targeted messages (finding 7) -----------------------------------------
+
+
+def test_a_request_signed_for_one_app_is_refused_by_another() -> None:
+    calls: Counter[str] = Counter()
+    shop, billing = charging_app(calls, "shop"), charging_app(calls, "billing")
+    env = signed_env(shop, billing)
+    captured = capturing(env, "inproc://shop")
+    assert env.run("pay-shop", 1).output == "receipt-1"
+    headers, body = captured[0]
+    refused = env.endpoint(billing)("POST", headers, body.replace(b"pay-shop", b"pay-billing"))
+    assert refused.status == 401 and "does not hold" in json.loads(refused.body)["error"]["message"]
+    # even an app given another app's key (a misconfiguration) refuses it: the app id is signed
+    shared = Ryusen("billing", signing_key=app_key(MASTER, "shop"))
+    shared.function("pay-billing")(lambda data, step: None)
+    refused = shared.handle("POST", headers, body.replace(b"pay-shop", b"pay-billing"))
+    assert refused.status == 401 and "does not match" in json.loads(refused.body)["error"]["message"]
+    assert calls == Counter({"charge-1": 1})
+
+
+def test_a_request_sent_to_another_path_is_refused() -> None:
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env(app)
+    captured = capturing(env, "inproc://bound")
+    env.run("pay", 1)
+    headers, body = captured[0]
+    refused = app.handle("POST", headers, body, path="/admin/tasks")
+    assert refused.status == 401 and calls == Counter({"charge-1": 1})
+
+
+def late_result(run_id: str, generation: int = 1) -> LateResult:
+    return LateResult.model_validate(
+        {
+            "run_id": run_id,
+            "step_id": "charge",
+            "phase": "forward",
+            "generation": generation,
+            "attempt": {"type": "succeeded", "result": "forged"},
+        }
+    )
+
+
+def test_a_late_result_is_accepted_only_from_the_app_whose_run_it_is_about() -> None:
+    """Any key holder could forge late results for any run: now only the run's app's key, for that attempt."""
+    calls: Counter[str] = Counter()
+    shop, billing = charging_app(calls, "shop"), charging_app(calls, "billing")
+    env = signed_env(shop, billing)
+    env.faults.lose_result("charge")
+    run_id = env.start("pay-shop", 1)
+    env.drive()
+    assert env.get(run_id).step("charge")["attempts"][0]["status"] == "unknown"
+    late = late_result(run_id)
+    body = late.model_dump_json().encode()
+
+    def signed(app_id: str, **changes: Any) -> dict[str, str]:
+        scope = replace(late_result_scope(late, path="/v1/results", app_id=app_id), **changes)
+        return {SIGNATURE_HEADER: sign(app_key(MASTER, app_id), scope, body, now=time.time(), nonce=NONCE)}
+
+    for headers in (
+        signed("billing"),  # another app's key, for another app
+        {
+            SIGNATURE_HEADER: sign(
+                app_key(MASTER, "billing"),
+                late_result_scope(late, path="/v1/results", app_id="shop"),
+                body,
+                now=time.time(),
+                nonce=NONCE,
+            )
+        },
+        signed("shop", generation="2"),  # this app's key, another attempt
+        signed("shop", path="/v1/runs"),  # another route
+        signed("shop", direction="response"),  # an answer's signature
+        {},
+    ):
+        with pytest.raises(SignatureRejectedError):
+            env.engine.submit_late_result(body, headers)
+    assert env.get(run_id).step("charge")["attempts"][0]["status"] == "unknown"
+    env.deliver_late_result(run_id, "charge")  # the SDK's own late result, signed by shop's key
+    assert env.wait(run_id).output == "receipt-1"
+
+
+def test_a_task_request_scope_names_its_attempt() -> None:
+    request = TaskRequest.model_validate(
+        {
+            "kind": "forward",
+            "run_id": "r",
+            "function_id": "f",
+            "step_id": "charge",
+            "operation": {"id": "op", "phase": "compensation", "generation": 3},
+        }
+    )
+    scope = task_scope(request, path="/t", app_id="shop")
+    assert (scope.run_id, scope.step_id, scope.phase, scope.generation) == ("r", "charge", "compensation", "3")
+
+
+# ---- several keys: rotation (finding 10) ------------------------------------------------------------------
+
+
+def test_a_rotation_fails_nothing_in_flight() -> None:
+    """The app is given the new key alongside the old one first; then the server signs with the new master
+    while a request signed with the old one is in flight: its answer is signed with the key the request was
+    (named by its key id), which the server still holds, and it is accepted."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls, signing_key=[app_key(NEW_MASTER, "bound"), app_key(MASTER, "bound")])
+    env = signed_env(app, master=MASTER)
+
+    def rotate() -> None:
+        env.engine.settings = replace(env.engine.settings, master_key=f"{NEW_MASTER},{MASTER}")
+
+    env.faults.before_invoke("charge", rotate)
+    run_id = env.start("pay", 1)
+    env.drive()
+    charge = env.get(run_id).step("charge")["attempts"]
+    assert env.get(run_id).output == "receipt-1" and [a["status"] for a in charge] == ["succeeded"]
+    assert env.run("pay", 2).output == "receipt-2"  # signed with the new key from now on
+    assert calls == Counter({"charge-1": 1, "charge-2": 1})
+
+
+def test_a_key_the_other_side_does_not_hold_is_named_in_the_refusal() -> None:
+    scope = Scope("request", "POST", "/", "shop")
+    header = sign("new", scope, b"{}", now=1.0, nonce=NONCE)
+    with pytest.raises(SignatureError, match=key_id("new")):
+        verify(["old"], scope, b"{}", header, now=1.0)
+    verify(["old", "new"], scope, b"{}", header, now=1.0)
+
+
+# ---- no key: fail closed, or an announced insecure local mode (finding 8) ----------------------------------
+
+
+def test_an_endpoint_without_a_key_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RYUSEN_SIGNING_KEY", "RYUSEN_MASTER_KEY", "RYUSEN_INSECURE_LOCAL"):
+        monkeypatch.delenv(name, raising=False)
+    calls: Counter[str] = Counter()
+    app = Ryusen("keyless")
+    app.function("pay")(lambda data, step: step.run("charge", lambda: calls.update(["charge"])))
+    body = TaskRequest(kind="forward", run_id="r", function_id="pay", step_id="charge").model_dump_json().encode()
+    refused = app.handle("POST", {}, body)
+    assert refused.status == 503 and error_code(refused) == "no_signing_key" and calls == Counter()
+    assert app.handle("GET", {}, b"").status == 503  # nor does it offer a manifest a server would sync
+
+
+def test_insecure_local_mode_is_explicit_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("RYUSEN_SIGNING_KEY", "RYUSEN_MASTER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RYUSEN_INSECURE_LOCAL", "1")
+    app = Ryusen("local")
+    app.function("pay")(lambda data, step: "ok")
+    body = TaskRequest(kind="discover", run_id="r", function_id="pay").model_dump_json().encode()
+    with caplog.at_level(logging.WARNING, logger="ryusen"):
+        assert app.handle("POST", {}, body).status == 200
+    assert any("INSECURE" in r.getMessage() for r in caplog.records)
+    manifest = app.handle("GET", {}, b"")
+    assert manifest.status == 200 and json.loads(manifest.body)["signed"] is False
+    assert SIGNATURE_HEADER not in manifest.headers
+
+
+def test_a_keyed_server_sends_nothing_to_a_release_whose_sdk_predates_these_signatures() -> None:
+    """Its SDK would refuse the request, or answer so that it cannot be verified (an Unknown): nothing is sent,
+    the run shows why, and a release on a current SDK repairs it."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env()
+    url = "inproc://bound"
+    env._apps[url] = app
+    env.invoker.apps[url] = env.endpoint(app)
+    env.engine.sync_release("bound", url, app.manifest(), frozenset({"continuation", "memo_cache"}))
+    run_id = env.start("pay", 1)
+    env.drive(horizon=__import__("datetime").timedelta(minutes=5))
+    run = env.get(run_id)
+    assert calls == Counter() and run.outcome is None
+    assert any("predates signing v2" in str(b) for b in run.blockers)
+    env.sync(app)
+    assert env.wait(run_id).output == "receipt-1" and calls == Counter({"charge-1": 1})
 
 
 def test_an_empty_key_secret_is_no_key() -> None:
@@ -214,3 +416,14 @@ def test_an_empty_key_secret_is_no_key() -> None:
         arn = client.create_secret(Name="ryusen/empty", SecretString="  ")["ARN"]
         with pytest.raises(RuntimeError, match="is empty"):
             SecretKey(client, arn).keys()
+
+
+def test_there_is_no_insecure_mode_on_lambda(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RYUSEN_SIGNING_KEY", "RYUSEN_MASTER_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RYUSEN_INSECURE_LOCAL", "1")
+    monkeypatch.setenv("AWS_LAMBDA_FUNCTION_NAME", "shop")
+    app = Ryusen("deployed", insecure=True)
+    app.function("pay")(lambda data, step: "ok")
+    body = TaskRequest(kind="discover", run_id="r", function_id="pay").model_dump_json().encode()
+    assert error_code(app.handle("POST", {}, body)) == "no_signing_key"

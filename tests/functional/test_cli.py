@@ -873,3 +873,16 @@ def view_with_hostile_step(text: str) -> dict[str, Any]:
         "unwind": [],
         "error": {"type": text, "message": text},
     }
+
+
+def test_key_derive_prints_the_apps_own_key_which_the_server_derives_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ryusen._internal.signing import app_key, key_id
+
+    monkeypatch.setenv("RYUSEN_MASTER_KEY", "master-1,master-0")
+    result = CliRunner().invoke(cli.cli, ["key", "derive", "shop"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == app_key("master-1", "shop") != app_key("master-1", "billing")
+    assert key_id(app_key("master-1", "shop")) in result.stderr
+    monkeypatch.delenv("RYUSEN_MASTER_KEY")
+    refused = CliRunner().invoke(cli.cli, ["key", "derive", "shop"])
+    assert refused.exit_code != 0 and "no master key" in refused.output

@@ -22,9 +22,11 @@ from werkzeug.wrappers import Request, Response
 
 from ryusen import Ryusen, Step
 from ryusen._internal.serve import wsgi_app
+from ryusen._internal.wire import FEATURES_HEADER
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
 from ryusen_server.invoker import HttpInvoker
+from ryusen_server.ports import InvalidRequestError
 from ryusen_server.urls import EndpointPolicy, EndpointRefusedError
 from ryusen_server.wiring import fetch_manifest, manifest_fetcher
 from tests.conformance.test_security_and_bad_input import call
@@ -66,7 +68,7 @@ def app_server() -> Iterator[tuple[Ryusen, str]]:
 
 def api(policy: EndpointPolicy, keys: list[str] | None = None) -> tuple[WorkflowEnvironment, Any]:
     env = WorkflowEnvironment(Ryusen("unused"))
-    return env, build_api(env.engine, manifest_fetcher(policy, lambda: keys or []))
+    return env, build_api(env.engine, manifest_fetcher(policy, lambda app_id: keys or []))
 
 
 def sync(resolver: Any, url: str) -> tuple[int, Any]:
@@ -182,7 +184,10 @@ def test_a_server_with_a_key_refuses_an_app_that_does_not_sign_with_it(app_serve
     env, resolver = api(EndpointPolicy.local(), keys=[KEY])
     status, body = sync(resolver, url)
     assert status == 200 and body["signed"] is True
-    assert fetch_manifest(url, policy=EndpointPolicy.local(), keys=lambda: [KEY])[0].app_id == "policy-app"
+    assert (
+        fetch_manifest(url, app_id="policy-app", policy=EndpointPolicy.local(), keys=lambda app_id: [KEY])[0].app_id
+        == "policy-app"
+    )
 
 
 def test_the_dispatcher_does_not_send_a_task_to_an_address_the_policy_refuses() -> None:
@@ -256,3 +261,39 @@ def test_a_manifest_that_drips_in_is_given_up_on_at_the_total_timeout(monkeypatc
         fetch_manifest(f"http://127.0.0.1:{port}/", policy=EndpointPolicy.local())
     assert time.monotonic() - started < 3
     listener.close()
+
+
+def test_a_manifest_holds_only_for_the_app_it_is_synced_as(app_server: tuple[Ryusen, str]) -> None:
+    """Decision 21: the manifest is signed for its app id; the same key does not make it another app's."""
+    _, url = app_server
+    with pytest.raises(InvalidRequestError) as refused:
+        fetch_manifest(url, app_id="other-app", policy=EndpointPolicy.local(), keys=lambda app_id: [KEY])
+    assert refused.value.details["code"] == "unsigned_app"
+
+
+def test_the_features_a_manifest_announces_are_signed_with_it(app_server: tuple[Ryusen, str]) -> None:
+    """Something on the path that rewrites ``X-Ryusen-Features`` (to make the server send an old protocol, or
+    fields the SDK never announced) makes the manifest unverifiable."""
+    app, _ = app_server
+    inner = wsgi_app(app)
+
+    def rewriting(environ: dict[str, Any], start_response: Any) -> Any:
+        def restart(status: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
+            kept = [(k, "continuation" if k.lower() == FEATURES_HEADER.lower() else v) for k, v in headers]
+            return start_response(status, kept, *rest)
+
+        return inner(environ, restart)
+
+    server = make_server("127.0.0.1", 0, rewriting, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(InvalidRequestError) as refused:
+            fetch_manifest(
+                f"http://127.0.0.1:{server.server_port}/",
+                app_id="policy-app",
+                policy=EndpointPolicy.local(),
+                keys=lambda app_id: [KEY],
+            )
+    finally:
+        server.shutdown()
+    assert refused.value.details["code"] == "unsigned_app"

@@ -67,7 +67,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_QUEUE_ARN": arn,
             "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
             "RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8",  # the test app runs on loopback
-            "RYUSEN_SIGNING_KEY": "lambda-tests-signing-key-0123456789abcdef",  # the app reads it too
+            "RYUSEN_MASTER_KEY": "lambda-tests-master-key-0123456789abcdef",  # the app derives its key from it
             "RYUSEN_RESULT_URL": f"{gateway.url}/v1/results",
             "RYUSEN_LEASE_GRACE_S": "1",
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
@@ -164,18 +164,19 @@ def test_the_dispatcher_listens_no_longer_than_its_invocation_has_left_and_the_s
     assert [a["status"] for a in done["steps"][0]["attempts"]] == ["succeeded"]
 
 
-def test_the_signing_key_is_read_from_secrets_manager_and_a_rotation_takes_effect(
+def test_the_master_key_is_read_from_secrets_manager_and_a_rotation_takes_effect(
     aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from ryusen._internal.signing import app_key
     from ryusen_server.wiring import AwsResources, SecretKey, aws_engine
 
     secrets = boto3.client("secretsmanager")
     arn = secrets.create_secret(Name="ryusen/signing-key", SecretString="key-1")["ARN"]
-    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
-    monkeypatch.delenv("RYUSEN_SIGNING_KEY", raising=False)
+    monkeypatch.setenv("RYUSEN_MASTER_KEY_SECRET_ARN", arn)
+    monkeypatch.delenv("RYUSEN_MASTER_KEY", raising=False)
     monkeypatch.setattr(api_lambda, "_resolver", None)
     monkeypatch.setattr(dispatch_lambda, "_engine", None)
-    signed = Ryusen("box", signing_key="key-1")
+    signed = Ryusen("box", signing_key=app_key("key-1", "box"))  # the app holds its own key, not the master
 
     @signed.function("quick")
     def quick(data: dict[str, Any], step: Step) -> Any:
@@ -199,7 +200,7 @@ def test_the_signing_key_is_read_from_secrets_manager_and_a_rotation_takes_effec
     assert key() == "key-1"
     now[0] = 301.0
     assert key() == "key-2"
-    assert aws_engine(AwsResources.from_env()).engine.signing_key() == "key-2"
+    assert aws_engine(AwsResources.from_env()).engine.master_keys() == ["key-2", "key-1"]
 
 
 def test_a_probe_of_a_blocked_run_reports_how_long_it_has_been_blocked(
@@ -220,16 +221,20 @@ def test_a_probe_of_a_blocked_run_reports_how_long_it_has_been_blocked(
 
 
 def test_a_key_rotation_in_flight_makes_nothing_unknown(aws: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dispatcher signs with the new key while the app still holds the old one: the app's signed refusal
-    (and later, its answers) verify with the previous key, so the attempt is sent again, never Unknown."""
+    """The dispatcher signs with the new master while the app still holds the old key: the app's refusal is
+    signed with its key for exactly that request, which the server verifies with the previous master, so
+    the attempt is sent again, never Unknown."""
+    from ryusen._internal.signing import app_key
+
     secrets = boto3.client("secretsmanager")
     arn = secrets.create_secret(Name="ryusen/rotating", SecretString="key-1")["ARN"]
-    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
+    monkeypatch.setenv("RYUSEN_MASTER_KEY_SECRET_ARN", arn)
+    monkeypatch.delenv("RYUSEN_MASTER_KEY", raising=False)
     monkeypatch.setattr(api_lambda, "_resolver", None)
     monkeypatch.setattr(dispatch_lambda, "_engine", None)
-    keys = {"app": "key-1"}
+    keys = {"app": [app_key("key-1", "box")]}
     signed = Ryusen("box")
-    monkeypatch.setattr(type(signed), "signing_key", property(lambda self: keys["app"]))
+    monkeypatch.setattr(type(signed), "signing_keys", property(lambda self: keys["app"]))
     ran: list[str] = []
 
     @signed.function("quick")
@@ -248,7 +253,7 @@ def test_a_key_rotation_in_flight_makes_nothing_unknown(aws: dict[str, str], mon
         view = call(aws, "GET", f"/v1/runs/{run['id']}")
         attempt = view["steps"][0]["attempts"][0]
         assert attempt["status"] == "queued" and view["blockers"] == [] and ran == []  # sent again later
-        keys["app"] = "key-2"  # the app re-reads the secret
+        keys["app"] = [app_key("key-2", "box"), app_key("key-1", "box")]  # the app re-reads its secret
 
         def progress() -> dict[str, Any] | None:
             if messages := receive(aws, wait_s=1):
@@ -269,8 +274,8 @@ def test_a_secret_that_cannot_be_read_leaves_nothing_authorized_and_a_cached_key
 
     secrets = boto3.client("secretsmanager")
     arn = secrets.create_secret(Name="ryusen/flaky", SecretString="key-1")["ARN"]
-    monkeypatch.setenv("RYUSEN_SIGNING_KEY_SECRET_ARN", arn)
-    monkeypatch.delenv("RYUSEN_SIGNING_KEY")  # the engine and the app both read the secret
+    monkeypatch.setenv("RYUSEN_MASTER_KEY_SECRET_ARN", arn)
+    monkeypatch.delenv("RYUSEN_MASTER_KEY")  # the engine and the app both read the secret
     monkeypatch.setattr(dispatch_lambda, "_engine", None)
     call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
     run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
@@ -280,7 +285,7 @@ def test_a_secret_that_cannot_be_read_leaves_nothing_authorized_and_a_cached_key
         raise RuntimeError("ThrottlingException: rate exceeded")
 
     with monkeypatch.context() as down:
-        down.setattr(wired.engine.settings.signing_keys_source.__self__._client, "get_secret_value", outage)  # type: ignore[union-attr]
+        down.setattr(wired.engine.settings.master_keys_source.__self__._client, "get_secret_value", outage)  # type: ignore[union-attr]
         [message] = receive(aws)
         assert dispatch(aws, [message]) == {message["MessageId"]}  # kept: it comes back
     assert call(aws, "GET", f"/v1/runs/{run['id']}")["discovery"]["status"] == "queued"  # nothing authorized
@@ -328,8 +333,8 @@ def test_a_deployed_engine_refuses_to_start_without_a_signing_key(
     """Issue 11 finding 8: a server without a key accepted unsigned late results, with no warning on AWS.
     A deployed engine has no unsigned mode: without its key it does not start, so nothing unsigned is sent
     or accepted, and the message comes back until the deployment is fixed."""
-    monkeypatch.delenv("RYUSEN_SIGNING_KEY")
-    monkeypatch.delenv("RYUSEN_SIGNING_KEY_SECRET_ARN", raising=False)
+    monkeypatch.delenv("RYUSEN_MASTER_KEY")
+    monkeypatch.delenv("RYUSEN_MASTER_KEY_SECRET_ARN", raising=False)
     monkeypatch.setattr(dispatch_lambda, "_engine", None)
     with pytest.raises(RuntimeError, match="no unsigned mode"):
         dispatch_lambda.engine()

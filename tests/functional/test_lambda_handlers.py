@@ -68,7 +68,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
             "RYUSEN_QUEUE_ARN": arn,
             "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/scheduler",
             "RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8",  # the test app runs on loopback
-            "RYUSEN_SIGNING_KEY": "lambda-tests-signing-key-0123456789abcdef",  # the app reads it too
+            "RYUSEN_MASTER_KEY": "lambda-tests-master-key-0123456789abcdef",  # the app derives its key from it
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
             # one queue message per task, so that a test can hold each one (chaining has its own test)
             "RYUSEN_CHAIN_STEPS": "false",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from werkzeug.wrappers import Request, Response
 from ryusen import Ryusen, Step
 from ryusen._internal import app as app_module
 from ryusen._internal.signing import SIGNATURE_HEADER, sign, verify
-from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
+from ryusen._internal.wire import LateResult, OperationInfo, Phase, TaskKind, TaskRequest, late_result_scope, task_scope
 
 KEY = "late-key"
 
@@ -38,7 +39,8 @@ class ResultEndpoint:
     def wsgi(self, environ: dict[str, Any], start_response: Any) -> Any:
         request = Request(environ)
         body = request.get_data()
-        verify(KEY, body, request.headers.get(SIGNATURE_HEADER), now=time.time())
+        scope = late_result_scope(LateResult.model_validate_json(body), path=request.path, app_id="late")
+        verify([KEY], scope, body, request.headers.get(SIGNATURE_HEADER), now=time.time())  # the app's, for this
         status = self.statuses.pop(0) if self.statuses else 200
         self.received.append({"status": status, "body": json.loads(body)})
         return Response(json.dumps({"ok": status == 200}), status=status)(environ, start_response)
@@ -71,7 +73,8 @@ def forward_task(result_url: str) -> tuple[bytes, dict[str, str]]:
         respond_by=time.time() - 1,  # the dispatcher has stopped listening: submit late
     )
     body = request.model_dump_json().encode()
-    return body, {SIGNATURE_HEADER: sign(KEY, body, now=time.time())}
+    scope = task_scope(request, path="/", app_id="late")
+    return body, {SIGNATURE_HEADER: sign(KEY, scope, body, now=time.time(), nonce=secrets.token_hex(16))}
 
 
 @pytest.fixture

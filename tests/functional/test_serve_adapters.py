@@ -1,4 +1,5 @@
-"""The serve adapters (ASGI, WSGI, Lambda) only translate: the same signed task gives the same answer."""
+"""The serve adapters (ASGI, WSGI, Lambda) only translate: the same signed task gives the same answer, and each
+passes on the path the client sent, mounted or behind a stage, which the signature names."""
 
 from __future__ import annotations
 
@@ -6,16 +7,18 @@ import asyncio
 import base64
 import io
 import json
+import secrets
 import time
 from typing import Any
 
 import pytest
 
 from ryusen import Ryusen, Step
-from ryusen._internal.signing import SIGNATURE_HEADER, request_binding, sign, verify
-from ryusen._internal.wire import TaskKind, TaskRequest
+from ryusen._internal.signing import SIGNATURE_HEADER, answer_binding, parse, sign, verify
+from ryusen._internal.wire import TaskKind, TaskRequest, task_scope
 
 KEY = "adapter-key"
+PATH = "/ryusen/tasks"
 
 
 @pytest.fixture
@@ -34,13 +37,20 @@ def task() -> bytes:
     return request.model_dump_json().encode()
 
 
+def signed(path: str = PATH) -> str:
+    """The signature header the engine sends ``task()`` to ``path`` with."""
+    scope = task_scope(TaskRequest.model_validate_json(task()), path=path, app_id="adapters")
+    return sign(KEY, scope, task(), now=time.time(), nonce=secrets.token_hex(16))
+
+
 def check(status: int, headers: dict[str, str], body: bytes, request_signature: str) -> None:
-    """A 200 whose body is signed for the request it answers (``bound_responses``; each adapter passes the
-    request's ``X-Ryusen-Answer-Binding`` on)."""
-    assert status == 200
+    """A 200 whose body is signed as the answer to the request it answers."""
+    assert status == 200, body
     lowered = {k.lower(): v for k, v in headers.items()}
-    binding = request_binding(request_signature, task())
-    verify(KEY, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=binding, bound=True)
+    request = parse(request_signature)
+    scope = task_scope(TaskRequest.model_validate_json(task()), path=PATH, app_id="adapters").answer()
+    answers = answer_binding(request, task())
+    verify([KEY], scope, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=answers, nonce=request.nonce)
     assert json.loads(body)["discovery"]["step"]["id"] == "s"
 
 
@@ -58,11 +68,14 @@ def test_asgi(app: Ryusen) -> None:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    header = sign(KEY, body, now=time.time())
-    scope = {
+    header = signed()
+    scope = {  # mounted under /ryusen: the client sent /ryusen/tasks
         "type": "http",
         "method": "POST",
-        "headers": [(SIGNATURE_HEADER.lower().encode(), header.encode()), (b"x-ryusen-answer-binding", b"1")],
+        "root_path": "/ryusen",
+        "path": "/tasks",
+        "raw_path": PATH.encode(),
+        "headers": [(SIGNATURE_HEADER.lower().encode(), header.encode())],
     }
     asyncio.run(app.asgi()(scope, receive, send))
     start, payload = sent
@@ -89,13 +102,14 @@ def test_wsgi(app: Ryusen) -> None:
     def start_response(status: str, headers: list[tuple[str, str]]) -> None:
         captured["status"], captured["headers"] = int(status.split()[0]), dict(headers)
 
-    header = sign(KEY, body, now=time.time())
-    environ = {
+    header = signed()
+    environ = {  # mounted under /ryusen (a WSGI server that gives no raw request URI)
         "REQUEST_METHOD": "POST",
+        "SCRIPT_NAME": "/ryusen",
+        "PATH_INFO": "/tasks",
         "CONTENT_LENGTH": str(len(body)),
         "wsgi.input": io.BytesIO(body),
         "HTTP_X_RYUSEN_SIGNATURE": header,
-        "HTTP_X_RYUSEN_ANSWER_BINDING": "1",
     }
     out = b"".join(app.wsgi()(environ, start_response))
     check(captured["status"], captured["headers"], out, header)
@@ -104,11 +118,12 @@ def test_wsgi(app: Ryusen) -> None:
 @pytest.mark.parametrize("encoded", [False, True])
 def test_lambda_function_url_event(app: Ryusen, encoded: bool) -> None:
     body = task()
-    header = sign(KEY, body, now=time.time())
+    header = signed()
     event = {
         "version": "2.0",
+        "rawPath": PATH,
         "requestContext": {"http": {"method": "POST"}},
-        "headers": {SIGNATURE_HEADER.lower(): header, "x-ryusen-answer-binding": "1"},
+        "headers": {SIGNATURE_HEADER.lower(): header},
         "body": base64.b64encode(body).decode() if encoded else body.decode(),
         "isBase64Encoded": encoded,
     }
@@ -119,3 +134,48 @@ def test_lambda_function_url_event(app: Ryusen, encoded: bool) -> None:
 def test_lambda_unsigned_is_refused(app: Ryusen) -> None:
     response = app.lambda_handler({"httpMethod": "POST", "headers": {}, "body": task().decode()})
     assert response["statusCode"] == 401
+
+
+def test_lambda_rest_api_event_names_the_stage_in_its_path(app: Ryusen) -> None:
+    """A REST API event's ``path`` lacks the stage the client sent; ``requestContext.path`` has it."""
+    header = signed("/prod" + PATH)
+    event = {
+        "httpMethod": "POST",
+        "path": PATH,
+        "requestContext": {"path": "/prod" + PATH, "stage": "prod"},
+        "headers": {SIGNATURE_HEADER: header},
+        "body": task().decode(),
+    }
+    assert app.lambda_handler(event)["statusCode"] == 200
+
+
+@pytest.mark.parametrize("adapter", ["asgi", "wsgi", "lambda"])
+def test_a_request_signed_for_another_path_is_refused_by_every_adapter(app: Ryusen, adapter: str) -> None:
+    header = signed("/elsewhere")
+    body = task()
+    if adapter == "lambda":
+        event = {"rawPath": PATH, "requestContext": {"http": {"method": "POST"}}, "headers": {SIGNATURE_HEADER: header}}
+        assert app.lambda_handler({**event, "body": body.decode()})["statusCode"] == 401
+    elif adapter == "wsgi":
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": PATH,
+            "CONTENT_LENGTH": str(len(body)),
+            "wsgi.input": io.BytesIO(body),
+            "HTTP_X_RYUSEN_SIGNATURE": header,
+        }
+        statuses: list[str] = []
+        app.wsgi()(environ, lambda status, headers: statuses.append(status))
+        assert statuses[0].startswith("401")
+    else:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": PATH, "headers": [(b"x-ryusen-signature", header.encode())]}
+        asyncio.run(app.asgi()(scope, receive, send))
+        assert sent[0]["status"] == 401

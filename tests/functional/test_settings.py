@@ -11,7 +11,7 @@ from ryusen_server.settings import engine_settings, server_settings
 def test_no_variables_give_the_documented_defaults() -> None:
     assert engine_settings({}) == EngineSettings()
     server = server_settings({})
-    assert server.default_run_timeout_s is None and server.max_run_timeout_s is None and server.signing_key is None
+    assert server.default_run_timeout_s is None and server.max_run_timeout_s is None and server.master_key is None
 
 
 def test_variables_override_their_settings() -> None:

@@ -55,8 +55,8 @@ def test_no_secret_is_in_any_environment_variable(synthesized: Synthesized) -> N
     )
     for name, function in synthesized.resources("AWS::Lambda::Function").items():
         variables: dict[str, Any] = function["Properties"]["Environment"]["Variables"]
-        assert "RYUSEN_SIGNING_KEY" not in variables, name
-        assert variables["RYUSEN_SIGNING_KEY_SECRET_ARN"] == {"Ref": secret}, name  # where to read it, not it
+        assert "RYUSEN_SIGNING_KEY" not in variables and "RYUSEN_MASTER_KEY" not in variables, name
+        assert variables["RYUSEN_MASTER_KEY_SECRET_ARN"] == {"Ref": secret}, name  # where to read it, not it
         for key, value in variables.items():
             if isinstance(value, str):  # a literal: a setting, never a long random string
                 assert not re.fullmatch(r"[A-Za-z0-9+/=_-]{24,}", value), (name, key)

@@ -152,15 +152,18 @@ class DevStack:
         self._spawn(self._moto.serve_forever, "ryusen-moto")
         endpoint = f"http://127.0.0.1:{moto_port}"
         self.resources = self._create_resources(endpoint)
-        key = self.env.get("RYUSEN_SIGNING_KEY") or secrets.token_hex(32)
+        master = self.env.get("RYUSEN_MASTER_KEY") or secrets.token_hex(32)
         settings_env = dict(self.env)
-        settings_env["RYUSEN_SIGNING_KEY"] = key
+        settings_env["RYUSEN_MASTER_KEY"] = master
         settings_env["RYUSEN_RESULT_URL"] = f"http://127.0.0.1:{self.port}/v1/results"
         self.wired = aws_engine(self.resources, server_settings(settings_env), self.counter, EndpointPolicy.local())
         self._serve_api()
         self._spawn(self._dispatch_loop, "ryusen-dispatch")
         self._spawn(self._timer_loop, "ryusen-timers")
-        app_env = {**os.environ, **dict(self.env), "RYUSEN_SIGNING_KEY": key}
+        # each app signs with its own key, derived from this session's master (the app processes derive it: a
+        # local process is trusted on this machine, docs/security.md)
+        app_env = {**os.environ, **dict(self.env), "RYUSEN_MASTER_KEY": master}
+        app_env.pop("RYUSEN_SIGNING_KEY", None)
         app_env.pop("RYUSEN_RELEASE_ID", None)
         for spec in self.apps:
             proc = AppProcess(spec=spec, port=free_port(), env=app_env)
@@ -171,7 +174,7 @@ class DevStack:
         self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
         self.out(f"ryusen dev: dev UI      http://127.0.0.1:{self.port}/")
         self.out(f"ryusen dev: moto        {endpoint}  (table {self.resources.table_name})")
-        self.out("ryusen dev: requests to apps are signed with a key made for this session")
+        self.out("ryusen dev: messages to and from each app are signed with its own key, made for this session")
         for proc in self._processes:
             self.out(f"ryusen dev: app {proc.app_id!r} ({proc.spec}) at {proc.url}, release {proc.release_id}")
 
@@ -230,7 +233,9 @@ class DevStack:
     def _start_and_sync(self, proc: AppProcess) -> None:
         assert self.wired is not None
         manifest = proc.start()
-        release = self.wired.engine.sync_release(manifest["app_id"], proc.url, *self.wired.fetcher()(proc.url))
+        release = self.wired.engine.sync_release(
+            manifest["app_id"], proc.url, *self.wired.fetcher()(manifest["app_id"], proc.url)
+        )
         proc.app_id, proc.release_id = release.app_id, release.release_id
 
     def _supervise(self) -> None:

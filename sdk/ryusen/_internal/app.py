@@ -31,13 +31,17 @@ from .errors import DefinitionError
 from .memo_cache import MemoCache
 from .serve import MAX_REQUEST_BYTES
 from .signing import (
-    ANSWER_BINDING_HEADER,
     SIGNATURE_HEADER,
+    Scope,
     SeenRequests,
     SignatureError,
-    request_binding,
+    answer_binding,
+    app_key,
+    parse,
     sign,
-    verify_any,
+    split_keys,
+    url_path,
+    verify,
 )
 from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
 from .wire import (
@@ -55,6 +59,8 @@ from .wire import (
     TaskKind,
     TaskRequest,
     TaskResponse,
+    late_result_scope,
+    received_task_scope,
 )
 
 LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
@@ -69,6 +75,21 @@ class RegisteredFunction:
     fn: Callable[..., Any]
     timeout: timedelta | None
     is_async: bool
+
+
+INSECURE_ENV = "RYUSEN_INSECURE_LOCAL"
+"""Set to ``1`` to serve without a signing key: anyone who can reach the endpoint can run its callbacks."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Answering:
+    """What an answer to a verified request is signed with: the key the request was signed with, the
+    request's scope and signature (the answer holds for that request only)."""
+
+    secret: str
+    scope: Scope
+    nonce: str
+    answers: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,22 +107,32 @@ class Ryusen:
     ... def checkout(order: dict, step: Step) -> dict:
     ...     return {"ok": True}
 
-    The signing key comes from ``signing_key`` or ``RYUSEN_SIGNING_KEY``; with
-    neither, requests are not verified (local development only).
+    The app's signing keys (decisions 21) come from the first of these that is set: ``signing_key`` (one key or
+    several: the first signs, any verifies), ``RYUSEN_SIGNING_KEY`` (comma-separated), the Secrets Manager
+    secret ``RYUSEN_SIGNING_KEY_SECRET_ARN`` names; or they are derived from the deployment's master secret
+    (``master_key``, ``RYUSEN_MASTER_KEY``, ``RYUSEN_MASTER_KEY_SECRET_ARN``), which lets this process sign for
+    every app of the deployment. With no key the endpoint refuses every task, unless it was started in
+    insecure local mode (``insecure=True`` or ``RYUSEN_INSECURE_LOCAL=1``), which it announces in its logs and
+    manifest.
     """
 
     def __init__(
         self,
         app_id: str,
         *,
-        signing_key: str | None = None,
+        signing_key: str | list[str] | None = None,
+        master_key: str | None = None,
+        insecure: bool = False,
         release_id: str | None = None,
         build_id: str | None = None,
     ) -> None:
         if not app_id or not isinstance(app_id, str) or len(app_id) > MAX_ID_LENGTH:
             raise DefinitionError(f"app id must be a string of 1 to {MAX_ID_LENGTH} characters")
         self.app_id = app_id
-        self._signing_key = signing_key
+        self._signing_keys = [signing_key] if isinstance(signing_key, str) else list(signing_key or [])
+        self._master_key = master_key
+        self._insecure = insecure
+        self._warned_insecure = False
         self._release_id = release_id
         self._build_id = build_id
         self._functions: dict[str, RegisteredFunction] = {}
@@ -112,18 +143,44 @@ class Ryusen:
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
 
     @property
-    def signing_key(self) -> str | None:
-        """``signing_key``, else ``RYUSEN_SIGNING_KEY``, else the secret ``RYUSEN_SIGNING_KEY_SECRET_ARN`` names.
+    def signing_keys(self) -> list[str]:
+        """This app's valid keys, the one to sign with first (see the class docstring for where they come from).
 
-        The secret (AWS Secrets Manager, the way a deployed engine shares its key with an app on Lambda) is
-        read with boto3, which the Lambda runtime provides, and read again after 5 minutes so a rotation
-        takes effect; the SDK itself does not depend on boto3.
+        A secret (AWS Secrets Manager, the way a deployed engine shares keys with an app on Lambda) is read
+        with boto3, which the Lambda runtime provides, and read again after 5 minutes so a rotation takes
+        effect; its AWSPREVIOUS version stays valid. The SDK itself does not depend on boto3.
         """
-        key = self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY")
-        if key:
-            return key
+        keys = [k for k in self._signing_keys if k] or split_keys(os.environ.get("RYUSEN_SIGNING_KEY"))
+        if keys:
+            return keys
         secret = os.environ.get("RYUSEN_SIGNING_KEY_SECRET_ARN")
-        return _secret_keys(secret, time.monotonic())[0] if secret else None
+        if secret:
+            return [k for k in _secret_keys(secret, time.monotonic()) if k]
+        masters = [self._master_key] if self._master_key else split_keys(os.environ.get("RYUSEN_MASTER_KEY"))
+        master_secret = os.environ.get("RYUSEN_MASTER_KEY_SECRET_ARN")
+        if not masters and master_secret:
+            masters = [k for k in _secret_keys(master_secret, time.monotonic()) if k]
+        return [app_key(master, self.app_id) for master in masters]
+
+    @property
+    def signing_key(self) -> str | None:
+        """The key this app signs with (None: no key)."""
+        keys = self.signing_keys
+        return keys[0] if keys else None
+
+    @property
+    def insecure(self) -> bool:
+        """Started in insecure local mode (``insecure=True`` or ``RYUSEN_INSECURE_LOCAL=1``): with no key, tasks
+        run unsigned. A key, when there is one, is always used. On AWS Lambda there is no such mode."""
+        asked = self._insecure or os.environ.get(INSECURE_ENV) == "1"
+        if asked and os.environ.get("AWS_LAMBDA_FUNCTION_NAME"):
+            if not self._warned_insecure:
+                self._warned_insecure = True
+                log.error(
+                    "app %r: insecure local mode is refused on AWS Lambda; it runs nothing without a key", self.app_id
+                )
+            return False
+        return asked
 
     @property
     def functions(self) -> dict[str, RegisteredFunction]:
@@ -181,7 +238,7 @@ class Ryusen:
                 FunctionManifest(id=f.id, timeout_s=f.timeout.total_seconds() if f.timeout else None)
                 for f in self._functions.values()
             ],
-            signed=self.signing_key is not None,
+            signed=bool(self.signing_keys),
         )
 
     # ---- executing a task --------------------------------------------------
@@ -283,98 +340,144 @@ class Ryusen:
 
     # ---- the HTTP handler --------------------------------------------------
 
-    def handle(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
-        """Answer one HTTP request: GET returns the manifest, a signed POST runs a task."""
+    def handle(self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/") -> HandlerResponse:
+        """Answer one HTTP request: GET returns the manifest, a signed POST runs a task.
+
+        ``path`` is the path the request was sent to, as the sender named it (the serve adapters pass it):
+        a task request is signed for its path, and holds at no other."""
+        return self._serve(method, headers, body, path, self.signing_keys)
+
+    def _serve(
+        self, method: str, headers: dict[str, str], body: bytes, path: str, keys: list[str], *, insecure: bool = False
+    ) -> HandlerResponse:
+        """:meth:`handle` with this app's keys ``keys`` (``ryusen.testing`` serves an app that has none of its
+        own with the key its environment derives for it, or in-process and ``insecure``, unsigned)."""
+        admitted = self._admit(method, headers, body, path, keys, insecure=insecure)
+        if isinstance(admitted, HandlerResponse):
+            return admitted
+        sent, answering = admitted
+        request = self.memo_cache.resolve(sent)
+        if request is None:
+            return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        try:
+            response = self.execute(request)
+        except CallbackInterruptedError as exc:
+            return self._error(500, "callback_interrupted", str(exc), answering)
+        self._submit_late(request, response)
+        return self._reply(200, encode_response(response), answering)
+
+    async def handle_async(
+        self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/"
+    ) -> HandlerResponse:
+        admitted = self._admit(method, headers, body, path, self.signing_keys)
+        if isinstance(admitted, HandlerResponse):
+            return admitted
+        sent, answering = admitted
+        request = self.memo_cache.resolve(sent)
+        if request is None:
+            return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        try:
+            response = await self.execute_async(request)
+        except CallbackInterruptedError as exc:
+            return self._error(500, "callback_interrupted", str(exc), answering)
+        await asyncio.to_thread(self._submit_late, request, response)
+        return self._reply(200, encode_response(response), answering)
+
+    def _admit(
+        self, method: str, headers: dict[str, str], body: bytes, path: str, keys: list[str], *, insecure: bool = False
+    ) -> tuple[TaskRequest, _Answering | None] | HandlerResponse:
+        """The task request to run and what its answer is signed with, or the answer that refuses it (before
+        any user code): a GET (the manifest), another method, an oversized body, no key outside insecure local
+        mode, a malformed request, a signature that is not this app's for this request at this path, a replay."""
+        insecure = insecure or self.insecure
         if method == "GET":
-            reply = self._reply(200, self.manifest().model_dump_json().encode())
-            reply.headers[FEATURES_HEADER] = ",".join(SDK_FEATURES)
-            return reply
+            return self._manifest_reply(path, keys, insecure)
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
             return self._error(413, "request_too_large", "task request is too large")
-        problem = self._verify(headers, body)
-        if problem is not None:
-            return problem
-        answers = self._binding(headers, body)
+        if not keys and not insecure:
+            return self._error(
+                503,
+                "no_signing_key",
+                f"this endpoint has no signing key and was not started in insecure local mode ({INSECURE_ENV}=1):"
+                " it runs nothing",
+            )
+        header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
+        if keys:
+            try:
+                parse(header)  # an unsigned or malformed request is refused before its body is parsed
+            except SignatureError as exc:
+                return self._error(401, "invalid_signature", exc.reason)
+        elif self.insecure:
+            self._warn_insecure()  # (in-process, ryusen.testing unsigned, is not a mode anyone deploys)
+        answering: _Answering | None = None
+        if keys:
+            scope = received_task_scope(body, path=path, app_id=self.app_id)
+            try:
+                signature, secret = verify(keys, scope, body, header, now=self.clock())
+            except SignatureError as exc:
+                # refused, signed with this app's key as the answer to exactly what arrived: the server tells
+                # "it ran nothing" (a request signed with a key this app does not hold yet, mid-rotation) from
+                # a forgery, and a refusal of anything else is no answer to its own request
+                claimed = parse(header)
+                refusal = _Answering(keys[0], scope.answer(), claimed.nonce, answer_binding(claimed, body))
+                return self._error(401, "invalid_signature", exc.reason, refusal)
+            answering = _Answering(secret, scope.answer(), signature.nonce, answer_binding(signature, body))
+            if not self._seen_requests.first_time(signature, self.clock()):
+                # the server signs every send afresh: this one was received before, so what it asked for may
+                # have run (the server records this answer's outcome as not known)
+                return self._error(401, "replayed_request", "this signed request was already received", answering)
         try:
             sent = TaskRequest.model_validate_json(body)
         except ValidationError as exc:
-            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answers)
-        request = self.memo_cache.resolve(sent)
-        if request is None:
-            return self._reply(200, encode_response(_memo_miss(sent)), answers)
-        try:
-            response = self.execute(request)
-        except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc), answers)
-        self._submit_late(request, response)
-        return self._reply(200, encode_response(response), answers)
+            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answering)
+        return sent, answering
 
-    async def handle_async(self, method: str, headers: dict[str, str], body: bytes) -> HandlerResponse:
-        if method != "POST" or len(body) > MAX_REQUEST_BYTES:
-            return self.handle(method, headers, body)
-        problem = self._verify(headers, body)
-        if problem is not None:
-            return problem
-        answers = self._binding(headers, body)
-        try:
-            sent = TaskRequest.model_validate_json(body)
-        except ValidationError as exc:
-            return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answers)
-        request = self.memo_cache.resolve(sent)
-        if request is None:
-            return self._reply(200, encode_response(_memo_miss(sent)), answers)
-        try:
-            response = await self.execute_async(request)
-        except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc), answers)
-        await asyncio.to_thread(self._submit_late, request, response)
-        return self._reply(200, encode_response(response), answers)
+    def _manifest_reply(self, path: str, keys: list[str], insecure: bool) -> HandlerResponse:
+        """The manifest, signed (with the features it announces) as this app's answer to a GET at ``path``."""
+        manifest = self.manifest().model_copy(update={"signed": bool(keys)})
+        body = manifest.model_dump_json().encode()
+        features = ",".join(SDK_FEATURES)
+        headers = {"content-type": "application/json", FEATURES_HEADER: features}
+        if keys:
+            scope = Scope("response", "GET", path, self.app_id, extra=features)
+            headers[SIGNATURE_HEADER] = sign(keys[0], scope, body, now=self.clock(), nonce=os.urandom(16).hex())
+        elif not insecure:
+            body = json.dumps(
+                {"error": {"code": "no_signing_key", "message": "this endpoint has no signing key"}}
+            ).encode()
+            return HandlerResponse(503, {"content-type": "application/json"}, body)
+        return HandlerResponse(200, headers, body)
 
-    def _verify(self, headers: dict[str, str], body: bytes) -> HandlerResponse | None:
-        key = self.signing_key
-        if key is None:
-            return None
-        keys = [key]
-        secret = os.environ.get("RYUSEN_SIGNING_KEY_SECRET_ARN")
-        if secret and not (self._signing_key or os.environ.get("RYUSEN_SIGNING_KEY")):
-            keys.extend(k for k in _secret_keys(secret, time.monotonic())[1:] if k)  # the key a rotation replaced
-        lowered = {k.lower(): v for k, v in headers.items()}
-        header = lowered.get(SIGNATURE_HEADER.lower())
-        answers = self._binding(headers, body)
-        try:
-            verify_any(keys, body, header, now=self.clock())
-        except SignatureError as exc:
-            return self._error(401, "invalid_signature", exc.reason, answers)
-        assert header is not None
-        if not self._seen_requests.first_time(header, self.clock()):
-            # the server never sends one signed request twice: this one was received before, so what it
-            # asked for may have run (the server records this answer's outcome as not known)
-            return self._error(401, "replayed_request", "this signed request was already received", answers)
-        return None
+    def _warn_insecure(self) -> None:
+        if not self._warned_insecure:
+            self._warned_insecure = True
+            log.warning(
+                "INSECURE: app %r runs tasks without verifying signatures (%s=1); anyone who can reach this"
+                " endpoint can run its callbacks. Never deploy it so.",
+                self.app_id,
+                INSECURE_ENV,
+            )
 
-    def _binding(self, headers: dict[str, str], body: bytes) -> str | None:
-        """What this endpoint's answer is signed for, when the request asks for a bound answer
-        (``X-Ryusen-Answer-Binding``, sent by a server that checks it): its signature and the body received."""
-        if self.signing_key is None:
-            return None
-        lowered = {k.lower(): v for k, v in headers.items()}
-        header = lowered.get(SIGNATURE_HEADER.lower())
-        if header is None or lowered.get(ANSWER_BINDING_HEADER.lower()) != "1":
-            return None
-        return request_binding(header, body)
-
-    def _reply(self, status: int, body: bytes, answers: str | None = None) -> HandlerResponse:
+    def _reply(self, status: int, body: bytes, answering: _Answering | None = None) -> HandlerResponse:
+        """An answer, signed as the answer to the request ``answering`` names (unsigned: a request that could
+        not be verified, or insecure local mode)."""
         headers = {"content-type": "application/json"}
-        key = self.signing_key
-        if key is not None:
-            headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock(), answers=answers)
+        if answering is not None:
+            headers[SIGNATURE_HEADER] = sign(
+                answering.secret,
+                answering.scope,
+                body,
+                now=self.clock(),
+                nonce=answering.nonce,
+                answers=answering.answers,
+            )
         return HandlerResponse(status, headers, body)
 
-    def _error(self, status: int, code: str, message: str, answers: str | None = None) -> HandlerResponse:
+    def _error(self, status: int, code: str, message: str, answering: _Answering | None = None) -> HandlerResponse:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        return self._reply(status, body, answers)
+        return self._reply(status, body, answering)
 
     def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
         """Submit an effect outcome to the server when its response window has closed (decisions 6.15).
@@ -407,13 +510,15 @@ class Ryusen:
             attempt=attempt,
         )
         body = late.model_dump_json().encode()
+        scope = late_result_scope(late, path=url_path(request.result_url), app_id=self.app_id)
         problem = ""
         for delay in (0.0, *LATE_RESULT_DELAYS_S):
             time.sleep(delay)
             headers = {"content-type": "application/json"}
             key = self.signing_key
             if key is not None:
-                headers[SIGNATURE_HEADER] = sign(key, body, now=self.clock())
+                nonce = os.urandom(16).hex()
+                headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
             req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
             try:
                 with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the server-provided http(s) URL

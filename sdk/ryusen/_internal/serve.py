@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     from .app import Ryusen
@@ -39,7 +40,7 @@ def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
                 chunks.append(chunk)
             more = message.get("more_body", False)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        response = await app.handle_async(scope["method"], headers, b"".join(chunks))
+        response = await app.handle_async(scope["method"], headers, b"".join(chunks), path=asgi_path(scope))
         await send(
             {
                 "type": "http.response.start",
@@ -52,7 +53,42 @@ def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     return asgi
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 413: "Payload Too Large"}
+def asgi_path(scope: Scope) -> str:
+    """The path the client sent (``raw_path``, which a mount does not shorten), as a task request is signed."""
+    raw = scope.get("raw_path")
+    if isinstance(raw, bytes) and raw:
+        return raw.decode("latin-1").split("?", 1)[0]
+    return quote(str(scope.get("root_path", "")) + str(scope.get("path", "/")), safe="/:@!$&'()*+,;=-._~")
+
+
+def wsgi_path(environ: dict[str, Any]) -> str:
+    """The path the client sent: the raw request URI where the server gives it, else the mount's
+    ``SCRIPT_NAME`` and ``PATH_INFO`` (PEP 3333 strings) encoded again."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if isinstance(raw, str) and raw.startswith("/"):
+        return raw.split("?", 1)[0]
+    whole = (environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")).encode("latin-1", "replace")
+    return quote(whole, safe="/:@!$&'()*+,;=-._~") or "/"
+
+
+def lambda_path(event: dict[str, Any]) -> str:
+    """The path the client sent: a REST API's ``requestContext.path`` (with the stage), else ``rawPath``
+    (Function URLs, HTTP APIs), else ``path``."""
+    context = event.get("requestContext") or {}
+    for path in (context.get("path"), event.get("rawPath"), event.get("path")):
+        if isinstance(path, str) and path.startswith("/"):
+            return path
+    return "/"
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    405: "Method Not Allowed",
+    413: "Payload Too Large",
+    503: "Service Unavailable",
+}
 
 
 def content_length(environ: dict[str, Any]) -> int | None:
@@ -78,7 +114,7 @@ def wsgi_app(app: Ryusen) -> Callable[[dict[str, Any], Callable[..., Any]], Iter
             response = app._error(413, "request_too_large", "task request is too large")
         else:
             body = environ["wsgi.input"].read(length) if length else b""
-            response = app.handle(environ["REQUEST_METHOD"], headers, body)
+            response = app.handle(environ["REQUEST_METHOD"], headers, body, path=wsgi_path(environ))
         start_response(
             f"{response.status} {_REASONS.get(response.status, 'Error')}",
             [*response.headers.items(), ("Content-Length", str(len(response.body)))],
@@ -94,5 +130,5 @@ def handle_lambda_event(app: Ryusen, event: dict[str, Any]) -> dict[str, Any]:
     raw = event.get("body") or ""
     body = base64.b64decode(raw) if event.get("isBase64Encoded") else raw.encode()
     headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
-    response = app.handle(method, headers, body)
+    response = app.handle(method, headers, body, path=lambda_path(event))
     return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}

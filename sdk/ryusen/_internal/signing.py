@@ -1,154 +1,223 @@
-"""HMAC-SHA256 signing of task requests and responses (decisions 6.12).
+"""HMAC-SHA256 signatures on every message between the server and an app (decisions 21).
 
-The header ``X-Ryusen-Signature: t=<unix seconds>,v1=<hex>`` signs
-``"<t>.<body>"`` with the app's signing key. A verifier refuses a missing
-header, a bad digest, and a timestamp more than ``max_skew_s`` from its clock.
-With no key configured (local development only) nothing is signed or checked.
+A message carries ``X-Ryusen-Signature: v2,k=<key id>,t=<unix seconds>,n=<nonce>,s=<hex>``. The HMAC is over
+a :class:`Scope` (the direction, method and path, the app, and the run, step, phase and generation the message
+is about), the timestamp, the nonce, for an answer the signature of the request it answers, and the SHA-256
+of the body. So a signature proves who sent what about which attempt: it does not hold for another app,
+attempt, route or direction, and an answer holds only for its own request.
+
+Keys:
+
+* Each app has its own key. A deployment keeps one master secret and derives every app's key from it and
+  the app id (:func:`app_key`), so the key an app holds signs for that app only.
+* A key is named by its key id (:func:`key_id`, a fingerprint of the key), and several keys may be valid at
+  once: the first signs, any verifies. A rotation adds the new key everywhere before it signs with it, so
+  nothing in flight fails.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import string
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+from urllib.parse import urlsplit
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
-ANSWER_BINDING_HEADER = "X-Ryusen-Answer-Binding"
-"""Sent (``1``) by a server that checks bound answers: the endpoint then signs its answer for the request.
-Removing it only makes the answer unbound, which such a server does not accept."""
+VERSION = "v2"
 MAX_SKEW_S = 300.0
 
-
 _HEX = frozenset("0123456789abcdef")
-
-
-def _plain(text: str, alphabet: str | frozenset[str], longest: int) -> bool:
-    """``text`` has 1 to ``longest`` characters, all from ``alphabet`` (ASCII): anything else in a signature
-    header is malformed, never a reason to fail."""
-    return 0 < len(text) <= longest and all(ch in alphabet for ch in text)
+KEY_ID_LENGTH = 16
+NONCE_LENGTH = 32
 
 
 class SignatureError(Exception):
-    """A request or response whose signature is missing, wrong or stale."""
+    """A message whose signature is missing, malformed, wrong, stale or made for another message."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
 
 
-def _signed(ts: str, body: bytes, answers: str | None) -> bytes:
-    """What is signed: the timestamp, for an answer the request's own signature (by digest), and the body."""
-    if answers is None:
-        return ts.encode() + b"." + body
-    return (
-        ts.encode()
-        + b".answers:"
-        + hashlib.sha256(answers.encode("utf-8", "replace")).hexdigest().encode()
-        + b"."
-        + body
-    )
+def key_id(secret: str) -> str:
+    """The id a key is named by in signatures: a fingerprint of it (the key cannot be recovered from it).
 
-
-def sign(key: str, body: bytes, *, now: float, answers: str | None = None) -> str:
-    """Return the signature header value for ``body`` at time ``now``.
-
-    ``answers`` is the signature header of the request this body answers: the signature then holds only as
-    the answer to that request (``a=1`` says so), never to another run's or attempt's.
-
-    >>> sign("k", b"{}", now=0.0).startswith("t=0,v1=")
-    True
-    >>> sign("k", b"{}", now=0.0, answers="t=0,v1=ab").endswith(",a=1")
+    >>> key_id("k") == key_id("k") != key_id("j")
     True
     """
-    ts = str(int(now))
-    digest = hmac.new(key.encode(), _signed(ts, body, answers), hashlib.sha256).hexdigest()
-    return f"t={ts},v1={digest}" + (",a=1" if answers is not None else "")
+    return hashlib.sha256(b"ryusen key id\x00" + secret.encode()).hexdigest()[:KEY_ID_LENGTH]
 
 
-def verify_any(
-    keys: list[str],
-    body: bytes,
-    header: str | None,
-    *,
-    now: float,
-    max_skew_s: float = MAX_SKEW_S,
-    answers: str | None = None,
-    bound: bool = False,
-) -> None:
-    """Like :func:`verify`, accepting a signature by any of ``keys`` (a key and the one it replaced)."""
-    problem = SignatureError("no signing key")
-    for key in keys:
-        try:
-            verify(key, body, header, now=now, max_skew_s=max_skew_s, answers=answers, bound=bound)
-        except SignatureError as exc:
-            problem = exc
-        else:
-            return
-    raise problem
+def app_key(master: str, app_id: str) -> str:
+    """The key of app ``app_id`` in a deployment whose master secret is ``master``: what that app is given
+    (``ryusen key derive``), and what the server signs that app's tasks with and verifies its answers by."""
+    return hmac.new(master.encode(), b"ryusen app key\x00" + app_id.encode(), hashlib.sha256).hexdigest()
 
 
-def verify(
-    key: str,
-    body: bytes,
-    header: str | None,
-    *,
-    now: float,
-    max_skew_s: float = MAX_SKEW_S,
-    answers: str | None = None,
-    bound: bool = False,
-) -> None:
-    """Raise :class:`SignatureError` unless ``header`` signs ``body`` with ``key``, fresh at ``now``.
+def split_keys(value: str | None) -> list[str]:
+    """Keys from a setting: comma-separated, the first the one to sign with (empty entries are no key)."""
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
 
-    An answer signed for a request (``a=1``) holds only for ``answers``, that request's
-    :func:`request_binding`; ``bound`` requires that it was (a request that asked for a bound answer).
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What a message is about, all of it under the signature.
+
+    ``path`` is the path of the URL the message was sent to (for a task request, the release's endpoint
+    URL; for a late result, the result URL the server handed out); ``extra`` is what else a message's
+    meaning depends on outside its body (the features announced with a manifest).
     """
-    parts = _parts(header)
-    ts, given = parts["t"], parts["v1"]
-    is_answer = "a" in parts
-    if bound and not is_answer:
-        raise SignatureError("the answer is not signed for the request it answers")
-    if is_answer and answers is None:
-        raise SignatureError("an answer's signature is not a request's")
-    expected = hmac.new(key.encode(), _signed(ts, body, answers if is_answer else None), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected, given):
-        raise SignatureError("signature does not match the body")
-    if abs(now - int(ts)) > max_skew_s:
-        raise SignatureError("signature timestamp is stale")
+
+    direction: Literal["request", "response"]
+    method: str
+    path: str
+    app_id: str
+    run_id: str = ""
+    step_id: str = ""
+    phase: str = ""
+    generation: str = ""
+    extra: str = ""
+
+    def answer(self) -> Scope:
+        """The scope of the answer to a request of this scope."""
+        return replace(self, direction="response")
 
 
-def _parts(header: str | None) -> dict[str, str]:
-    """A signature header's parts, which must be exactly ``t=<digits>,v1=<64 hex>`` and, for an answer signed
-    for its request, ``,a=1``: nothing else, nothing twice, in that order (one signature, one spelling)."""
+def url_path(url: str) -> str:
+    """The path a message sent to ``url`` is signed for ("/" for none)."""
+    return urlsplit(url).path or "/"
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """One parsed signature header."""
+
+    key_id: str
+    timestamp: int
+    nonce: str
+    digest: str
+
+    def header(self) -> str:
+        return f"{VERSION},k={self.key_id},t={self.timestamp},n={self.nonce},s={self.digest}"
+
+
+def answer_binding(request: Signature, body: bytes) -> str:
+    """What an answer is signed for: the request's signature and the body that arrived under it. An answer
+    to a request that did not verify (a refusal) is bound to that body too, so a refusal of some other body
+    sent under a captured header is no answer to the real request."""
+    return f"{request.digest}:{hashlib.sha256(body).hexdigest()}"
+
+
+def _signed(scope: Scope, timestamp: int, nonce: str, answers: str, body: bytes) -> bytes:
+    fields = [
+        "ryusen-" + VERSION,
+        scope.direction,
+        scope.method,
+        scope.path,
+        scope.app_id,
+        scope.run_id,
+        scope.step_id,
+        scope.phase,
+        scope.generation,
+        scope.extra,
+        str(timestamp),
+        nonce,
+        answers,
+        hashlib.sha256(body).hexdigest(),
+    ]
+    # a JSON array of ASCII strings: one encoding per list of fields, whatever characters they hold
+    return json.dumps(fields, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _mac(secret: str, message: bytes) -> str:
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def sign(secret: str, scope: Scope, body: bytes, *, now: float, nonce: str, answers: str = "") -> str:
+    """The signature header for ``body`` sent with ``scope`` at ``now`` under key ``secret``.
+
+    ``nonce`` is 32 random hex digits for a request (two sends of one request are two messages), and for an
+    answer that of the request; ``answers`` is the request's :func:`answer_binding`, so the answer holds for
+    that request only.
+
+    >>> sign("k", Scope("request", "POST", "/", "shop"), b"{}", now=0.0, nonce="0" * 32).startswith("v2,k=")
+    True
+    """
+    timestamp = int(now)
+    digest = _mac(secret, _signed(scope, timestamp, nonce, answers, body))
+    return Signature(key_id(secret), timestamp, nonce, digest).header()
+
+
+def parse(header: str | None) -> Signature:
+    """A signature header, which must be exactly ``v2,k=<16 hex>,t=<digits>,n=<32 hex>,s=<64 hex>``: nothing
+    else, nothing twice, in that order (one signature, one spelling)."""
     if not header:
         raise SignatureError("missing signature")
     pieces = header.split(",")
-    if len(pieces) not in (2, 3) or any("=" not in p for p in pieces):
-        raise SignatureError("malformed signature")
-    pairs = [p.split("=", 1) for p in pieces]
-    names = [name for name, _ in pairs]
-    if names not in (["t", "v1"], ["t", "v1", "a"]) or (len(pairs) == 3 and pairs[2][1] != "1"):
+    if not pieces or pieces[0] != VERSION:
+        raise SignatureError(f"not a {VERSION} signature")
+    pairs = [p.split("=", 1) for p in pieces[1:]]
+    if [p[0] for p in pairs] != ["k", "t", "n", "s"] or any(len(p) != 2 for p in pairs):
         raise SignatureError("malformed signature")
     parts = dict(pairs)
-    if not _plain(parts["t"], string.digits, 12) or not _plain(parts["v1"], _HEX, 64):
+    if (
+        not _plain(parts["k"], _HEX, KEY_ID_LENGTH, exactly=True)
+        or not _plain(parts["t"], string.digits, 12)
+        or not _plain(parts["n"], _HEX, NONCE_LENGTH, exactly=True)
+        or not _plain(parts["s"], _HEX, 64, exactly=True)
+    ):
         raise SignatureError("malformed signature")
-    return parts
+    return Signature(parts["k"], int(parts["t"]), parts["n"], parts["s"])
 
 
-def signature_digest(header: str) -> str:
-    """The HMAC a well-formed signature header carries: what names one signed message, however it is spelt."""
-    return _parts(header)["v1"]
+def _plain(text: str, alphabet: str | frozenset[str], longest: int, *, exactly: bool = False) -> bool:
+    """``text`` has 1 to ``longest`` characters (or exactly ``longest``), all from ``alphabet`` (ASCII):
+    anything else in a signature header is malformed, never a reason to fail."""
+    fits = len(text) == longest if exactly else 0 < len(text) <= longest
+    return fits and all(ch in alphabet for ch in text)
 
 
-def request_binding(header: str, body: bytes) -> str:
-    """What an answer is signed for: the request's signature and the body the endpoint received under it, so
-    that an answer to another body sent under a captured header does not verify as this request's."""
-    return f"{header}|{hashlib.sha256(body).hexdigest()}"
+def verify(
+    keys: Sequence[str],
+    scope: Scope,
+    body: bytes,
+    header: str | None,
+    *,
+    now: float,
+    answers: str = "",
+    nonce: str | None = None,
+    max_skew_s: float = MAX_SKEW_S,
+) -> tuple[Signature, str]:
+    """The signature and the key that made it, if ``header`` signs ``body`` for ``scope`` with one of
+    ``keys`` at a time within ``max_skew_s`` of ``now``; else :class:`SignatureError`.
+
+    An answer is verified with ``answers`` (the :func:`answer_binding` of the request it answers) and
+    ``nonce`` (that request's nonce): an answer to any other request does not verify.
+    """
+    if not keys:
+        raise SignatureError("no signing key")
+    signature = parse(header)
+    secret = next((k for k in keys if key_id(k) == signature.key_id), None)
+    if secret is None:
+        raise SignatureError(f"signed with a key this side does not hold (key id {signature.key_id})")
+    if nonce is not None and signature.nonce != nonce:
+        raise SignatureError("the answer is not signed for the request it answers")
+    expected = _mac(secret, _signed(scope, signature.timestamp, signature.nonce, answers, body))
+    if not hmac.compare_digest(expected, signature.digest):
+        raise SignatureError("signature does not match this message")
+    if abs(now - signature.timestamp) > max_skew_s:
+        raise SignatureError("signature timestamp is stale")
+    return signature, secret
 
 
 class SeenRequests:
-    """The request signatures an endpoint process accepted within the skew window: the same signed request
-    again is a replay (the server never sends one request twice), refused before it runs anything."""
+    """The signed requests an endpoint process accepted within the skew window: the same signed request
+    again is a replay (the server signs every send with a fresh nonce), refused before it runs anything."""
 
     def __init__(self, window_s: float = MAX_SKEW_S, most: int = 100_000) -> None:
         self.window_s = window_s
@@ -156,17 +225,16 @@ class SeenRequests:
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def first_time(self, header: str, now: float) -> bool:
-        """Record the signed request ``header`` names (by its HMAC: one request however the header is spelt);
-        False if it was seen within the window."""
-        header = signature_digest(header)
+    def first_time(self, signature: Signature, now: float) -> bool:
+        """Record the request ``signature`` names (by its HMAC); False if it was seen within the window."""
+        digest = signature.digest
         with self._lock:
             if len(self._seen) >= self.most:
                 self._seen = {h: at for h, at in self._seen.items() if now - at <= self.window_s * 2}
                 if len(self._seen) >= self.most:  # still full of fresh ones: forget the oldest half
                     kept = sorted(self._seen.items(), key=lambda item: item[1])[len(self._seen) // 2 :]
                     self._seen = dict(kept)
-            if header in self._seen:
+            if digest in self._seen:
                 return False
-            self._seen[header] = now
+            self._seen[digest] = now
             return True

@@ -23,17 +23,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from .signing import Scope
+
 PROTOCOL_VERSION = "1"
 FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache", "bound_responses")
+SDK_FEATURES = ("continuation", "memo_cache", "signing_v2")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
-``bound_responses``: when a signed request asks (``X-Ryusen-Answer-Binding: 1``), its answer is signed for
-that request and the body received (``a=1``), and a signed request is refused if it comes again; a server
-that asks accepts no other answer from such a release."""
+``signing_v2``: messages are signed as decisions 21 says (``signing.py``): per-app keys with key ids, the
+scope of each message signed, answers bound to their request, replays refused. A server sends nothing to a
+release that does not announce it."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -319,6 +321,63 @@ class TaskRequest(_Wire):
     """``memo_cache``: ``memo`` holds only what changed since the memo named ``memo_base.token``, and
     ``input`` is not sent. An endpoint that does not hold that memo runs nothing and answers ``memo_miss``;
     the server then sends the whole memo."""
+
+
+def task_scope(request: TaskRequest, *, path: str, app_id: str) -> Scope:
+    """The signature scope of a task request sent to ``path`` of app ``app_id``: the run it is about, and for
+    an attempt its step, phase and generation (:meth:`Scope.answer` for the answer's)."""
+    operation = request.operation
+    return Scope(
+        direction="request",
+        method="POST",
+        path=path,
+        app_id=app_id,
+        run_id=request.run_id,
+        step_id=request.step_id or "",
+        phase=str(operation.phase) if operation is not None else "",
+        generation=str(operation.generation) if operation is not None else "",
+    )
+
+
+def received_task_scope(body: bytes, *, path: str, app_id: str) -> Scope:
+    """The scope a received task request names, read from its JSON as it arrived (before it is validated, so
+    that a request the SDK cannot parse is still told apart: signed, it is refused with a signed answer; not
+    signed, it is refused as unsigned). For a well-formed request it equals :func:`task_scope`."""
+    raw: Any
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError):
+        raw = None
+    raw = raw if isinstance(raw, dict) else {}
+    operation: Any = raw.get("operation") if isinstance(raw.get("operation"), dict) else {}
+
+    def text(value: Any) -> str:
+        return value if isinstance(value, str) else "" if value is None else json.dumps(value)
+
+    return Scope(
+        direction="request",
+        method="POST",
+        path=path,
+        app_id=app_id,
+        run_id=text(raw.get("run_id")),
+        step_id=text(raw.get("step_id")),
+        phase=text(operation.get("phase")),
+        generation=text(operation.get("generation")),
+    )
+
+
+def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
+    """The signature scope of a late result posted to ``path`` (the result URL's) about app ``app_id``'s run."""
+    return Scope(
+        direction="request",
+        method="POST",
+        path=path,
+        app_id=app_id,
+        run_id=late.run_id,
+        step_id=late.step_id,
+        phase=str(late.phase),
+        generation=str(late.generation),
+    )
 
 
 FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base")
