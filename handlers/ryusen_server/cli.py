@@ -893,8 +893,7 @@ def key() -> None:
 @click.option(
     "--master-secret",
     metavar="SECRET_ID",
-    help="Read the master from this Secrets Manager secret (the stack's MasterKeySecret) instead of"
-    " RYUSEN_MASTER_KEY.",
+    help="Read the master from this Secrets Manager secret (the stack's MasterKeySecret) instead of RYUSEN_MASTER_KEY.",
 )
 def derive(app_id: str, master_secret: str | None) -> None:
     """Print APP_ID's signing key, derived from the deployment's master (RYUSEN_MASTER_KEY, or --master-secret).
