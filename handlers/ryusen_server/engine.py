@@ -35,6 +35,7 @@ from ryusen._internal.signing import (
     verify,
 )
 from ryusen._internal.wire import (
+    MAX_ID_LENGTH,
     LateResult,
     Manifest,
     MemoBase,
@@ -120,6 +121,7 @@ class Sent:
     with as the answer to it."""
 
     scope: Scope
+    header: str
     signature: Signature
     body: bytes
     keys: tuple[str, ...]
@@ -635,7 +637,7 @@ class Engine:
             scope = task_scope(request, path=url_path(release.url), app_id=release.app_id)
             header = sign(keys[0], scope, body, now=time.time(), nonce=secrets.token_hex(16))
             headers[SIGNATURE_HEADER] = header
-            sent = Sent(scope=scope, signature=parse(header), body=body, keys=tuple(keys))
+            sent = Sent(scope=scope, header=header, signature=parse(header), body=body, keys=tuple(keys))
         timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
         return result, sent
@@ -654,7 +656,7 @@ class Engine:
                 result.body,
                 lowered.get(SIGNATURE_HEADER.lower()),
                 now=time.time(),
-                answers=answer_binding(sent.signature, sent.body),
+                answers=answer_binding(sent.header, sent.body),
                 nonce=sent.signature.nonce,
             )
         except SignatureError as exc:
@@ -756,7 +758,7 @@ class Engine:
             # may have run, so its outcome is not known; it is never simply sent again
             detail = "the endpoint had already received this request from elsewhere"
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=detail)
-        if result.status in (400, 401, 404, 405, 413) and keys:
+        if result.status in (400, 401, 404, 405, 413, 503) and keys:
             # a signed refusal: the SDK ran no user code
             return InvocationFailed(
                 task=task,
@@ -806,6 +808,9 @@ class Engine:
                 raise SignatureRejectedError("not a signed late result") from None
             raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
         if self.master_keys():
+            ids = (late.run_id, late.step_id)
+            if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in ids):
+                raise SignatureRejectedError("not signed by the app of any run")  # no such id: nothing is read
             state = self.store.get(late.run_id)
             if state is None:
                 raise SignatureRejectedError("not signed by the app of any run")  # says nothing about which runs exist

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from ryusen._internal.signing import SIGNATURE_HEADER, Scope, SignatureError, url_path, verify
+from ryusen._internal.signing import CHALLENGE_HEADER, SIGNATURE_HEADER, Scope, SignatureError, url_path, verify
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
 from .aws.queue import SqsQueue
@@ -208,7 +209,8 @@ def fetch_manifest(
     fetch must not be a way to read what some other service would answer.
     """
     target = (policy or EndpointPolicy()).check(url)
-    headers = {"Host": target.host_header, "Accept": "application/json"}
+    challenge = secrets.token_hex(16)  # the manifest must be signed for this fetch: an older one is no answer
+    headers = {"Host": target.host_header, "Accept": "application/json", CHALLENGE_HEADER: challenge}
     extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
     give_up = time.monotonic() + MANIFEST_TIMEOUT_S
     try:
@@ -246,7 +248,7 @@ def fetch_manifest(
     if valid_keys:
         scope = Scope("response", "GET", url_path(url), app_id, extra=announced)
         try:
-            verify(valid_keys, scope, body, response.headers.get(SIGNATURE_HEADER), now=time.time())
+            verify(valid_keys, scope, body, response.headers.get(SIGNATURE_HEADER), now=time.time(), nonce=challenge)
         except SignatureError as exc:
             raise InvalidRequestError(
                 f"the manifest from {url} is not signed with app {app_id!r}'s key ({exc.reason}); give the app"

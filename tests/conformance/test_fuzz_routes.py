@@ -11,6 +11,7 @@ CI runs a fixed budget (300 examples per test); explore longer with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -24,9 +25,10 @@ from hypothesis import strategies as st
 
 from ryusen import Ryusen, Step
 from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign
-from ryusen._internal.wire import TaskRequest, task_scope
+from ryusen._internal.wire import LateResult, Phase, TaskRequest, json_value_problem, late_result_scope, task_scope
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
+from ryusen_server.engine import SignatureRejectedError
 from tests.conformance.test_security_and_bad_input import rest_event
 
 EXAMPLES = int(os.environ.get("RYUSEN_FUZZ", "300"))
@@ -369,3 +371,75 @@ def test_a_signed_request_moved_anywhere_else_runs_nothing(
 def test_every_kind_of_moved_message_was_tried() -> None:
     """The run above counts only if it tried each way of moving a message (and all of them were refused)."""
     assert set(moved) == set(MUTATIONS), moved
+
+
+LATE_MUTATIONS = ("genuine", "another run", "another generation", "another phase", "another path", "another app")
+late_moved: Counter[str] = Counter()
+
+
+@settings(FUZZ, max_examples=max(60, EXAMPLES // 5))  # each example drives a run: a fifth of the budget
+@given(
+    mutation=st.sampled_from(LATE_MUTATIONS),
+    result=json_values.filter(lambda v: json_value_problem(v) is None),
+)
+def test_a_late_result_is_accepted_only_as_the_app_signed_it(mutation: str, result: Any) -> None:
+    """A late result signed by the run's app for its attempt is accepted; the same signature over another
+    run, attempt or route, or by another app's key, is refused and changes nothing."""
+    calls: Counter[str] = Counter()
+    apps = []
+    for app_id in ("shop", "billing"):
+        app = Ryusen(app_id, master_key=MASTER)
+        app.function(f"pay-{app_id}")(
+            lambda data, step, app_id=app_id: step.run("charge", lambda: calls.update([app_id]) or "receipt")
+        )
+        apps.append(app)
+    env = WorkflowEnvironment()
+    env.engine.settings = dataclasses.replace(env.engine.settings, master_key=MASTER)
+    for app in apps:
+        env.sync(app)
+    env.faults.lose_result("charge")
+    run_id = env.start("pay-shop")
+    env.drive()
+    late = LateResult.model_validate(
+        {
+            "run_id": run_id,
+            "step_id": "charge",
+            "phase": "forward",
+            "generation": 1,
+            "attempt": {"type": "succeeded", "result": result},
+        }
+    )
+    scope = late_result_scope(late, path="/v1/results", app_id="shop")
+    key = app_key(MASTER, "shop")
+    sent = late
+    if mutation == "another run":
+        sent = late.model_copy(update={"run_id": run_id + "0"})
+    elif mutation == "another generation":
+        sent = late.model_copy(update={"generation": 2})
+    elif mutation == "another phase":
+        sent = late.model_copy(update={"phase": Phase.COMPENSATION})
+    elif mutation == "another path":
+        scope = dataclasses.replace(scope, path="/v1/runs")
+    elif mutation == "another app":
+        key = app_key(MASTER, "billing")
+    body = sent.model_dump_json().encode()
+    signed = sign(
+        key,
+        scope,
+        late.model_dump_json().encode() if mutation != "another app" else body,
+        now=time.time(),
+        nonce=secrets.token_hex(16),
+    )
+    before = env.engine.get_run(run_id).version
+    if mutation == "genuine":
+        env.engine.submit_late_result(body, {SIGNATURE_HEADER: signed})
+        assert env.get(run_id).step("charge")["attempts"][0]["status"] == "succeeded"
+    else:
+        with pytest.raises(SignatureRejectedError):
+            env.engine.submit_late_result(body, {SIGNATURE_HEADER: signed})
+        assert env.engine.get_run(run_id).version == before
+    late_moved[mutation] += 1
+
+
+def test_every_kind_of_moved_late_result_was_tried() -> None:
+    assert set(late_moved) == set(LATE_MUTATIONS), late_moved

@@ -427,3 +427,127 @@ def test_there_is_no_insecure_mode_on_lambda(monkeypatch: pytest.MonkeyPatch) ->
     app.function("pay")(lambda data, step: "ok")
     body = TaskRequest(kind="discover", run_id="r", function_id="pay").model_dump_json().encode()
     assert error_code(app.handle("POST", {}, body)) == "no_signing_key"
+
+
+# ---- replays across the instances of one endpoint --------------------------------------------------------------
+
+
+@pytest.fixture
+def replay_table(monkeypatch: pytest.MonkeyPatch) -> Any:
+    import boto3
+    from moto import mock_aws
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        client.create_table(
+            TableName="seen",
+            KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+            AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        yield client
+
+
+def test_a_request_played_to_another_instance_runs_nothing_when_they_share_a_replay_table(
+    replay_table: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each instance remembers what it accepted; a capture played to *another* container ran the charge
+    again. With ``RYUSEN_REPLAY_TABLE`` every instance records what it accepts with a conditional write."""
+    from ryusen._internal.replay import DynamoSeenRequests
+
+    monkeypatch.setenv("RYUSEN_REPLAY_TABLE", "seen")
+    calls: Counter[str] = Counter()
+    first, second = charging_app(calls), charging_app(calls)  # two containers of one app
+    assert isinstance(first.seen_requests, DynamoSeenRequests)
+    first.seen_requests = DynamoSeenRequests("seen", client=replay_table)
+    second.seen_requests = DynamoSeenRequests("seen", client=replay_table)
+    env = signed_env(first)
+    captured = capturing(env, "inproc://bound")
+    assert env.run("pay", 5).output == "receipt-5"
+    headers, body = captured[0]
+    replayed = second.handle("POST", headers, body)
+    assert replayed.status == 401 and error_code(replayed) == "replayed_request"
+    assert calls == Counter({"charge-5": 1})
+
+
+def test_a_replay_table_that_cannot_be_written_runs_nothing_and_the_task_is_sent_again(replay_table: Any) -> None:
+    from ryusen._internal.replay import DynamoSeenRequests
+
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    app.seen_requests = DynamoSeenRequests("missing-table", client=replay_table)
+    env = signed_env(app)
+    run_id = env.start("pay", 6)
+    env.drive(horizon=__import__("datetime").timedelta(seconds=5))
+    assert calls == Counter()  # nothing ran unrecorded
+    discovery = env.get(run_id).raw["discovery"]
+    assert discovery["status"] == "queued" and discovery["redeliveries"] >= 1, discovery  # refused: sent again
+    app.seen_requests = DynamoSeenRequests("seen", client=replay_table)  # the table is back
+    assert env.wait(run_id).output == "receipt-6" and calls == Counter({"charge-6": 1})
+
+
+# ---- review findings (the attack on b8c51d7) -------------------------------------------------------------------
+
+
+def respelt(header: str, part: str) -> str:
+    """``header`` with its timestamp moved on a second, or another key id: well-formed, and not the engine's."""
+    pieces = dict(p.split("=", 1) for p in header.split(",")[1:])
+    if part == "timestamp":
+        pieces["t"] = str(int(pieces["t"]) + 1)
+    else:
+        pieces["k"] = "0" * 16
+    return "v2," + ",".join(f"{k}={v}" for k, v in pieces.items())
+
+
+@pytest.mark.parametrize("part", ["timestamp", "key id"])
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_refusal_of_a_respelt_copy_is_no_answer_to_the_real_request(part: str, stopping: bool) -> None:
+    """A review relayed the engine's request (the charge ran), dropped the answer, sent the same body, nonce
+    and HMAC again with another timestamp or key id, and handed the endpoint's signed refusal to the engine:
+    it took it for "nothing ran" and charged again, or (with a cancel pending) settled the charge as never
+    sent and skipped its refund. A refusal is now bound to the exact header that arrived."""
+    calls: Counter[str] = Counter()
+    app = Ryusen("bound", master_key=MASTER)
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        return step.run(
+            "charge",
+            lambda: calls.update(["charge"]) or "receipt",
+            compensate=lambda receipt: calls.update(["refund"]),
+        )
+
+    env = signed_env(app)
+    endpoint = env.invoker.apps["inproc://bound"]
+    run_ids: list[str] = []
+
+    def relaying(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).step_id != "charge" or calls["charge"]:
+            return endpoint(method, headers, body)
+        endpoint(method, headers, body)  # the charge runs; its answer is dropped
+        if stopping:
+            env.cancel(run_ids[0])
+        copy = {**headers, SIGNATURE_HEADER: respelt(headers[SIGNATURE_HEADER], part)}
+        refusal = endpoint(method, copy, body)
+        assert refusal.status == 401 and SIGNATURE_HEADER in refusal.headers  # signed, for what arrived
+        return refusal
+
+    env.invoker.apps["inproc://bound"] = relaying
+    run_ids.append(env.start("pay", 1))
+    env.drive()
+    run = env.get(run_ids[0])
+    assert calls["charge"] == 1
+    assert run.step("charge")["attempts"][0]["status"] == "unknown"  # not "never sent"
+    if stopping:  # the Unknown blocks the compensation until someone decides: never a skipped refund
+        assert run.phase == "settling" and [b["type"] for b in run.blockers] == ["unknown_outcome"]
+
+
+@pytest.mark.parametrize("run_id", ["", "r" * 3000, "run\x00"])
+def test_a_late_result_naming_no_possible_run_is_refused_before_anything_is_read(run_id: str) -> None:
+    env = signed_env(charging_app(Counter()))
+    before = dict(env.counter.counts)
+    body = late_result("x").model_copy(update={"run_id": run_id}).model_dump_json().encode()
+    with pytest.raises(SignatureRejectedError):
+        env.engine.submit_late_result(body, {})
+    assert env.counter.counts == before  # the store was not asked

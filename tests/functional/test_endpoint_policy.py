@@ -297,3 +297,30 @@ def test_the_features_a_manifest_announces_are_signed_with_it(app_server: tuple[
     finally:
         server.shutdown()
     assert refused.value.details["code"] == "unsigned_app"
+
+
+def test_a_manifest_signed_for_an_earlier_fetch_is_not_accepted_by_a_later_sync() -> None:
+    """A review kept the previous release's signed manifest (anyone may GET it) and played it back to a sync
+    within the five minutes a signature is fresh: the server recorded the old release and its older features.
+    A sync now sends a challenge the manifest's signature must carry."""
+    old = Ryusen("policy-app", signing_key=KEY, release_id="r1", build_id="b1")
+    captured = old.handle("GET", {}, b"")
+    assert captured.status == 200
+
+    def playing_back(environ: dict[str, Any], start_response: Any) -> Any:
+        start_response("200 OK", list(captured.headers.items()))
+        return [captured.body]
+
+    server = make_server("127.0.0.1", 0, playing_back, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(InvalidRequestError) as refused:
+            fetch_manifest(
+                f"http://127.0.0.1:{server.server_port}/",
+                app_id="policy-app",
+                policy=EndpointPolicy.local(),
+                keys=lambda app_id: [KEY],
+            )
+    finally:
+        server.shutdown()
+    assert refused.value.details["code"] == "unsigned_app" and "not signed for the request" in refused.value.message

@@ -49,7 +49,7 @@ def check(status: int, headers: dict[str, str], body: bytes, request_signature: 
     lowered = {k.lower(): v for k, v in headers.items()}
     request = parse(request_signature)
     scope = task_scope(TaskRequest.model_validate_json(task()), path=PATH, app_id="adapters").answer()
-    answers = answer_binding(request, task())
+    answers = answer_binding(request_signature, task())
     verify([KEY], scope, body, lowered[SIGNATURE_HEADER.lower()], now=time.time(), answers=answers, nonce=request.nonce)
     assert json.loads(body)["discovery"]["step"]["id"] == "s"
 

@@ -144,6 +144,34 @@ def test_functions_are_arm64_on_a_current_python_with_their_own_log_groups(synth
     assert api["Properties"]["Timeout"] == 29
 
 
+def test_the_example_app_shares_a_replay_table_it_may_only_put_items_in(synthesized: Synthesized) -> None:
+    """Decision 21: a request replayed to another container of the app is refused there too."""
+    tables = {
+        name: table
+        for name, table in synthesized.resources("AWS::DynamoDB::Table").items()
+        if table["Properties"]["KeySchema"] == [{"AttributeName": "pk", "KeyType": "HASH"}]
+    }
+    [(replay, table)] = tables.items()
+    assert table["Properties"]["TimeToLiveSpecification"] == {"AttributeName": "expires_at", "Enabled": True}
+    shop = [
+        f
+        for f in synthesized.resources("AWS::Lambda::Function").values()
+        if f["Properties"]["Handler"] == "shop.lambda_handler"
+    ]
+    assert [f["Properties"]["Environment"]["Variables"]["RYUSEN_REPLAY_TABLE"] for f in shop] == [{"Ref": replay}]
+    grants = [
+        statement
+        for policy in synthesized.resources("AWS::IAM::Policy").values()
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]
+        if any(r == {"Fn::GetAtt": [replay, "Arn"]} for r in _as_list(statement["Resource"]))
+    ]
+    assert [g["Action"] for g in grants] == ["dynamodb:PutItem"]
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
 def test_the_table_has_the_keys_and_indexes_the_store_reads(synthesized: Synthesized) -> None:
     synthesized.assertions.has_resource_properties(
         "AWS::DynamoDB::Table",

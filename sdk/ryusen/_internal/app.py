@@ -29,14 +29,17 @@ from pydantic import ValidationError
 
 from .errors import DefinitionError
 from .memo_cache import MemoCache
+from .replay import DynamoSeenRequests, ReplayCheckUnavailableError, SeenStore
 from .serve import MAX_REQUEST_BYTES
 from .signing import (
+    CHALLENGE_HEADER,
     SIGNATURE_HEADER,
     Scope,
     SeenRequests,
     SignatureError,
     answer_binding,
     app_key,
+    is_nonce,
     parse,
     sign,
     split_keys,
@@ -123,6 +126,7 @@ class Ryusen:
         signing_key: str | list[str] | None = None,
         master_key: str | None = None,
         insecure: bool = False,
+        seen_requests: SeenStore | None = None,
         release_id: str | None = None,
         build_id: str | None = None,
     ) -> None:
@@ -137,8 +141,10 @@ class Ryusen:
         self._build_id = build_id
         self._functions: dict[str, RegisteredFunction] = {}
         self.clock: Callable[[], float] = time.time
-        self._seen_requests = SeenRequests()
-        """Signed requests this process accepted in the last minutes: one played back again is refused."""
+        table = os.environ.get("RYUSEN_REPLAY_TABLE")
+        self.seen_requests: SeenStore = seen_requests or (DynamoSeenRequests(table) if table else SeenRequests())
+        """Signed requests accepted in the last minutes, one played back again is refused: this process's
+        memory, or with ``RYUSEN_REPLAY_TABLE`` (or ``seen_requests``) a store every instance shares."""
         self.memo_cache = MemoCache()
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
 
@@ -391,7 +397,8 @@ class Ryusen:
         mode, a malformed request, a signature that is not this app's for this request at this path, a replay."""
         insecure = insecure or self.insecure
         if method == "GET":
-            return self._manifest_reply(path, keys, insecure)
+            challenge = {k.lower(): v for k, v in headers.items()}.get(CHALLENGE_HEADER.lower())
+            return self._manifest_reply(path, keys, insecure, challenge)
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
@@ -421,10 +428,17 @@ class Ryusen:
                 # "it ran nothing" (a request signed with a key this app does not hold yet, mid-rotation) from
                 # a forgery, and a refusal of anything else is no answer to its own request
                 claimed = parse(header)
-                refusal = _Answering(keys[0], scope.answer(), claimed.nonce, answer_binding(claimed, body))
+                assert header is not None  # parse() accepted it
+                refusal = _Answering(keys[0], scope.answer(), claimed.nonce, answer_binding(header, body))
                 return self._error(401, "invalid_signature", exc.reason, refusal)
-            answering = _Answering(secret, scope.answer(), signature.nonce, answer_binding(signature, body))
-            if not self._seen_requests.first_time(signature, self.clock()):
+            assert header is not None
+            answering = _Answering(secret, scope.answer(), signature.nonce, answer_binding(header, body))
+            try:
+                first = self.seen_requests.first_time(signature, self.clock())
+            except ReplayCheckUnavailableError as exc:
+                # nothing runs unrecorded: a signed refusal, which the server sends again later
+                return self._error(503, "replay_check_unavailable", str(exc), answering)
+            if not first:
                 # the server signs every send afresh: this one was received before, so what it asked for may
                 # have run (the server records this answer's outcome as not known)
                 return self._error(401, "replayed_request", "this signed request was already received", answering)
@@ -434,15 +448,17 @@ class Ryusen:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answering)
         return sent, answering
 
-    def _manifest_reply(self, path: str, keys: list[str], insecure: bool) -> HandlerResponse:
-        """The manifest, signed (with the features it announces) as this app's answer to a GET at ``path``."""
+    def _manifest_reply(self, path: str, keys: list[str], insecure: bool, challenge: str | None) -> HandlerResponse:
+        """The manifest, signed (with the features it announces) as this app's answer to a GET at ``path``, with
+        the server's ``challenge`` as the nonce (so that it holds for that fetch only)."""
         manifest = self.manifest().model_copy(update={"signed": bool(keys)})
         body = manifest.model_dump_json().encode()
         features = ",".join(SDK_FEATURES)
         headers = {"content-type": "application/json", FEATURES_HEADER: features}
         if keys:
             scope = Scope("response", "GET", path, self.app_id, extra=features)
-            headers[SIGNATURE_HEADER] = sign(keys[0], scope, body, now=self.clock(), nonce=os.urandom(16).hex())
+            nonce = challenge if challenge is not None and is_nonce(challenge) else os.urandom(16).hex()
+            headers[SIGNATURE_HEADER] = sign(keys[0], scope, body, now=self.clock(), nonce=nonce)
         elif not insecure:
             body = json.dumps(
                 {"error": {"code": "no_signing_key", "message": "this endpoint has no signing key"}}

@@ -28,6 +28,9 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
+CHALLENGE_HEADER = "X-Ryusen-Challenge"
+"""Sent with a manifest request: 32 fresh hex digits the manifest's signature must carry as its nonce, so a
+manifest signed earlier (an older release's) cannot be played back to a sync."""
 VERSION = "v2"
 MAX_SKEW_S = 300.0
 
@@ -106,11 +109,14 @@ class Signature:
         return f"{VERSION},k={self.key_id},t={self.timestamp},n={self.nonce},s={self.digest}"
 
 
-def answer_binding(request: Signature, body: bytes) -> str:
-    """What an answer is signed for: the request's signature and the body that arrived under it. An answer
-    to a request that did not verify (a refusal) is bound to that body too, so a refusal of some other body
-    sent under a captured header is no answer to the real request."""
-    return f"{request.digest}:{hashlib.sha256(body).hexdigest()}"
+def answer_binding(header: str, body: bytes) -> str:
+    """What an answer is signed for: the request's whole signature header, exactly as it arrived, and the body
+    that arrived under it. An answer to a request that did not verify (a refusal) is bound to exactly what
+    arrived too, so a refusal of a captured request sent again with another timestamp, key id or body is no
+    answer to the real request (a review relayed the real one, which ran, then had the endpoint refuse a
+    re-timestamped copy and handed that refusal to the engine, which took it for "nothing ran")."""
+    digest = hashlib.sha256(header.encode()).hexdigest()
+    return f"{digest}:{hashlib.sha256(body).hexdigest()}"
 
 
 def _signed(scope: Scope, timestamp: int, nonce: str, answers: str, body: bytes) -> bytes:
@@ -173,6 +179,11 @@ def parse(header: str | None) -> Signature:
     ):
         raise SignatureError("malformed signature")
     return Signature(parts["k"], int(parts["t"]), parts["n"], parts["s"])
+
+
+def is_nonce(text: str | None) -> bool:
+    """``text`` is a well-formed nonce (32 lowercase hex digits)."""
+    return text is not None and _plain(text, _HEX, NONCE_LENGTH, exactly=True)
 
 
 def _plain(text: str, alphabet: str | frozenset[str], longest: int, *, exactly: bool = False) -> bool:
