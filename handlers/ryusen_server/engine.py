@@ -8,6 +8,7 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -113,6 +114,23 @@ def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[d
     attempt = step.attempt(task.phase, task.generation) if step else None
     assert attempt is not None and attempt.lease_expires_at is not None and attempt.respond_by is not None
     return attempt.lease_expires_at, attempt.respond_by
+
+
+NOTHING_RAN_ANYWHERE = frozenset(
+    {"invalid_signature", "invalid_task_request", "method_not_allowed", "request_too_large"}
+)
+"""Signed refusals that mean no instance of the endpoint runs this request: its signature does not verify
+with the app's keys (not the request the engine sent, or a key the endpoint does not hold yet), or it is not
+a task request. Anything else signed and not a 200 leaves the outcome not known."""
+
+
+def _error_code(body: bytes) -> str:
+    """The ``error.code`` of an endpoint's refusal ("?" if it has none)."""
+    try:
+        code = json.loads(body[:4096])["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return "?"
+    return code if isinstance(code, str) and code.isascii() and len(code) <= 64 else "?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -753,17 +771,21 @@ class Engine:
             return InvocationFailed(
                 task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {problem}"
             )
-        if result.status == 401 and keys and b'"replayed_request"' in result.body[:200]:
-            # this signed request reached the endpoint before (someone else delivered it): what it asked for
-            # may have run, so its outcome is not known; it is never simply sent again
-            detail = "the endpoint had already received this request from elsewhere"
-            return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=detail)
-        if result.status in (400, 401, 404, 405, 413, 503) and keys:
-            # a signed refusal: the SDK ran no user code
+        if keys and result.status != 200:
+            code = _error_code(result.body)
+            if result.status in (400, 401, 405, 413) and code in NOTHING_RAN_ANYWHERE:
+                # a signed refusal of this exact request for a reason that holds wherever it was sent: no
+                # instance of the endpoint runs it, so it may be sent again
+                return InvocationFailed(
+                    task=task,
+                    failure=InvocationFailure.UNREACHABLE,
+                    detail=f"endpoint refused the task: HTTP {result.status} {code}",
+                )
+            # any other signed refusal (received before, too late to verify, a replay memory that could not
+            # be checked) says nothing ran *there*: it may have run before or elsewhere, so the outcome is
+            # not known; it is never simply sent again
             return InvocationFailed(
-                task=task,
-                failure=InvocationFailure.UNREACHABLE,
-                detail=f"endpoint refused the task: HTTP {result.status}",
+                task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: the endpoint answered {code}"
             )
         if result.status != 200:
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}")

@@ -471,7 +471,10 @@ def test_a_request_played_to_another_instance_runs_nothing_when_they_share_a_rep
     assert calls == Counter({"charge-5": 1})
 
 
-def test_a_replay_table_that_cannot_be_written_runs_nothing_and_the_task_is_sent_again(replay_table: Any) -> None:
+def test_a_replay_table_that_cannot_be_written_runs_nothing(replay_table: Any) -> None:
+    """The endpoint runs nothing it could not record. Its refusal says nothing ran *there*; another instance
+    may have run the same request (a second review relayed it to one instance, then to one whose write failed,
+    and the engine charged again): a discovery is simply repeated, an attempt's outcome is not known."""
     from ryusen._internal.replay import DynamoSeenRequests
 
     calls: Counter[str] = Counter()
@@ -482,9 +485,23 @@ def test_a_replay_table_that_cannot_be_written_runs_nothing_and_the_task_is_sent
     env.drive(horizon=__import__("datetime").timedelta(seconds=5))
     assert calls == Counter()  # nothing ran unrecorded
     discovery = env.get(run_id).raw["discovery"]
-    assert discovery["status"] == "queued" and discovery["redeliveries"] >= 1, discovery  # refused: sent again
+    assert discovery["status"] == "queued" and discovery["redeliveries"] >= 1, discovery  # a discovery is repeated
     app.seen_requests = DynamoSeenRequests("seen", client=replay_table)  # the table is back
     assert env.wait(run_id).output == "receipt-6" and calls == Counter({"charge-6": 1})
+    working, failing = app.seen_requests, DynamoSeenRequests("missing-table", client=replay_table)
+    endpoint = env.invoker.apps["inproc://bound"]
+
+    def failing_for_the_charge(method: str, headers: dict[str, str], body: bytes) -> Any:
+        charge = TaskRequest.model_validate_json(body).step_id == "charge"
+        app.seen_requests = failing if charge else working
+        return endpoint(method, headers, body)
+
+    env.invoker.apps["inproc://bound"] = failing_for_the_charge
+    run_id = env.start("pay", 7)
+    env.drive(horizon=__import__("datetime").timedelta(seconds=5))
+    [attempt] = env.get(run_id).step("charge")["attempts"]
+    assert attempt["status"] == "unknown" and "replay_check_unavailable" in attempt["detail"], attempt
+    assert calls == Counter({"charge-6": 1})
 
 
 # ---- review findings (the attack on b8c51d7) -------------------------------------------------------------------
@@ -551,3 +568,50 @@ def test_a_late_result_naming_no_possible_run_is_refused_before_anything_is_read
     with pytest.raises(SignatureRejectedError):
         env.engine.submit_late_result(body, {})
     assert env.counter.counts == before  # the store was not asked
+
+
+def test_the_exact_request_played_back_after_the_window_is_not_a_refusal_that_makes_the_engine_resend() -> None:
+    """A second review relayed the engine's request (the charge ran), held the engine's connection, and sent the
+    identical request again after 300 s: the endpoint refused it as stale with a refusal bound to exactly the
+    engine's request, which the engine took for "nothing ran" and charged again (or, under a cancel, skipped
+    the refund). A stale request of this app's own is now answered ``stale_request``: not known."""
+    calls: Counter[str] = Counter()
+    app = charging_app(calls)
+    env = signed_env(app)
+    endpoint = env.invoker.apps["inproc://bound"]
+    codes: list[str] = []
+
+    def relaying_late(method: str, headers: dict[str, str], body: bytes) -> Any:
+        if TaskRequest.model_validate_json(body).step_id != "charge" or calls:
+            return endpoint(method, headers, body)
+        endpoint(method, headers, body)  # the charge runs; its answer is dropped
+        later = app.clock
+        app.clock = lambda: later() + 301
+        try:
+            refusal = endpoint(method, headers, body)  # the identical request, past the window
+        finally:
+            app.clock = later
+        codes.append(error_code(refusal))
+        return refusal
+
+    env.invoker.apps["inproc://bound"] = relaying_late
+    run_id = env.start("pay", 8)
+    env.drive()
+    assert codes == ["stale_request"] and calls == Counter({"charge-8": 1})
+    assert env.get(run_id).step("charge")["attempts"][0]["status"] == "unknown"
+
+
+def test_the_replay_memory_never_forgets_a_request_that_could_still_verify() -> None:
+    """A second review filled the in-process memory (100,000 requests in the window) and replayed a capture the
+    memory had dropped to make room: it ran again. A full memory now runs nothing new instead."""
+    from ryusen._internal.signing import ReplayCheckUnavailableError, SeenRequests, Signature
+
+    seen = SeenRequests(most=3)
+    first = Signature("0" * 16, 0, "0" * 32, "a" * 64)
+    assert seen.first_time(first, 0.0)
+    for digest in ("b", "c"):
+        assert seen.first_time(Signature("0" * 16, 0, "0" * 32, digest * 64), 1.0)
+    with pytest.raises(ReplayCheckUnavailableError):
+        seen.first_time(Signature("0" * 16, 0, "0" * 32, "d" * 64), 2.0)
+    assert not seen.first_time(first, 2.0)  # still remembered: a replay
+    assert seen.first_time(Signature("0" * 16, 0, "0" * 32, "d" * 64), 601.0)  # the old ones have aged out

@@ -37,6 +37,7 @@ from .signing import (
     Scope,
     SeenRequests,
     SignatureError,
+    StaleSignatureError,
     answer_binding,
     app_key,
     is_nonce,
@@ -423,6 +424,11 @@ class Ryusen:
             scope = received_task_scope(body, path=path, app_id=self.app_id)
             try:
                 signature, secret = verify(keys, scope, body, header, now=self.clock())
+            except StaleSignatureError as exc:
+                # this app's own, genuine request, too late: it may have run here or elsewhere before, so the
+                # refusal says "stale", which the server records as not known (never "nothing ran")
+                stale = _Answering(keys[0], scope.answer(), parse(header).nonce, answer_binding(str(header), body))
+                return self._error(401, "stale_request", exc.reason, stale)
             except SignatureError as exc:
                 # refused, signed with this app's key as the answer to exactly what arrived: the server tells
                 # "it ran nothing" (a request signed with a key this app does not hold yet, mid-rotation) from
@@ -436,7 +442,8 @@ class Ryusen:
             try:
                 first = self.seen_requests.first_time(signature, self.clock())
             except ReplayCheckUnavailableError as exc:
-                # nothing runs unrecorded: a signed refusal, which the server sends again later
+                # nothing runs unrecorded; another instance may have run it, so the server records the
+                # outcome as not known
                 return self._error(503, "replay_check_unavailable", str(exc), answering)
             if not first:
                 # the server signs every send afresh: this one was received before, so what it asked for may

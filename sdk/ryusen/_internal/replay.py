@@ -16,13 +16,11 @@ import logging
 import threading
 from typing import Any, Protocol
 
-from .signing import MAX_SKEW_S, SeenRequests, Signature
+__all__ = ["DynamoSeenRequests", "ReplayCheckUnavailableError", "SeenStore"]
+
+from .signing import MAX_SKEW_S, ReplayCheckUnavailableError, SeenRequests, Signature
 
 log = logging.getLogger("ryusen")
-
-
-class ReplayCheckUnavailableError(Exception):
-    """What the endpoint has seen could not be checked: it runs nothing (the server sends the task again)."""
 
 
 class SeenStore(Protocol):
@@ -35,8 +33,9 @@ class DynamoSeenRequests:
     """Requests accepted by any instance, recorded in a DynamoDB table for twice the skew window.
 
     A process memory in front answers a replay to this instance without a write. A table that cannot be
-    written raises :class:`ReplayCheckUnavailableError`: the endpoint refuses the request (nothing runs), and
-    the server sends it again later; it never runs a request it could not record.
+    written raises :class:`ReplayCheckUnavailableError`: the endpoint refuses the request (nothing runs
+    here), and since another instance may have run it, the server records its outcome as not known; it never
+    runs a request it could not record.
     """
 
     def __init__(self, table: str, *, client: Any = None, window_s: float = MAX_SKEW_S) -> None:

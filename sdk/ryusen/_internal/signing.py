@@ -47,6 +47,16 @@ class SignatureError(Exception):
         self.reason = reason
 
 
+class StaleSignatureError(SignatureError):
+    """A signature that is this message's, made with a key this side holds, but outside the skew window: the
+    genuine request, too late (or played back late), so whether it ran is not for this side to say."""
+
+
+class ReplayCheckUnavailableError(Exception):
+    """What the endpoint has seen could not be checked or recorded: it runs nothing, and says it cannot tell
+    whether the request ran before."""
+
+
 def key_id(secret: str) -> str:
     """The id a key is named by in signatures: a fingerprint of it (the key cannot be recovered from it).
 
@@ -222,7 +232,7 @@ def verify(
     if not hmac.compare_digest(expected, signature.digest):
         raise SignatureError("signature does not match this message")
     if abs(now - signature.timestamp) > max_skew_s:
-        raise SignatureError("signature timestamp is stale")
+        raise StaleSignatureError("signature timestamp is stale")
     return signature, secret
 
 
@@ -237,15 +247,20 @@ class SeenRequests:
         self._lock = threading.Lock()
 
     def first_time(self, signature: Signature, now: float) -> bool:
-        """Record the request ``signature`` names (by its HMAC); False if it was seen within the window."""
+        """Record the request ``signature`` names (by its HMAC); False if it was seen within the window.
+
+        An entry is kept as long as its request could still verify (twice the window); it is never forgotten
+        earlier to make room (a review flooded the memory and replayed a forgotten request). When every entry
+        is still needed, :class:`ReplayCheckUnavailableError`: the request is not run."""
         digest = signature.digest
         with self._lock:
-            if len(self._seen) >= self.most:
-                self._seen = {h: at for h, at in self._seen.items() if now - at <= self.window_s * 2}
-                if len(self._seen) >= self.most:  # still full of fresh ones: forget the oldest half
-                    kept = sorted(self._seen.items(), key=lambda item: item[1])[len(self._seen) // 2 :]
-                    self._seen = dict(kept)
             if digest in self._seen:
                 return False
+            if len(self._seen) >= self.most:
+                self._seen = {h: at for h, at in self._seen.items() if now - at <= self.window_s * 2}
+                if len(self._seen) >= self.most:
+                    raise ReplayCheckUnavailableError(
+                        f"this endpoint holds {self.most} requests accepted in the last {self.window_s * 2:g}s"
+                    )
             self._seen[digest] = now
             return True
