@@ -75,6 +75,7 @@ from .events import (
     ScheduleTimer,
     StartRun,
     StopRequested,
+    SweepRequested,
     TaskDelivered,
     WakeRequested,
 )
@@ -173,6 +174,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.invocation_failed(event)
     elif isinstance(event, WakeRequested):
         t.wake(event)
+    elif isinstance(event, SweepRequested):
+        t.sweep()
     elif isinstance(event, StopRequested):
         t.stop(event)
     elif isinstance(event, Resolve):
@@ -588,6 +591,23 @@ class _Transition:
         pending = [at for _, at in queued if at > self.now] if not overdue else []
         if pending or leases:
             self.commands.append(RedeliverLater(delay_s=(min(pending + leases) - self.now).total_seconds()))
+
+    def sweep(self) -> None:
+        """The run's work is overdue and nothing may be on its way to move it: do what the lost message or
+        timer would have. A passed deadline stops the run (its schedule was lost); a due probe wakes it;
+        queued tasks past their time are sent again and expired leases settle as for a returning message
+        (an Unknown for an attempt, a fresh pass for a discovery)."""
+        s = self.s
+        if s.phase is RunPhase.FINISHED:
+            return self.ignore("the run is finished")
+        if s.deadline_at is not None and s.outcome is None and self.now >= s.deadline_at:
+            self.stop(StopRequested(kind="timeout"))
+        elif s.probe_due_at is not None and self.now >= s.probe_due_at:
+            self.wake(WakeRequested(source="probe"))
+        self.reemit_stalled()
+        # nothing carries a "redeliver later" here (there is no message): the sweeper comes back by the index
+        self.commands = [c for c in self.commands if not isinstance(c, RedeliverLater)]
+        return None
 
     def reemit_queued(self) -> None:
         """Send every queued task of the run again (an API request retried after its first try's sends

@@ -138,6 +138,13 @@ class WakeRequested:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SweepRequested:
+    """The sweeper found the run's work overdue (``RunState.work_due_at``): whatever should have moved it (a
+    task's message, the deadline's or the probe's schedule) may be lost. Decided as the lost message or timer
+    would have been; a duplicate of anything still on its way is harmless."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StopRequested:
     """Cancellation (an operator) or the run deadline (its timer)."""
 
@@ -164,6 +171,7 @@ Event = (
     | AttemptReported
     | InvocationFailed
     | WakeRequested
+    | SweepRequested
     | StopRequested
     | Resolve
 )

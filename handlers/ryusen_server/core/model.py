@@ -400,6 +400,39 @@ class RunState(_State):
     def blocked_by_definition(self) -> bool:
         return any(b.type in DEFINITION_BLOCKERS for b in self.blockers)
 
+    def work_due_at(self) -> datetime | None:
+        """When the run next needs a message or a timer to move it: the earliest of a queued task's due time,
+        an authorized task's lease expiry, an Unknown's automatic retry, the deadline (while the run has no
+        outcome) and the probe. None for a finished run, or one that waits only for a person.
+
+        A run whose work is overdue by more than the sweeper's grace has lost what should have moved it (a
+        send or a schedule that failed after the write, a dispatcher that died while chaining): the sweeper
+        finds it by this time, in an index, and repairs it (``SweepRequested``)."""
+        if self.phase is RunPhase.FINISHED:
+            return None
+        due: list[datetime] = []
+        d = self.discovery
+        if d is not None and d.status is AttemptStatus.QUEUED:
+            due.append(d.not_before or d.queued_at)
+        elif d is not None and d.status is AttemptStatus.AUTHORIZED and d.lease_expires_at is not None:
+            due.append(d.lease_expires_at)
+        for step in self.steps:
+            for phase in (Phase.FORWARD, Phase.COMPENSATION):
+                a = step.current(phase)
+                if a is None:
+                    continue
+                if a.status is AttemptStatus.QUEUED:
+                    due.append(a.not_before or a.queued_at)
+                elif a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
+                    due.append(a.lease_expires_at)
+                elif a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
+                    due.append(a.retry_at)
+        if self.deadline_at is not None and self.outcome is None:
+            due.append(self.deadline_at)
+        if self.probe_due_at is not None:
+            due.append(self.probe_due_at)
+        return min(due) if due else None
+
 
 class TaskRef(BaseModel):
     """What one dispatch message names: a discovery pass or one attempt."""
