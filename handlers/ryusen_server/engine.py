@@ -71,12 +71,14 @@ from .core.events import (
     ScheduleTimer,
     StartRun,
     StopRequested,
+    SweepRequested,
     TaskDelivered,
     WakeRequested,
 )
-from .core.model import DeadlineSource, RunState, TaskRef, TimerKind, TimerRef
+from .core.model import DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
 from .core.view import memo
 from .ports import (
+    CHECK_HORIZON_S,
     ConflictError,
     InvalidRequestError,
     Invoker,
@@ -131,6 +133,21 @@ def _error_code(body: bytes) -> str:
     except (ValueError, KeyError, TypeError):
         return "?"
     return code if isinstance(code, str) and code.isascii() and len(code) <= 64 else "?"
+
+
+SWEEP_GRACE_S = 120.0
+"""How long past its due time a run's work must be before the sweeper repairs it (well past a message's
+normal delay, so the sweeper does not race what is still on its way; a duplicate would be harmless)."""
+SWEEP_LIMIT = 500
+"""Runs the sweeper looks at in one pass (the next pass takes the rest)."""
+
+
+@dataclass(slots=True)
+class SweepReport:
+    checked: int = 0
+    repaired: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    """Runs that could not be looked at (an error, logged); they come first again next pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -858,6 +875,53 @@ class Engine:
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         return decision
+
+    def sweep(self, *, grace_s: float = SWEEP_GRACE_S, limit: int = SWEEP_LIMIT) -> SweepReport:
+        """Find runs whose work is overdue by more than ``grace_s`` with nothing on its way to move it, and
+        repair them (issue 12): a task message or a deadline or probe schedule lost after the write that
+        needed it. Reads the index of runs to check (``Store.runs_to_check``), never the whole table; a run
+        whose work is not overdue gets its check time moved to when it would be (one small write)."""
+        now = self.clock()
+        before = now - timedelta(seconds=grace_s)
+        report = SweepReport()
+        for run_id in self.store.runs_to_check(before, limit):
+            report.checked += 1
+            try:
+                repaired = self._sweep_run(run_id, now, before)
+            except Exception:  # one run's trouble must not keep the sweeper from the others
+                report.failed.append(run_id)
+                log.exception("sweeper: could not look at run %s; it is looked at again next pass", run_id)
+                continue
+            if repaired:
+                report.repaired.append(run_id)
+        return report
+
+    def _sweep_run(self, run_id: str, now: datetime, before: datetime) -> bool:
+        """Look at one run the index named; whether it needed (and got) a repair."""
+        repaired = False
+        state = self.store.get(run_id)
+        if state is None:
+            return False
+        due = state.work_due_at()
+        later = now + timedelta(seconds=CHECK_HORIZON_S)  # a journal-only write may queue work meanwhile
+        if due is not None and due <= before:
+            decision = self.apply(run_id, SweepRequested(), known=state)
+            if decision.changed or decision.commands:
+                repaired = True
+                log.warning(
+                    "sweeper: run %s had work overdue since %s with nothing on its way; %s",
+                    run_id,
+                    due.isoformat(),
+                    ", ".join(type(c).__name__ for c in decision.commands) or decision.note or "decided again",
+                )
+            # if that does not move it (a message merely slow in a backlog), it is looked at again after as
+            # long again as it has been overdue: a backlog gets a few duplicates, never one per pass
+            later = now + max(now - due, timedelta(seconds=SWEEP_GRACE_S))
+        elif due is not None:
+            later = min(due, later)
+        if state.phase is not RunPhase.FINISHED:
+            self.store.defer_check(run_id, later)
+        return repaired
 
     def fire_timer(self, timer: TimerRef) -> Decision | None:
         """What the Scheduler target (or the local runtime for moto) does when a timer is due."""

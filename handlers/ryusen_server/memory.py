@@ -18,7 +18,15 @@ import pydantic_core
 from .aws import journal
 from .core import decide as _core
 from .core.model import RunState, TaskRef, TimerRef
-from .ports import InvalidRequestError, Release, RequestCounter, RunExistsError, RunPage, VersionConflictError
+from .ports import (
+    InvalidRequestError,
+    Release,
+    RequestCounter,
+    RunExistsError,
+    RunPage,
+    VersionConflictError,
+    check_time,
+)
 
 
 class MemoryStore:
@@ -33,6 +41,8 @@ class MemoryStore:
         self._shadows: dict[str, str] = {}
         self._keys: dict[tuple[str, str], str] = {}
         self._releases: dict[str, Release] = {}
+        self._check: dict[str, datetime] = {}
+        """Run id -> check time (the DynamoDB store's sparse index), set by each write from the state's clock."""
         self._lock = threading.Lock()
         self.counter = counter or RequestCounter()
 
@@ -46,6 +56,11 @@ class MemoryStore:
 
     def _keep(self, state: RunState) -> None:
         self._runs[state.id] = state
+        check = check_time(state, state.updated_at)
+        if check is None:
+            self._check.pop(state.id, None)
+        else:
+            self._check[state.id] = check
         if _core.CHECK_PURITY:
             self._shadows[state.id] = state.model_dump_json()
 
@@ -123,6 +138,18 @@ class MemoryStore:
         with self._lock:
             states = list(self._runs.values())
         return [s.id for s in states if s.function_id == function_id and s.blocked_by_definition]
+
+    def runs_to_check(self, before: datetime, limit: int) -> list[str]:
+        self.counter.add("store.read")
+        with self._lock:
+            due = sorted((at, run_id) for run_id, at in self._check.items() if at <= before)
+        return [run_id for _, run_id in due[:limit]]
+
+    def defer_check(self, run_id: str, at: datetime) -> None:
+        self.counter.add("store.write")
+        with self._lock:
+            if run_id in self._check:
+                self._check[run_id] = at
 
     def put_release(self, release: Release) -> None:
         self.counter.add("store.write")

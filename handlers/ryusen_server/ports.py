@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Protocol
 
 from ryusen._internal.wire import FunctionManifest
 
-from .core.model import RunState, TaskRef, TimerRef
+from .core.model import RunPhase, RunState, TaskRef, TimerRef
 
 
 class ServerError(Exception):
@@ -155,6 +155,17 @@ class RunStore(Protocol):
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
 
+    def runs_to_check(self, before: datetime, limit: int) -> list[str]:
+        """Up to ``limit`` unfinished runs whose check time is at or before ``before`` (an index, never the whole
+        table). A run's check time is never later than the first moment its work could be overdue: its
+        ``work_due_at`` when it was written, at most :data:`CHECK_HORIZON_S` after that write."""
+        ...
+
+    def defer_check(self, run_id: str, at: datetime) -> None:
+        """Move an unfinished run's check time to ``at`` (the sweeper looked at it); a finished run is left
+        out of the index."""
+        ...
+
     def put_release(self, release: Release) -> None: ...
 
     def get_release(self, function_id: str) -> Release | None:
@@ -162,6 +173,20 @@ class RunStore(Protocol):
 
     def list_releases(self) -> list[Release]:
         """The newest release of every app."""
+
+
+CHECK_HORIZON_S = 600.0
+"""The longest a run's check time may lie after the write that set it: work queued by a later write that
+updates only the journal (not the head) is looked at within this time if its message was lost."""
+
+
+def check_time(state: RunState, written_at: datetime) -> datetime | None:
+    """A run's check time as of a write at ``written_at``: None once finished."""
+    if state.phase is RunPhase.FINISHED:
+        return None
+    horizon = written_at + timedelta(seconds=CHECK_HORIZON_S)
+    due = state.work_due_at()
+    return min(due, horizon) if due is not None else horizon
 
 
 class TaskQueue(Protocol):

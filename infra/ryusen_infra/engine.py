@@ -9,6 +9,8 @@ What it creates, and why each piece is shaped the way it is:
   visibility timeout equals the dispatch function's timeout (Lambda refuses less), which is the default
   attempt's lease; a message that fails ``max_receive_count`` times moves to the dead-letter queue, which
   an alarm watches.
+* **sweep_function**: every minute (an EventBridge rule), repairs runs whose work is overdue with nothing on
+  its way (a task message or a schedule lost after its write), reading the ``runs_to_check`` index.
 * **dispatch_function**: the SQS event source, one record per invocation (``batch_size=1``: an attempt
   can use the whole invocation) with ``ReportBatchItemFailures`` (a kept message is an attempt's lease
   timer; without it the event source would delete it) and a maximum concurrency.
@@ -37,6 +39,8 @@ from aws_cdk import aws_apigateway as apigateway
 from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_cloudwatch_actions as cloudwatch_actions
 from aws_cdk import aws_dynamodb as dynamodb
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as events_targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda
 from aws_cdk import aws_lambda_event_sources as event_sources
@@ -52,6 +56,7 @@ from .bundling import ARCHITECTURE, RUNTIME, lambda_code
 
 LIST_INDEX = "runs_by_created"
 BLOCKED_INDEX = "runs_blocked_by_definition"
+CHECK_INDEX = "runs_to_check"
 LAMBDA_MAX_TIMEOUT = cdk.Duration.minutes(15)
 LEASE_GRACE = cdk.Duration.minutes(1)
 MAX_VISIBILITY = cdk.Duration.hours(12)
@@ -194,6 +199,12 @@ class RyusenEngine(Construct):
             sort_key=dynamodb.Attribute(name="list_sk", type=dynamodb.AttributeType.STRING),
             projection_type=dynamodb.ProjectionType.KEYS_ONLY,
         )
+        self.table.add_global_secondary_index(  # the sweeper's: unfinished runs by when to look at them
+            index_name=CHECK_INDEX,
+            partition_key=dynamodb.Attribute(name="check_pk", type=dynamodb.AttributeType.STRING),
+            sort_key=dynamodb.Attribute(name="check_at", type=dynamodb.AttributeType.STRING),
+            projection_type=dynamodb.ProjectionType.KEYS_ONLY,
+        )
 
         retention = cdk.Duration.days(14)
         self.dead_letter_queue = sqs.Queue(
@@ -325,6 +336,23 @@ class RyusenEngine(Construct):
             self._grant_runtime(function)
         self.dispatch_function.add_to_role_policy(
             iam.PolicyStatement(actions=["sqs:ChangeMessageVisibility"], resources=[self.queue.queue_arn])
+        )
+
+        self.sweep_function = self._function(
+            "SweepFunction",
+            "ryusen_server.lambdas.sweep.handler",
+            code,
+            common,
+            cdk.Duration.minutes(5),
+            "sweep",
+        )
+        self._grant_runtime(self.sweep_function)
+        events.Rule(
+            self,
+            "SweepSchedule",
+            description="Ryusen's sweeper: repairs runs whose work is overdue with nothing on its way",
+            schedule=events.Schedule.rate(cdk.Duration.minutes(1)),
+            targets=[events_targets.LambdaFunction(self.sweep_function, retry_attempts=0)],
         )
 
         self.alarms = self._alarms(settings)

@@ -49,7 +49,7 @@ def suppress(engine: RyusenEngine) -> None:
         ],
         apply_to_children=True,
     )
-    for function in (engine.api_function, engine.dispatch_function):
+    for function in (engine.api_function, engine.dispatch_function, engine.sweep_function):
         NagSuppressions.add_resource_suppressions(
             function.role,  # type: ignore[arg-type]
             [

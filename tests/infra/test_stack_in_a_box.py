@@ -146,9 +146,11 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
 
         from ryusen_server.lambdas import api as api_lambda
         from ryusen_server.lambdas import dispatch as dispatch_lambda
+        from ryusen_server.lambdas import sweep as sweep_lambda
 
         api_lambda._resolver = None
         dispatch_lambda._engine = None
+        sweep_lambda._engine = None
 
         def api_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
             token = caller.set("api")
@@ -179,6 +181,15 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         token = caller.set("dispatch")
         dispatch_lambda.engine()
         caller.reset(token)
+        sweep_env = box.environment("ryusen_server.lambdas.sweep.handler", gateway.url)
+        saved_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update({**base, **sweep_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+        token = caller.set("sweep")
+        sweep_lambda.engine()  # cold, with exactly its own environment
+        caller.reset(token)
+        os.environ.clear()
+        os.environ.update(saved_env)
         shop = load_example()
         shop_url = box.function_url(shop.lambda_handler)
         deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env)
@@ -194,6 +205,7 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
             box.close()
             api_lambda._resolver = None
             dispatch_lambda._engine = None
+            sweep_lambda._engine = None
     os.environ.clear()
     os.environ.update(saved)
 
@@ -298,12 +310,28 @@ KEPT = {
         "logs:PutLogEvents",
     },
     "shop": {"secretsmanager:GetSecretValue", "dynamodb:PutItem", "logs:CreateLogStream", "logs:PutLogEvents"},
+    "sweep": {
+        "dynamodb:BatchGetItem",
+        "dynamodb:BatchWriteItem",
+        "dynamodb:GetItem",
+        "dynamodb:PutItem",
+        "dynamodb:Query",
+        "dynamodb:UpdateItem",
+        "sqs:SendMessage",
+        "scheduler:CreateSchedule",
+        "scheduler:DeleteSchedule",
+        "iam:PassRole",
+        "secretsmanager:GetSecretValue",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+    },
 }
 """Every action each role grants. A new grant must be added here on purpose (and be needed by the code)."""
 HANDLER_OF = {
     "api": "ryusen_server.lambdas.api.handler",
     "dispatch": "ryusen_server.lambdas.dispatch.handler",
     "shop": "shop.lambda_handler",
+    "sweep": "ryusen_server.lambdas.sweep.handler",
 }
 
 
@@ -368,6 +396,14 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
         {"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}, idempotency_key="iam-1", timeout_s=3600
     )
     deployed.finished(run_id)
+    from ryusen_server.lambdas import sweep as sweep_lambda
+
+    token = caller.set("sweep")
+    try:
+        swept = sweep_lambda.handler({"source": "aws.events"}, LambdaContext(60))  # the rule's every-minute call
+    finally:
+        caller.reset(token)
+    assert swept == {"checked": 0, "repaired": []}  # every run finished: nothing to look at
     box = deployed.box
     operations = {(c.function, c.operation) for c in box.calls}
     for expected in [
@@ -381,6 +417,7 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
         ("shop", "GetSecretValue"),
         ("shop", "PutItem"),  # what it accepted, in the replay table its containers share
         ("api", "Query"),
+        ("sweep", "Query"),  # the index of runs to check
     ]:
         assert expected in operations, f"the scenarios never made {expected}: the check would prove nothing"
     for function, handler in HANDLER_OF.items():

@@ -32,6 +32,7 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
     assert {f["Properties"]["Handler"] for f in functions} == {
         "ryusen_server.lambdas.api.handler",
         "ryusen_server.lambdas.dispatch.handler",
+        "ryusen_server.lambdas.sweep.handler",
         "shop.lambda_handler",
     }
     assets = [p for p in tmp_path.glob("asset.*") if p.is_dir()]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aws_cdk.assertions import Capture, Match
 
-from ryusen_server.aws.store import BLOCKED_INDEX, LIST_INDEX
+from ryusen_server.aws.store import BLOCKED_INDEX, CHECK_INDEX, LIST_INDEX
 from tests.infra.conftest import Synthesized, synthesize
 
 HANDLERS = ("ryusen_server.lambdas.api.handler", "ryusen_server.lambdas.dispatch.handler")
@@ -189,6 +189,16 @@ def test_the_table_has_the_keys_and_indexes_the_store_reads(synthesized: Synthes
                         }
                     ),
                     Match.object_like({"IndexName": BLOCKED_INDEX}),
+                    Match.object_like(
+                        {
+                            "IndexName": CHECK_INDEX,
+                            "KeySchema": [
+                                {"AttributeName": "check_pk", "KeyType": "HASH"},
+                                {"AttributeName": "check_at", "KeyType": "RANGE"},
+                            ],
+                            "Projection": {"ProjectionType": "KEYS_ONLY"},
+                        }
+                    ),
                 ]
             ),
         },
@@ -253,3 +263,16 @@ def test_the_result_route_has_a_throttle_of_its_own(synthesized: Synthesized) ->
             )
         },
     )
+
+
+def test_the_sweeper_runs_every_minute(synthesized: Synthesized) -> None:
+    """Issue 12: a run whose task message or schedule was lost after its write is repaired within minutes."""
+    [(name, sweep)] = [
+        (name, f)
+        for name, f in synthesized.resources("AWS::Lambda::Function").items()
+        if f["Properties"]["Handler"] == "ryusen_server.lambdas.sweep.handler"
+    ]
+    rules = list(synthesized.resources("AWS::Events::Rule").values())
+    assert [r["Properties"]["ScheduleExpression"] for r in rules] == ["rate(1 minute)"]
+    assert rules[0]["Properties"]["Targets"][0]["Arn"] == {"Fn::GetAtt": [name, "Arn"]}
+    assert sweep["Properties"]["Environment"]["Variables"]["RYUSEN_MASTER_KEY_SECRET_ARN"]

@@ -64,6 +64,12 @@ two GSIs read them:
 * ``runs_blocked_by_definition``: partition ``blocked_fn`` = function id, an
   attribute written only while the run has a duplicate-step-id blocker (a
   sparse index, keys only).
+* ``runs_to_check``: partition ``check_pk`` = ``CHECK#{shard}`` (the listing's
+  shards), sort ``check_at`` (fixed-width UTC ISO), written only while the run
+  is unfinished (sparse, keys only): when the sweeper should look at it
+  (:func:`~ryusen_server.ports.check_time`). The head is rewritten only a few
+  times per run, so the sweeper moves ``check_at`` on (``defer_check``) for a
+  run it looked at whose work is not overdue.
 
 Large values. A JSON value (a run's input, output and error, a step's
 result, error, compensation result and compensation error, an attempt's
@@ -128,6 +134,7 @@ from ..ports import (
     RunPage,
     ServerError,
     VersionConflictError,
+    check_time,
 )
 from . import journal
 
@@ -139,6 +146,8 @@ log = logging.getLogger("ryusen.aws.store")
 
 LIST_INDEX = "runs_by_created"
 BLOCKED_INDEX = "runs_blocked_by_definition"
+CHECK_INDEX = "runs_to_check"
+CHECK_PARTITION = "CHECK"
 LIST_PARTITION = "RUNS"
 LIST_SHARDS = 16
 """Partition keys of the listing index (``RUNS#0`` ...): fixed for a table's life."""
@@ -419,6 +428,10 @@ def _index_attributes(state: RunState) -> dict[str, AttributeValueTypeDef]:
         item["outcome"] = {"S": state.outcome.value}
     if state.blocked_by_definition:
         item["blocked_fn"] = {"S": state.function_id}
+    check = check_time(state, state.updated_at)
+    if check is not None:
+        item["check_pk"] = {"S": _list_partition(state.id).replace(LIST_PARTITION, CHECK_PARTITION, 1)}
+        item["check_at"] = {"S": _utc_iso(check)}
     return item
 
 
@@ -743,7 +756,7 @@ class DynamoStore:
         names = {f"#{name}": name for name in attributes}
         values = {f":{name}": value for name, value in attributes.items()}
         expression = "SET " + ", ".join(f"#{name} = :{name}" for name in attributes)
-        dropped = [name for name in ("outcome", "blocked_fn") if name not in attributes]
+        dropped = [name for name in ("outcome", "blocked_fn", "check_pk", "check_at") if name not in attributes]
         if dropped:
             expression += " REMOVE " + ", ".join(f"#{name}" for name in dropped)
             names.update({f"#{name}": name for name in dropped})
@@ -988,6 +1001,39 @@ class DynamoStore:
                 return run_ids
             query["ExclusiveStartKey"] = start
 
+    def runs_to_check(self, before: datetime, limit: int) -> list[str]:
+        """Each shard's runs due by ``before``, oldest first, merged; at most ``limit``."""
+        found: list[tuple[str, str]] = []
+        for shard in range(LIST_SHARDS):
+            query: QueryInputTypeDef = {
+                "TableName": self.table_name,
+                "IndexName": CHECK_INDEX,
+                "KeyConditionExpression": "check_pk = :pk AND check_at <= :before",
+                "ExpressionAttributeValues": {
+                    ":pk": {"S": f"{CHECK_PARTITION}#{shard}"},
+                    ":before": {"S": _utc_iso(before)},
+                },
+                "Limit": limit,
+            }
+            self.counter.add("dynamodb.read")
+            response = self._client.query(**query)
+            found.extend((item["check_at"]["S"], _run_id_of(item)) for item in response.get("Items", []))
+        return [run_id for _, run_id in sorted(found)[:limit]]
+
+    def defer_check(self, run_id: str, at: datetime) -> None:
+        self.counter.add("dynamodb.write")
+        try:
+            self._client.update_item(
+                TableName=self.table_name,
+                Key=_run_key(run_id),
+                UpdateExpression="SET check_at = :at",
+                ConditionExpression="attribute_exists(check_at)",  # a finished run stays out of the index
+                ExpressionAttributeValues={":at": {"S": _utc_iso(at)}},
+            )
+        except ClientError as exc:
+            if _error_code(exc) != "ConditionalCheckFailedException":
+                raise
+
     # ---- releases ---------------------------------------------------------------------
 
     def put_release(self, release: Release) -> None:
@@ -1029,7 +1075,7 @@ class DynamoStore:
 
 def create_table(client: DynamoDBClient, table_name: str) -> None:
     """Create the table and its GSIs (on-demand) if missing, and wait until it is active."""
-    strings = ("pk", "sk", "list_pk", "list_sk", "blocked_fn")
+    strings = ("pk", "sk", "list_pk", "list_sk", "blocked_fn", "check_pk", "check_at")
     try:
         client.create_table(
             TableName=table_name,
@@ -1053,6 +1099,14 @@ def create_table(client: DynamoDBClient, table_name: str) -> None:
                     "KeySchema": [
                         {"AttributeName": "blocked_fn", "KeyType": "HASH"},
                         {"AttributeName": "list_sk", "KeyType": "RANGE"},
+                    ],
+                    "Projection": {"ProjectionType": "KEYS_ONLY"},
+                },
+                {
+                    "IndexName": CHECK_INDEX,
+                    "KeySchema": [
+                        {"AttributeName": "check_pk", "KeyType": "HASH"},
+                        {"AttributeName": "check_at", "KeyType": "RANGE"},
                     ],
                     "Projection": {"ProjectionType": "KEYS_ONLY"},
                 },

@@ -404,6 +404,13 @@ class _Transition:
         for kind in DEFINITION_BLOCKERS:
             self.clear_blockers(kind)
 
+    def send_again(self, queued: Attempt | DiscoveryTask, task: TaskRef, redeliveries: int) -> None:
+        """Send a queued task again after the redelivery backoff, and record when it is due (``not_before``):
+        its message is on its way until then, so the sweeper does not take it for lost."""
+        delay_s = self.redelivery_delay(redeliveries)
+        queued.not_before = self.now + timedelta(seconds=delay_s)
+        self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
+
     def redelivery_delay(self, redeliveries: int) -> float:
         doublings = min(max(0, redeliveries - 1), 40)  # past 2**40 the cap applies anyway; no overflow
         return min(self.settings.redelivery_max_s, self.settings.redelivery_initial_s * float(2**doublings))
@@ -454,7 +461,7 @@ class _Transition:
         if release is None:
             d.redeliveries += 1
             self.touch()
-            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
+            self.send_again(d, task, d.redeliveries)
             return self.ignore("the function has no synced release")
         self.authorize_discovery(d, task, release)
 
@@ -492,7 +499,7 @@ class _Transition:
         if release is None:
             attempt.redeliveries += 1
             self.touch()
-            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
+            self.send_again(attempt, task, attempt.redeliveries)
             return self.ignore("the function has no synced release")
         return self.authorize(step, attempt, task, release)
 
@@ -535,7 +542,9 @@ class _Transition:
         if release is None:
             unknown.redeliveries += 1
             self.touch()
-            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(unknown.redeliveries)))
+            delay_s = self.redelivery_delay(unknown.redeliveries)
+            unknown.retry_at = self.now + timedelta(seconds=delay_s)  # when its message is due again
+            self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
             return self.ignore("the function has no synced release")
         error = ErrorInfo(type="unknown_outcome", message=unknown.detail or "unknown outcome")
         self.settle(unknown, AttemptStatus.FAILED, error=error, detail="unknown outcome, retried (on_unknown=retry)")
@@ -642,7 +651,7 @@ class _Transition:
             d.redeliveries += 1
             d.authorized_at = d.lease_expires_at = None
             self.touch()
-            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(d.redeliveries)))
+            self.send_again(d, task, d.redeliveries)
             return self.endpoint_failing(d.redeliveries, f"discovery #{d.seq}", event.detail)
         phase = task.phase
         assert phase is not None and task.step_id is not None
@@ -660,7 +669,7 @@ class _Transition:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
             self.touch()
-            self.commands.append(EnqueueTask(task=task, delay_s=self.redelivery_delay(attempt.redeliveries)))
+            self.send_again(attempt, task, attempt.redeliveries)
             return self.endpoint_failing(attempt.redeliveries, task.describe(), event.detail, step, attempt)
         return self.outcome_lost(step, attempt, event.detail)
 

@@ -368,7 +368,16 @@ class DevStack:
         assert self.wired is not None and self.resources is not None
         timers = self.wired.engine.timers
         sqs, queue_url = self.wired.sqs, self.resources.queue_url
+        next_sweep = time.monotonic() + SWEEP_EVERY_S
         while not self._stop.wait(0.5):
+            if time.monotonic() >= next_sweep:  # what the deployment's scheduled sweeper does
+                next_sweep = time.monotonic() + SWEEP_EVERY_S
+                try:
+                    self.wired.engine.sweep()
+                except Exception:
+                    if self._stop.is_set():
+                        return
+                    log.exception("the sweep failed")
             try:
                 due = timers.due(datetime.now(UTC))  # type: ignore[attr-defined]
                 for name, payload in due:
@@ -380,6 +389,11 @@ class DevStack:
                 if self._stop.is_set():
                     return
                 log.exception("firing due schedules failed")
+
+
+SWEEP_EVERY_S = 60.0
+"""How often ``ryusen dev`` looks for runs whose work is overdue with nothing on its way (as the deployment's
+scheduled sweeper does every minute)."""
 
 
 class _LocalContext:
