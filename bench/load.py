@@ -180,8 +180,8 @@ def run_load(stack: Any, port: int, args: argparse.Namespace) -> int:
     lost = [run_ids[n] for n in run_ids if n not in views]
     outcomes = Counter(v["outcome"] for v in views.values())
     gaps = [g for v in views.values() for g in step_gaps_ms(v)]
-    steps_settled = sum(
-        1 for v in views.values() for s in v["steps"] if s["status"] in ("succeeded", "compensated", "failed")
+    steps_settled = sum(  # callbacks and compensators that completed
+        1 for v in views.values() for s in v["steps"] for a in s["attempts"] if a["status"] == "succeeded"
     )
     sqs = stack.wired.sqs
     dlq = next(u for u in sqs.list_queues()["QueueUrls"] if u.endswith("-dlq"))
@@ -189,7 +189,7 @@ def run_load(stack: Any, port: int, args: argparse.Namespace) -> int:
     depth = int(attributes["Attributes"]["ApproximateNumberOfMessages"])
     print(f"runs: {len(run_ids)} started, {len(views)} finished ({dict(outcomes)}), {len(lost)} not finished")
     print(f"operator resolutions (retry of an Unknown, consented): {resolved['retry']}")
-    print(f"wall {wall:.0f}s; throughput {steps_settled / wall:.1f} steps/s")
+    print(f"wall {wall:.0f}s; throughput {steps_settled / wall:.1f} steps/s ({steps_settled} steps and compensations)")
     print(f"time per step: p50 {percentile(gaps, 0.5):.0f} ms, p99 {percentile(gaps, 0.99):.0f} ms ({len(gaps)} gaps)")
     print(f"dead-letter queue: {depth} messages")
     if lost:
