@@ -135,7 +135,7 @@ def _error_code(body: bytes) -> str:
     return code if isinstance(code, str) and code.isascii() and len(code) <= 64 else "?"
 
 
-SWEEP_GRACE_S = 120.0
+SWEEP_GRACE_S = 300.0
 """How long past its due time a run's work must be before the sweeper repairs it (well past a message's
 normal delay, so the sweeper does not race what is still on its way; a duplicate would be harmless)."""
 SWEEP_LIMIT = 500
@@ -909,7 +909,8 @@ class Engine:
             if decision.changed or decision.commands:
                 repaired = True
                 log.warning(
-                    "sweeper: run %s had work overdue since %s with nothing on its way; %s",
+                    "sweeper: run %s has had work due since %s and nothing moved it (its message or schedule was"
+                    " lost, or is only late): %s",
                     run_id,
                     due.isoformat(),
                     ", ".join(type(c).__name__ for c in decision.commands) or decision.note or "decided again",
