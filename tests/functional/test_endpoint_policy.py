@@ -284,7 +284,12 @@ def test_the_features_a_manifest_announces_are_signed_with_it(app_server: tuple[
 
         return inner(environ, restart)
 
-    server = make_server("127.0.0.1", 0, rewriting, threaded=True)
+    assert refused_sync(rewriting).details["code"] == "unsigned_app"
+
+
+def refused_sync(endpoint: Any) -> InvalidRequestError:
+    """What a keyed sync of policy-app served by the WSGI ``endpoint`` raises."""
+    server = make_server("127.0.0.1", 0, endpoint, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(InvalidRequestError) as refused:
@@ -296,7 +301,7 @@ def test_the_features_a_manifest_announces_are_signed_with_it(app_server: tuple[
             )
     finally:
         server.shutdown()
-    assert refused.value.details["code"] == "unsigned_app"
+    return refused.value
 
 
 def test_a_manifest_signed_for_an_earlier_fetch_is_not_accepted_by_a_later_sync() -> None:
@@ -311,16 +316,5 @@ def test_a_manifest_signed_for_an_earlier_fetch_is_not_accepted_by_a_later_sync(
         start_response("200 OK", list(captured.headers.items()))
         return [captured.body]
 
-    server = make_server("127.0.0.1", 0, playing_back, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(InvalidRequestError) as refused:
-            fetch_manifest(
-                f"http://127.0.0.1:{server.server_port}/",
-                app_id="policy-app",
-                policy=EndpointPolicy.local(),
-                keys=lambda app_id: [KEY],
-            )
-    finally:
-        server.shutdown()
-    assert refused.value.details["code"] == "unsigned_app" and "not signed for the request" in refused.value.message
+    refused = refused_sync(playing_back)
+    assert refused.details["code"] == "unsigned_app" and "not signed for the request" in refused.message
