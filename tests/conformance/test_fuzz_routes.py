@@ -46,6 +46,18 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=30),
 )
+signature_headers = st.one_of(
+    st.none(),
+    st.text(max_size=80),
+    st.just("t=1,v1=" + "0" * 64),  # the old scheme's shape
+    st.builds(  # well-formed, with a made-up key id, time, nonce and HMAC
+        lambda k, t, n, d: f"v2,k={k},t={t},n={n},s={d}",
+        st.text("0123456789abcdef", min_size=16, max_size=16),
+        st.integers(min_value=0, max_value=10**12),
+        st.text("0123456789abcdef", min_size=32, max_size=32),
+        st.text("0123456789abcdef", min_size=64, max_size=64),
+    ),
+)
 json_values = st.recursive(
     scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
 )
@@ -173,18 +185,7 @@ outcomes: Counter[str] = Counter()
     query=st.dictionaries(
         st.sampled_from(["limit", "cursor", "phase", "outcome", "function_id", "x"]), st.text(max_size=20), max_size=3
     ),
-    signature=st.one_of(
-        st.none(),
-        st.text(max_size=80),
-        st.just("t=1,v1=" + "0" * 64),
-        st.builds(
-            lambda k, t, n, d: f"v2,k={k},t={t},n={n},s={d}",
-            st.text("0123456789abcdef", min_size=16, max_size=16),
-            st.integers(min_value=0, max_value=10**12),
-            st.text("0123456789abcdef", min_size=32, max_size=32),
-            st.text("0123456789abcdef", min_size=64, max_size=64),
-        ),
-    ),
+    signature=signature_headers,
 )
 def test_no_route_answers_5xx_and_a_refused_request_changes_nothing(
     server: tuple[WorkflowEnvironment, Any, Ryusen],
@@ -223,18 +224,7 @@ def test_the_fuzz_reached_the_routes_and_some_requests_were_accepted() -> None:
 @given(
     method=st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
     body=st.one_of(st.binary(max_size=200), raw_json().map(str.encode), st.just(b"")),
-    signature=st.one_of(
-        st.none(),
-        st.text(max_size=80),
-        st.just("t=1,v1=" + "0" * 64),
-        st.builds(
-            lambda k, t, n, d: f"v2,k={k},t={t},n={n},s={d}",
-            st.text("0123456789abcdef", min_size=16, max_size=16),
-            st.integers(min_value=0, max_value=10**12),
-            st.text("0123456789abcdef", min_size=32, max_size=32),
-            st.text("0123456789abcdef", min_size=64, max_size=64),
-        ),
-    ),
+    signature=signature_headers,
 )
 def test_a_keyed_endpoint_refuses_every_forged_task_and_never_fails(
     method: str, body: bytes, signature: str | None
