@@ -915,9 +915,17 @@ class Engine:
                     due.isoformat(),
                     ", ".join(type(c).__name__ for c in decision.commands) or decision.note or "decided again",
                 )
-            # if that does not move it (a message merely slow in a backlog), it is looked at again after as
-            # long again as it has been overdue: a backlog gets a few duplicates, never one per pass
-            later = now + max(now - due, timedelta(seconds=SWEEP_GRACE_S))
+            state = decision.state
+            # Judged on the run as the repair left it. Work the repair re-sent keeps its old due time (it may be a
+            # message merely slow in a backlog): the run is looked at again after as long again as that work has
+            # been overdue, so a backlog gets a few duplicates, never one per pass. Work that is due for the first
+            # time (a probe overdue by a day after an outage wakes the run, which queues a task) is looked at when
+            # any fresh work is: past the grace after its due time.
+            due = state.work_due_at()
+            if due is not None and due <= before:
+                later = now + max(now - due, timedelta(seconds=SWEEP_GRACE_S))
+            elif due is not None:
+                later = min(due, later)
         elif due is not None:
             later = min(due, later)
         if state.phase is not RunPhase.FINISHED:

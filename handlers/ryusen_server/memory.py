@@ -145,6 +145,11 @@ class MemoryStore:
             due = sorted((at, run_id) for run_id, at in self._check.items() if at <= before)
         return [run_id for _, run_id in due[:limit]]
 
+    def check_time_of(self, run_id: str) -> datetime | None:
+        """The run's check time in the index (test harness bookkeeping; not a request)."""
+        with self._lock:
+            return self._check.get(run_id)
+
     def defer_check(self, run_id: str, at: datetime) -> None:
         self.counter.add("store.write")
         with self._lock:

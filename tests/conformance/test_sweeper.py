@@ -42,7 +42,7 @@ def shop(calls: Counter[str], *, fail_charges: int = 0) -> Ryusen:
     @app.function("blocked")
     def blocked(order: Any, step: Step) -> Any:
         step.run("reserve", lambda: calls.update(["reserve"]) or "held", compensate=lambda _: calls.update(["release"]))
-        return step.run("charge", charge, on_unknown="block")
+        return step.run("charge", charge)  # an Unknown blocks (the default ``on_unknown``)
 
     return app
 
@@ -228,3 +228,26 @@ def test_one_run_that_cannot_be_repaired_does_not_keep_the_sweeper_from_the_othe
     env.clock.advance(PAST_GRACE)
     report = env.engine.sweep()
     assert report.failed == [runs[0]] and sorted(report.repaired) == sorted(runs[1:])
+
+
+def test_work_queued_by_a_repair_is_looked_at_after_the_grace_not_after_the_old_work_was_overdue() -> None:
+    """The simulator (seeds 2507 and 2510): after a day with no probe (a clock jump, an outage), an operator's
+    retry queued the next attempt and its message was lost. The sweeper fired the day-old probe and, judging the
+    run by that day, looked at it again a day later: the retry waited a day for nothing. It is judged on the run as
+    the repair left it."""
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(shop(calls))
+    env.faults.lose_result("charge")
+    run_id = env.start("blocked", {"sku": "lamp"})
+    env.drive(horizon=timedelta(seconds=1))
+    for timer in env.timers.pending():  # the probe's schedule is lost, and a day passes
+        env.timers.cancel(timer)
+    env.advance(timedelta(days=1))
+    lost = losing_sends(env, kinds={TaskKind.FORWARD})
+    env.resolve(run_id, "charge", generation=1, action="retry")
+    assert lost and calls["charge"] == 1
+    assert env.engine.sweep().repaired == [run_id]  # the day-old probe fires; the retry is not overdue yet
+    env.advance(PAST_GRACE + timedelta(minutes=1))
+    assert env.engine.sweep().repaired == [run_id]  # the retry's lost message is sent again
+    assert env.wait(run_id).output == "receipt"
+    assert calls == Counter({"reserve": 1, "charge": 2})  # the operator's retry: consented

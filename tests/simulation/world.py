@@ -1,0 +1,972 @@
+"""A deterministic simulation of the whole server: the real core, engine, store, SDK and endpoint, with a
+seeded scheduler that decides the order of everything and injects faults at every I/O boundary (issue 12).
+
+Each concurrent activity (a dispatcher handling one message, a timer firing, the sweeper, an operator, a
+client starting a run) is an :class:`Actor`: a thread that runs only while the scheduler lets it. Every call
+an actor makes to the world (a DynamoDB read or write, an SQS send, a Scheduler call, an HTTP request to the
+endpoint) first parks it at a *boundary*; the scheduler then picks, from a seeded RNG, which parked actor
+moves next and what happens to its call: it goes through; the process dies before it or after it; it fails
+(throttled past botocore's retries, a 5xx); it commits but its answer is lost; a send is lost or doubled;
+the endpoint is unreachable, answers 502, or its answer is lost, late or never heard. Between any two steps
+the scheduler may also let time pass (leases expire while an answer is on its way), jump the clock, deliver
+messages in any order and more than once, fire timers late or twice, and, as operators do, cancel runs,
+resolve Unknowns, rediscover, and sync a release whose code renames, adds or removes steps.
+
+Only one thread runs at a time, and every choice comes from the seed, so a seed replays exactly (in one
+process; run the bench with ``PYTHONHASHSEED=0`` to replay across processes). The invariants
+(:mod:`.invariants`) are checked at every committed write and every callback execution, and liveness at the
+end: with the faults over and delivery fair, every run finishes or carries a blocker that names its remedy.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ryusen._internal.signing import SIGNATURE_HEADER, SeenRequests, app_key, sign, url_path
+from ryusen._internal.wire import (
+    SDK_FEATURES,
+    ErrorInfo,
+    LateResult,
+    TaskRequest,
+    TaskResponse,
+    late_result_scope,
+)
+from ryusen_server.aws.queue import MAX_RECEIVE_COUNT
+from ryusen_server.core.events import EngineSettings, Resolve
+from ryusen_server.core.model import (
+    DEFINITION_BLOCKERS,
+    AttemptStatus,
+    BlockerType,
+    RunPhase,
+    RunState,
+    TaskRef,
+    TimerRef,
+)
+from ryusen_server.core.view import REMEDIES
+from ryusen_server.engine import SWEEP_GRACE_S, Engine, ServerSettings
+from ryusen_server.memory import MemoryStore
+from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError
+from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
+
+from . import workload
+from .invariants import Checker
+
+EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
+VISIBILITY_S = 60.0
+"""The dispatch queue's visibility timeout (a received message comes back after this unless changed)."""
+SWEEP_EVERY_S = 60.0
+MAX_ACTORS = 4
+STALL = timedelta(hours=6)
+"""Fair delivery for this long redoes any lost work (or twice as long as it had been overdue, if longer)."""
+
+
+class Crash(BaseException):
+    """The process running this actor died here (a Lambda timeout, an OOM, a host failure)."""
+
+
+class InjectedError(Exception):
+    """An AWS or HTTP call failed as botocore reports it after its retries: throttled, a 5xx, a timeout."""
+
+
+# ---- faults ----------------------------------------------------------------------------------------------
+
+WRITE_FAULTS = ("crash_before", "crash_after", "error_before", "error_after", "throttled")
+"""A conditional write: the process dies before or after it commits; it fails; it commits and its answer is
+lost past botocore's retries; it is throttled and botocore's retries get it through."""
+READ_FAULTS = ("crash_before", "error_before", "throttled")
+SEND_FAULTS = ("crash_before", "crash_after", "error_before", "lost", "duplicate", "delayed")
+SCHEDULE_FAULTS = ("crash_before", "crash_after", "error_before", "lost")
+INVOKE_FAULTS = ("crash_before", "unreachable", "bad_gateway", "duplicate_request")
+ANSWER_FAULTS = ("crash_after", "answer_lost", "answer_late", "bad_gateway_after")
+DELIVERY_FAULTS = ("duplicate_delivery", "reordered")
+TIMER_FAULTS = ("fired_late", "fired_twice")
+ALL_FAULTS = frozenset(
+    WRITE_FAULTS
+    + READ_FAULTS
+    + SEND_FAULTS
+    + SCHEDULE_FAULTS
+    + INVOKE_FAULTS
+    + ANSWER_FAULTS
+    + DELIVERY_FAULTS
+    + TIMER_FAULTS
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """What a seed may do: how often a boundary faults and which faults, operators and releases it has."""
+
+    rate: float
+    kinds: frozenset[str]
+    operators: bool
+    releases: bool
+    jumps: bool
+    skew_s: float
+    runs: int
+    chaos_events: int
+
+    @staticmethod
+    def draw(rng: random.Random) -> Profile:
+        if rng.random() < 0.1:
+            return Profile.clean(rng)
+        kinds = frozenset(k for k in sorted(ALL_FAULTS) if rng.random() < 0.6)
+        return Profile(
+            rate=rng.choice([0.02, 0.05, 0.1, 0.2]),
+            kinds=kinds,
+            operators=rng.random() < 0.7,
+            releases=rng.random() < 0.5,
+            jumps=rng.random() < 0.4,
+            skew_s=rng.choice([0.0, 0.0, 2.0, 10.0]),
+            runs=rng.randint(1, 3),
+            chaos_events=rng.randint(100, 500),
+        )
+
+    @staticmethod
+    def clean(rng: random.Random) -> Profile:
+        """No fault, no operator, no release: every run must end as the code says (:func:`workload.expected`);
+        dispatchers still race."""
+        return Profile(0.0, frozenset(), False, False, False, 0.0, rng.randint(1, 3), 0)
+
+    @property
+    def is_clean(self) -> bool:
+        return self.rate == 0.0 and not (self.operators or self.releases or self.jumps or self.skew_s)
+
+
+# ---- actors and the scheduler ----------------------------------------------------------------------------
+
+
+class Actor:
+    """One concurrent activity, run by its own thread only while the scheduler hands it the baton."""
+
+    def __init__(self, sim: Simulation, name: str, body: Callable[[], None]) -> None:
+        self.sim = sim
+        self.name = name
+        self.body = body
+        self.resume = threading.Semaphore(0)
+        self.at: tuple[str, str, tuple[str, ...]] | None = None
+        """The boundary it is parked at: (kind, detail, the faults possible there)."""
+        self.verdict = "ok"
+        self.kill = False
+        self.finished = False
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def _main(self) -> None:
+        self.resume.acquire()
+        try:
+            if not self.kill:
+                self.body()
+        except Crash:
+            self.sim.note(f"{self.name}: its process died")
+        except (InjectedError, ServerError) as exc:
+            self.sim.note(f"{self.name}: failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the engine raised what it never should: a violation
+            self.sim.violation(f"{self.name} raised {type(exc).__name__}: {exc}")
+        finally:
+            self.finished = True
+            self.sim.baton.release()
+
+
+@dataclass(slots=True)
+class Message:
+    id: str
+    body: DispatchMessage
+    visible_at: datetime
+    receives: int = 0
+
+
+@dataclass(slots=True)
+class Held:
+    """A late result an endpoint's SDK will submit to the result endpoint."""
+
+    body: bytes
+    headers: dict[str, str]
+    times: int
+
+
+@dataclass
+class Report:
+    seed: int
+    profile: Profile
+    spec: str
+    events: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    blocked_at_end: int = 0
+    effects: int = 0
+    trace: list[str] = field(default_factory=list)
+
+    def trace_text(self, last: int = 200) -> str:
+        lines = self.trace[-last:]
+        return "\n".join(lines)
+
+
+class Simulation:
+    def __init__(self, seed: int, profile: Profile | None = None) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.profile = profile or Profile.draw(self.rng)
+        self.now = EPOCH
+        self.baton = threading.Semaphore(0)
+        self.actors: list[Actor] = []
+        self.current: Actor | None = None
+        self._by_thread: dict[int, Actor] = {}
+        self.chaos = True
+        self.calm_since = EPOCH
+        self.overdue_at_calm: dict[str, timedelta] = {}
+        """How long each run's work had been overdue when the faults ended."""
+        self.faults: Counter[str] = Counter()
+        self.trace: list[str] = []
+        self.violations: list[str] = []
+        self.events = 0
+        self.ids = iter(range(1, 1 << 40))
+
+        self.store = SimStore(self)
+        self.queue = SimQueue(self)
+        self.timers = SimTimers(self)
+        self.invoker = SimInvoker(self)
+        self.check = Checker(self)
+        self.held: list[Held] = []
+        self.starts: list[tuple[int, Any, float | None]] = []
+        """Starts whose client heard no answer: it sends the same start again (same idempotency key)."""
+        self.next_sweep = self.now + timedelta(seconds=SWEEP_EVERY_S)
+
+        master = f"{self.rng.getrandbits(256):064x}"
+        self.master = master
+        self.seen = SeenRequests()
+        """Shared by every endpoint instance (``RYUSEN_REPLAY_TABLE``): a duplicated request is refused anywhere."""
+        self.skews = [timedelta(0), timedelta(seconds=self.rng.uniform(-1, 1) * self.profile.skew_s)]
+        settings = EngineSettings(attempt_timeout_s=30, lease_grace_s=5, redelivery_initial_s=1)
+        self.engines = [
+            Engine(
+                store=self.store,
+                queue=self.queue,
+                timers=self.timers,
+                invoker=self.invoker,
+                settings=ServerSettings(engine=settings, chain=True, master_key=master),
+                clock=self._clock_of(i),
+                new_id=lambda: f"run_{next(self.ids):04d}",
+            )
+            for i in range(2)
+        ]
+        self.spec = workload.generate(self.rng, clean=self.profile.is_clean)
+        self.specs = [self.spec]
+        self.releases = 0
+        self.run_ids: list[str] = []
+        self.inputs: dict[str, Any] = {}
+        self.executions: Counter[tuple[str, str, str]] = Counter()
+        self.request: TaskRequest | None = None
+        """The request the endpoint is executing (its callback reads its run and generation)."""
+        self._publish(self.spec)
+
+    # ---- the clock -----------------------------------------------------------------------------
+
+    def _clock_of(self, container: int) -> Callable[[], datetime]:
+        return lambda: self.now + self.skews[container]
+
+    def advance(self, seconds: float, why: str) -> None:
+        self.now += timedelta(seconds=seconds)
+        self.note(f"time +{seconds:.1f}s ({why})")
+
+    # ---- trace and violations ---------------------------------------------------------------------
+
+    def note(self, text: str) -> None:
+        self.trace.append(f"{self.events:5d} {(self.now - EPOCH).total_seconds():9.1f}s  {text}")
+
+    def violation(self, text: str) -> None:
+        self.note(f"VIOLATION: {text}")
+        self.violations.append(text)
+
+    # ---- boundaries ---------------------------------------------------------------------------
+
+    def boundary(self, kind: str, detail: str, faults: tuple[str, ...]) -> str:
+        """Called by the world before each call an actor makes: park until the scheduler moves this actor,
+        and return what happens to the call ("ok", or a fault it injected)."""
+        actor = self._by_thread.get(threading.get_ident())
+        if actor is None:
+            return "ok"  # the simulator's own setup or checks
+        actor.at = (kind, detail, faults)
+        self.baton.release()
+        actor.resume.acquire()
+        if actor.kill:
+            raise Crash()
+        return actor.verdict
+
+    def _verdict(self, faults: tuple[str, ...]) -> str:
+        if not self.chaos or not faults or self.rng.random() >= self.profile.rate:
+            return "ok"
+        possible = [f for f in faults if f in self.profile.kinds]
+        return self.rng.choice(possible) if possible else "ok"
+
+    def spawn(self, name: str, body: Callable[[], None]) -> None:
+        actor = Actor(self, name, body)
+        self.actors.append(actor)
+        actor.thread.start()
+        self._by_thread[actor.thread.ident or 0] = actor
+        self.note(f"{name}: begins")
+        self._run(actor)
+
+    def _run(self, actor: Actor) -> None:
+        self.current = actor
+        actor.resume.release()
+        self.baton.acquire()
+        self.current = None
+        if actor.finished:
+            self.actors.remove(actor)
+            self._by_thread.pop(actor.thread.ident or 0, None)
+            actor.thread.join()
+
+    def _resume(self, actor: Actor) -> None:
+        assert actor.at is not None
+        kind, detail, faults = actor.at
+        actor.verdict = self._verdict(faults)
+        if actor.verdict != "ok":
+            self.faults[actor.verdict] += 1
+        self.note(f"{actor.name}: {kind} {detail}" + (f" -> {actor.verdict}" if actor.verdict != "ok" else ""))
+        self._run(actor)
+
+    def kill_all(self) -> None:
+        for actor in list(self.actors):
+            actor.kill = True
+            self._run(actor)
+
+    # ---- the apps -----------------------------------------------------------------------------------
+
+    def _publish(self, spec: workload.WorkflowSpec) -> Release:
+        """Serve a release of the app (two endpoint instances: a request may reach either) and sync it."""
+        url = f"https://endpoint.sim/r{spec.release}"
+        apps = [workload.build_app(spec, self.on_effect, master_key=self.master, seen=self.seen) for _ in range(2)]
+        self.invoker.endpoints[url] = apps
+        return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), frozenset(SDK_FEATURES))
+
+    def on_effect(self, step_id: str, phase: str) -> int:
+        request = self.request
+        assert request is not None, "a callback ran outside a request"
+        key = (request.run_id, step_id, phase)
+        before = self.executions[key]
+        self.executions[key] += 1
+        self.check.effect(request, step_id, phase)
+        self.note(f"  effect {request.run_id} {step_id} {phase} #{before + 1}")
+        return before
+
+    # ---- what the scheduler can do ----------------------------------------------------------------------
+
+    def _choices(self) -> list[tuple[float, str, Any]]:
+        choices: list[tuple[float, str, Any]] = [(4.0, "resume", actor) for actor in self.actors]
+        if len(self.actors) < MAX_ACTORS:
+            visible = self.queue.visible()
+            if visible:
+                choices.append((3.0, "dispatch", visible))
+            due = self.timers.due()
+            if due:
+                choices.append((2.0, "timer", due))
+            if self.held:
+                choices.append((0.5, "late result", None))
+            if self.starts:
+                choices.append((1.0, "client retries", None))
+            if self.now >= self.next_sweep:
+                choices.append((1.0, "sweep", None))
+            if self.chaos and self.profile.operators:
+                choices.append((0.15, "operator", None))
+            if self.chaos and self.profile.releases and self.releases < 3:
+                choices.append((0.05, "release", None))
+        if self.chaos:
+            choices.append((0.3, "time passes", None))
+            if self.profile.jumps:
+                choices.append((0.02, "clock jumps", None))
+        return choices
+
+    def step(self) -> bool:
+        """Take one scheduling decision; False if nothing can happen without time passing."""
+        choices = self._choices()
+        if not choices:
+            return False
+        total = sum(w for w, _, _ in choices)
+        pick = self.rng.uniform(0, total)
+        for weight, what, arg in choices:
+            pick -= weight
+            if pick <= 0:
+                break
+        self.events += 1
+        if what == "resume":
+            self._resume(arg)
+        elif what == "dispatch":
+            message = arg[0]
+            if self.chaos and "reordered" in self.profile.kinds:
+                message = self.rng.choice(arg)  # SQS keeps no order: any visible message may come first
+                if message is not arg[0]:
+                    self.faults["reordered"] += 1
+            self._dispatch(message)
+        elif what == "timer":
+            self._fire(self.rng.choice(arg))
+        elif what == "client retries":
+            i, data, timeout = self.starts.pop(0)
+            self.spawn(f"client{i} (again)", lambda: self._start(i, data, timeout))
+        elif what == "late result":
+            self._late_result()
+        elif what == "sweep":
+            self.next_sweep = self.now + timedelta(seconds=SWEEP_EVERY_S)
+            engine = self.rng.choice(self.engines)
+            self.spawn("sweeper", lambda: self._sweep(engine))
+        elif what == "operator":
+            self._operator()
+        elif what == "release":
+            self._release()
+        elif what == "time passes":
+            self.advance(self.rng.uniform(0.5, 40), "while work is in flight")
+        elif what == "clock jumps":
+            self.advance(self.rng.choice([300, 3600, 86400]), "the clock jumps")
+        return True
+
+    def _sweep(self, engine: Engine) -> None:
+        report = engine.sweep()
+        if report.repaired or report.failed:
+            self.note(f"sweeper: repaired {report.repaired}, failed {report.failed}")
+
+    def _dispatch(self, message: Message) -> None:
+        message.receives += 1
+        if message.receives > MAX_RECEIVE_COUNT:
+            self.queue.dead_letter(message)
+            return
+        message.visible_at = self.now + timedelta(seconds=VISIBILITY_S)
+        if self.chaos and "duplicate_delivery" in self.profile.kinds and self.rng.random() < self.profile.rate:
+            self.faults["duplicate_delivery"] += 1
+            self.queue.put(message.body, 0.0)  # SQS delivers at least once
+        container = self.rng.randrange(2)
+        engine = self.engines[container]
+        name = f"dispatcher{container}[{message.id} {_describe(message.body)}]"
+        self.spawn(name, lambda: self._handle(engine, message))
+
+    def _handle(self, engine: Engine, message: Message) -> None:
+        """What the dispatch Lambda does with one record."""
+
+        def change_visibility(seconds: float) -> None:
+            self.queue.change_visibility(message, seconds)
+
+        keep = lease_keeper(change_visibility, VISIBILITY_S)
+        try:
+            done, after = process_message(engine, message.body, on_authorized=keep)
+        except (InjectedError, ServerError) as exc:
+            self.note(f"dispatch of {message.id} failed ({type(exc).__name__}: {exc}); it comes back")
+            return
+        if done:
+            self.queue.delete(message)
+        else:
+            change_visibility(max(1.0, after))
+
+    def _fire(self, timer: TimerRef) -> None:
+        """EventBridge Scheduler puts the timer's message on the dispatch queue (at least once, maybe late)."""
+        self.timers.fired(timer)
+        if self.chaos and "fired_late" in self.profile.kinds and self.rng.random() < self.profile.rate:
+            self.faults["fired_late"] += 1
+            self.timers.later(timer, self.rng.uniform(1, 120))
+            return
+        self.note(f"scheduler: {timer.name} fires")
+        self.queue.put(TimerMessage(timer=timer), 0.0)
+        if self.chaos and "fired_twice" in self.profile.kinds and self.rng.random() < self.profile.rate:
+            self.faults["fired_twice"] += 1
+            self.queue.put(TimerMessage(timer=timer), self.rng.uniform(0, 30))
+
+    def _late_result(self) -> None:
+        held = self.rng.choice(self.held)
+        held.times -= 1
+        if held.times <= 0:
+            self.held.remove(held)
+        engine = self.rng.choice(self.engines)
+        self.spawn("result endpoint", lambda: self._submit(engine, held))
+
+    def _submit(self, engine: Engine, held: Held) -> None:
+        try:
+            engine.submit_late_result(held.body, held.headers)
+        except ServerError as exc:
+            self.note(f"result endpoint: refused: {exc.code}")
+
+    def start_runs(self) -> None:
+        for i in range(self.profile.runs):
+            data = {"order": i}
+            timeout = self.rng.choice([None, None, None, 120.0, 900.0]) if not self.profile.is_clean else None
+            self.spawn(f"client{i}", lambda i=i, data=data, timeout=timeout: self._start(i, data, timeout))
+
+    def _start(self, i: int, data: Any, timeout: float | None) -> None:
+        """A client starts a run with an idempotency key, and retries until it hears an answer."""
+        try:
+            state, _ = self.engines[0].start_run(
+                workload.FUNCTION_ID, data, idempotency_key=f"order-{i}", timeout_s=timeout
+            )
+        except (InjectedError, Crash):
+            self.note(f"client{i}: no answer; it will retry the start")
+            self.starts.append((i, data, timeout))
+            raise
+        if state.id not in self.run_ids:
+            self.run_ids.append(state.id)
+            self.inputs[state.id] = data
+
+    def _operator(self) -> None:
+        runs = [r for r in self.run_ids if (s := self.store.peek(r)) is not None and s.phase is not RunPhase.FINISHED]
+        if not runs:
+            return
+        run_id = self.rng.choice(runs)
+        engine = self.rng.choice(self.engines)
+        what = self.rng.choice(["cancel", "resolve", "resolve", "rediscover"])
+        if what == "cancel":
+            self.spawn(f"operator: cancel {run_id}", lambda: _refused_ok(lambda: engine.cancel(run_id)))
+        elif what == "rediscover":
+            self.spawn(f"operator: rediscover {run_id}", lambda: _refused_ok(lambda: engine.rediscover(run_id)))
+        else:
+            resolution = self._pick_resolution(run_id)
+            if resolution is not None:
+                self.spawn(
+                    f"operator: {resolution.action} {run_id} {resolution.step_id} {resolution.phase.value}"
+                    f" #{resolution.generation}",
+                    lambda: _refused_ok(lambda: engine.resolve(run_id, resolution)),
+                )
+
+    def _pick_resolution(self, run_id: str, *, unknown_only: bool = False) -> Resolve | None:
+        state = self.store.peek(run_id)
+        assert state is not None
+        attempts = [
+            (step.id, a)
+            for step in state.steps
+            for a in step.attempts
+            if not unknown_only or a.status is AttemptStatus.UNKNOWN
+        ]
+        if not attempts:
+            return None
+        step_id, attempt = self.rng.choice(attempts)
+        action = self.rng.choice(["retry", "retry", "succeed", "fail"])
+        return Resolve(
+            step_id=step_id,
+            phase=attempt.phase,
+            generation=attempt.generation,
+            action=action,  # type: ignore[arg-type]
+            result={"operator": step_id} if action == "succeed" else None,
+            error=ErrorInfo(type="declared_failure", message="the operator declared it failed")
+            if action == "fail"
+            else None,
+        )
+
+    def _release(self) -> None:
+        self.releases += 1
+        spec, how = workload.variant(self.specs[-1], self.rng, self.releases)
+        self.specs.append(spec)
+        self.spawn(f"deploy: release r{spec.release} ({how}: {spec.describe()})", lambda: self._sync(spec))
+
+    def _sync(self, spec: workload.WorkflowSpec) -> None:
+        self._publish(spec)
+
+    # ---- a whole seed ---------------------------------------------------------------------------------
+
+    def run(self) -> Report:
+        report = Report(self.seed, self.profile, self.spec.describe())
+        self.note(f"seed {self.seed}: {self.profile}")
+        self.note(f"workflow: {self.spec.describe()}")
+        try:
+            self.start_runs()
+            for _ in range(self.profile.chaos_events):
+                if not self.step() or self.violations:
+                    break
+            self.chaos = False
+            self.calm_since = self.now
+            for run_id in self.run_ids:
+                due = self._due_at(run_id)
+                if due is not None and due < self.now:
+                    self.overdue_at_calm[run_id] = self.now - due
+            self.note("faults end: delivery is fair from here")
+            if not self.violations:
+                self._settle()
+            rounds = 0
+            while not self.violations and rounds < 4 and self._operator_round():
+                rounds += 1
+                self._settle()
+            if not self.violations:
+                self.check.at_end()
+        finally:
+            self.kill_all()
+        report.events = self.events
+        report.faults = self.faults
+        report.violations = self.violations
+        report.trace = self.trace
+        report.effects = sum(self.executions.values())
+        for run_id in self.run_ids:
+            state = self.store.peek(run_id)
+            assert state is not None
+            if state.phase is RunPhase.FINISHED:
+                report.outcomes[f"{state.outcome}/{state.recovery}"] += 1
+            else:
+                report.outcomes["blocked"] += 1
+                report.blocked_at_end += 1
+        return report
+
+    def _settle(self, max_events: int = 20_000) -> None:
+        """Without faults, deliver fairly until every run is finished or waits for a person; the sweeper must
+        repair whatever the faults lost.
+
+        Lost work must be redone within 6 hours of fair delivery, or, for work that had already been overdue
+        for a long time when delivery became fair (a clock jump, a long outage), within twice that time (the
+        sweeper backs off as long as a run's work has been overdue). A run that is not moved by then has
+        *stalled*; one with nothing on its way at all (no message, no timer, no check time) stalled *silently*."""
+        for _ in range(max_events):
+            if self.violations:
+                return
+            if self.step():
+                continue
+            if self._all_settled():
+                return
+            unsettled = self._unsettled()
+            due = [t for t in (self.queue.next_visible_at(), self.timers.next_due_at()) if t is not None]
+            if due and min(due) <= self.now + timedelta(days=2):
+                target = max(self.now, min(due))
+            else:  # nothing is on its way: only the sweeper can find what was lost, at a run's check time
+                checks = [at for r in unsettled if (at := self.store.inner.check_time_of(r)) is not None]
+                if not checks:
+                    for run_id in unsettled:
+                        self.violation(f"{run_id} stalled silently: {self.check.describe(run_id)}")
+                    return
+                target = max(self.now, min(checks) + timedelta(seconds=SWEEP_GRACE_S + SWEEP_EVERY_S))
+                self.next_sweep = target
+            if (stalled := self._stalled_by(target, unsettled)) is not None:
+                self.violation(stalled)
+                return
+            if target > self.now:
+                self.advance((target - self.now).total_seconds(), "nothing to do until then")
+        self.violation(f"no quiet within {max_events} events: {[self.check.describe(r) for r in self._unsettled()]}")
+
+    def _stalled_by(self, moment: datetime, unsettled: list[str]) -> str | None:
+        """Why a run that nothing moves before ``moment`` has stalled by then, or None."""
+        fair = moment - self.calm_since
+        for run_id in unsettled:
+            due = self._due_at(run_id)
+            if due is None or moment - due <= STALL:
+                continue
+            allowed = max(STALL, 2 * self.overdue_at_calm.get(run_id, timedelta(0)))
+            if fair > allowed:
+                return (
+                    f"{run_id} stalled: its work was due at {due}, and after {fair} of fair delivery nothing has done"
+                    f" it: {self.check.describe(run_id)}"
+                )
+        return None
+
+    def _unsettled(self) -> list[str]:
+        out = []
+        for run_id in self.run_ids:
+            state = self.store.peek(run_id)
+            assert state is not None
+            if state.phase is RunPhase.FINISHED:
+                continue
+            waits_for_a_person = any(b.type is not BlockerType.ENDPOINT_FAILING for b in state.blockers)
+            if waits_for_a_person and self._due_at(run_id) is None:
+                continue
+            out.append(run_id)
+        return out
+
+    def _due_at(self, run_id: str) -> datetime | None:
+        """When the run's work other than its probe is due (None: it waits only for a person, or is finished)."""
+        state = self.store.peek(run_id)
+        assert state is not None
+        return state.model_copy(update={"probe_due_at": None}).work_due_at()
+
+    def _all_settled(self) -> bool:
+        return not self.actors and len(self.run_ids) == self.profile.runs and not self._unsettled()
+
+    def _operator_round(self) -> bool:
+        """An operator reads each blocked run's blockers and does what their remedies say; False if none."""
+        acted = False
+        for run_id in self.run_ids:
+            state = self.store.peek(run_id)
+            assert state is not None
+            if state.phase is RunPhase.FINISHED:
+                continue
+            for blocker in state.blockers:
+                if blocker.type is not BlockerType.ENDPOINT_FAILING and not REMEDIES.get(blocker.type):
+                    self.violation(f"{run_id}: blocker {blocker.type} names no remedy")
+            types = {b.type for b in state.blockers}
+            if BlockerType.UNKNOWN_OUTCOME in types:
+                resolution = self._pick_resolution(run_id, unknown_only=True)
+                if resolution is not None:
+                    acted = True
+                    engine = self.engines[0]
+                    self.spawn(
+                        f"operator: {resolution.action} {run_id} {resolution.step_id} {resolution.phase.value}"
+                        f" #{resolution.generation}",
+                        lambda e=engine, r=resolution, run=run_id: _refused_ok(lambda: e.resolve(run, r)),
+                    )
+            if types & DEFINITION_BLOCKERS:
+                acted = True
+                self.releases += 1
+                spec = workload.WorkflowSpec(self.spec.groups, self.spec.raise_at_end, release=self.releases)
+                self.specs.append(spec)
+                self.spawn(f"deploy: release r{spec.release} (the first code again)", lambda s=spec: self._sync(s))
+        return acted
+
+
+def _refused_ok(action: Callable[[], Any]) -> None:
+    """An operator action the API refuses (409, 404) changes nothing: that is fine here."""
+    try:
+        action()
+    except ServerError as exc:
+        if exc.status >= 500:
+            raise
+
+
+def _describe(body: DispatchMessage) -> str:
+    if isinstance(body, TimerMessage):
+        return body.timer.name
+    return body.describe()
+
+
+# ---- the world's I/O, each call a boundary ---------------------------------------------------------------
+
+
+class SimStore:
+    """The in-memory store (DynamoDB's semantics), every call a boundary; the checker sees every commit."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.inner = MemoryStore()
+
+    def peek(self, run_id: str) -> RunState | None:
+        return self.inner.peek(run_id)
+
+    def _read(self, what: str) -> None:
+        verdict = self.sim.boundary("store.read", what, READ_FAULTS)
+        if verdict in ("crash_before",):
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError(f"DynamoDB {what}: ProvisionedThroughputExceeded after retries")
+
+    def _write(self, what: str, commit: Callable[[], None]) -> None:
+        verdict = self.sim.boundary("store.write", what, WRITE_FAULTS)
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError(f"DynamoDB {what}: throttled after retries")
+        commit()
+        if verdict == "crash_after":
+            raise Crash()
+        if verdict == "error_after":
+            raise InjectedError(f"DynamoDB {what}: committed, but the answer was lost after retries")
+
+    def get(self, run_id: str) -> RunState | None:
+        self._read(f"GetItem {run_id}")
+        return self.inner.get(run_id)
+
+    def create(self, state: RunState) -> None:
+        def commit() -> None:
+            self.inner.create(state)
+            self.sim.check.committed(state)
+
+        self._write(f"create {state.id}", commit)
+
+    def save(self, state: RunState, *, expected_version: int) -> None:
+        def commit() -> None:
+            self.inner.save(state, expected_version=expected_version)
+            self.sim.check.committed(state)
+
+        self._write(f"save {state.id} v{expected_version}->v{state.version}", commit)
+
+    def run_for_idempotency_key(self, function_id: str, key: str) -> str | None:
+        self._read(f"idempotency key {key}")
+        return self.inner.run_for_idempotency_key(function_id, key)
+
+    def list_runs(self, **kwargs: Any) -> RunPage:
+        self._read("list runs")
+        return self.inner.list_runs(**kwargs)
+
+    def runs_blocked_by_definition(self, function_id: str) -> list[str]:
+        self._read("blocked-runs index")
+        return self.inner.runs_blocked_by_definition(function_id)
+
+    def runs_to_check(self, before: datetime, limit: int) -> list[str]:
+        self._read("runs-to-check index")
+        return self.inner.runs_to_check(before, limit)
+
+    def defer_check(self, run_id: str, at: datetime) -> None:
+        self._write(f"defer check {run_id}", lambda: self.inner.defer_check(run_id, at))
+
+    def put_release(self, release: Release) -> None:
+        self._write(f"put release {release.release_id}", lambda: self.inner.put_release(release))
+
+    def get_release(self, function_id: str) -> Release | None:
+        self._read("release")
+        return self.inner.get_release(function_id)
+
+    def list_releases(self) -> list[Release]:
+        self._read("releases")
+        return self.inner.list_releases()
+
+
+class SimQueue:
+    """SQS: at-least-once, any order among visible messages, visibility as the lease timer, a dead-letter queue."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.messages: dict[str, Message] = {}
+        self.dead: list[DispatchMessage] = []
+
+    def put(self, body: DispatchMessage, delay_s: float) -> None:
+        mid = f"m{next(self.sim.ids)}"
+        self.messages[mid] = Message(mid, body, self.sim.now + timedelta(seconds=delay_s))
+
+    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+        verdict = self.sim.boundary("sqs.send", f"{task.describe()} +{delay_s:.0f}s", SEND_FAULTS)
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError("SQS SendMessage failed after retries")
+        if verdict == "lost":
+            return
+        self.put(task, delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
+        if verdict == "duplicate":
+            self.put(task, delay_s)
+        if verdict == "crash_after":
+            raise Crash()
+
+    def change_visibility(self, message: Message, seconds: float) -> None:
+        verdict = self.sim.boundary(
+            "sqs.change_visibility", f"{message.id} {seconds:.0f}s", ("crash_before", "error_before")
+        )
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError("SQS ChangeMessageVisibility failed")
+        if message.id in self.messages:
+            message.visible_at = self.sim.now + timedelta(seconds=seconds)
+
+    def delete(self, message: Message) -> None:
+        verdict = self.sim.boundary("sqs.delete", message.id, ("crash_before", "error_before"))
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            return  # the batch's deletion failed: the message comes back (a duplicate delivery)
+        self.messages.pop(message.id, None)
+
+    def dead_letter(self, message: Message) -> None:
+        self.messages.pop(message.id, None)
+        self.dead.append(message.body)
+        self.sim.note(f"sqs: {message.id} {_describe(message.body)} moved to the dead-letter queue")
+
+    def visible(self) -> list[Message]:
+        now = self.sim.now
+        return sorted((m for m in self.messages.values() if m.visible_at <= now), key=lambda m: (m.visible_at, m.id))
+
+    def next_visible_at(self) -> datetime | None:
+        return min((m.visible_at for m in self.messages.values()), default=None)
+
+
+class SimTimers:
+    """EventBridge Scheduler: one-time schedules by name, fired at least once, maybe late."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.pending: dict[str, TimerRef] = {}
+        self.extra: dict[str, float] = {}
+
+    def schedule(self, timer: TimerRef) -> None:
+        verdict = self.sim.boundary("scheduler.create", timer.name, SCHEDULE_FAULTS)
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError("Scheduler CreateSchedule failed after retries")
+        if verdict != "lost":
+            self.pending[timer.name] = timer
+            self.extra.pop(timer.name, None)
+        if verdict == "crash_after":
+            raise Crash()
+
+    def cancel(self, timer: TimerRef) -> None:
+        verdict = self.sim.boundary("scheduler.delete", timer.name, ("crash_before", "error_before"))
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            raise InjectedError("Scheduler DeleteSchedule failed after retries")
+        self.pending.pop(timer.name, None)
+
+    def _at(self, timer: TimerRef) -> datetime:
+        return timer.at + timedelta(seconds=self.extra.get(timer.name, 0.0))
+
+    def due(self) -> list[TimerRef]:
+        return sorted((t for t in self.pending.values() if self._at(t) <= self.sim.now), key=lambda t: t.name)
+
+    def fired(self, timer: TimerRef) -> None:
+        self.pending.pop(timer.name, None)
+
+    def later(self, timer: TimerRef, seconds: float) -> None:
+        self.pending[timer.name] = timer
+        self.extra[timer.name] = self.extra.get(timer.name, 0.0) + seconds
+
+    def next_due_at(self) -> datetime | None:
+        return min((self._at(t) for t in self.pending.values()), default=None)
+
+
+class SimInvoker:
+    """HTTP to the user's endpoint: each release is served at its own URL by two instances."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.endpoints: dict[str, list[Any]] = {}
+
+    def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        sim = self.sim
+        request = TaskRequest.model_validate_json(body)
+        what = f"POST {url} {request.kind.value} {request.run_id} {request.step_id or ''}".rstrip()
+        verdict = sim.boundary("http.request", what, INVOKE_FAULTS)
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "unreachable":
+            return InvokeResult(kind="unreachable", detail="injected: connection refused")
+        if verdict == "bad_gateway":
+            return InvokeResult(kind="response", status=502, body=b'{"message": "Bad Gateway"}')
+        apps = self.endpoints[url]
+        instance = sim.rng.randrange(len(apps))
+        response = self._serve(apps[instance], url, request, headers, body)
+        if verdict == "duplicate_request":  # the network delivers the request twice (maybe to the other instance)
+            again = self._serve(apps[sim.rng.randrange(len(apps))], url, request, headers, body)
+            sim.note(f"  a duplicate of the request got HTTP {again.status}")
+        answer = sim.boundary("http.response", f"{what} -> HTTP {response.status}", ANSWER_FAULTS)
+        if answer == "crash_after":
+            raise Crash()
+        if answer == "answer_lost":
+            return InvokeResult(kind="lost", detail="injected: the connection dropped before the answer")
+        if answer == "bad_gateway_after":
+            return InvokeResult(kind="response", status=502, body=b'{"message": "Bad Gateway"}')
+        if answer == "answer_late":
+            self._hold_late(url, request, response.status, response.body)
+            return InvokeResult(kind="timed_out", detail="injected: no answer in time")
+        return InvokeResult(kind="response", status=response.status, headers=response.headers, body=response.body)
+
+    def _serve(self, app: Any, url: str, request: TaskRequest, headers: dict[str, str], body: bytes) -> Any:
+        self.sim.request = request
+        try:
+            return app.handle("POST", headers, body, path=url_path(url))
+        finally:
+            self.sim.request = None
+
+    def _hold_late(self, url: str, request: TaskRequest, status: int, body: bytes) -> None:
+        """The SDK, past ``respond_by``, submits its answer to the result endpoint (once, or twice)."""
+        if status != 200 or request.operation is None or request.step_id is None:
+            return
+        answer = TaskResponse.model_validate_json(body)
+        if answer.attempt is None or answer.attempt.type not in ("succeeded", "failed"):
+            return  # only a callback's outcome is submitted late (a conflict ran nothing)
+        late = LateResult.model_validate(
+            {
+                "run_id": request.run_id,
+                "step_id": request.step_id,
+                "phase": request.operation.phase,
+                "generation": request.operation.generation,
+                "attempt": answer.attempt.model_dump(),
+            }
+        )
+        payload = late.model_dump_json().encode()
+        key = app_key(self.sim.master, workload.APP_ID)
+        scope = late_result_scope(late, path="/v1/results", app_id=workload.APP_ID)
+        nonce = f"{self.sim.rng.getrandbits(128):032x}"
+        header = sign(key, scope, payload, now=time.time(), nonce=nonce)
+        self.sim.held.append(Held(payload, {SIGNATURE_HEADER: header}, times=self.sim.rng.choice([1, 1, 2])))
