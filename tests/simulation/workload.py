@@ -36,6 +36,7 @@ class StepSpec:
     caught: bool
     """The function catches this step's ``StepFailed`` right where it is raised."""
     on_unknown: Literal["block", "retry"]
+    undo_on_unknown: Literal["block", "retry"] = "block"
 
     @property
     def succeeds(self) -> bool:
@@ -94,6 +95,7 @@ def generate(rng: random.Random, *, clean: bool = False) -> WorkflowSpec:
                     undo_attempts=undo_attempts,
                     caught=rng.random() < 0.25,
                     on_unknown=rng.choice(["block", "block", "retry"]),
+                    undo_on_unknown=rng.choice(["block", "block", "retry"]),
                 )
             )
             n += 1
@@ -210,7 +212,9 @@ def build_app(spec: WorkflowSpec, on_effect: Effect, *, master_key: str, seen: A
             data,
             compensate=compensator(s),
             retry=RetryPolicy(max_attempts=s.max_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.on_unknown),
-            compensate_retry=RetryPolicy(max_attempts=s.undo_attempts, initial_delay=timedelta(seconds=1)),
+            compensate_retry=RetryPolicy(
+                max_attempts=s.undo_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.undo_on_unknown
+            ),
         )
 
     @app.function(FUNCTION_ID)
