@@ -45,6 +45,8 @@ def test_seeds(block: int) -> None:
 REGRESSION_SEEDS = {
     2510: "an operator's retry of an Unknown, after a day-long clock jump, lost its message; the sweeper fired the"
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
+    2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"
+    " the run looked a day overdue and the sweeper, backing off, left the compensation's lost message for a day",
 }
 """Seeds that found a bug, with what they found (each fixed, each also a test of its own elsewhere)."""
 

@@ -251,3 +251,54 @@ def test_work_queued_by_a_repair_is_looked_at_after_the_grace_not_after_the_old_
     assert env.engine.sweep().repaired == [run_id]  # the retry's lost message is sent again
     assert env.wait(run_id).output == "receipt"
     assert calls == Counter({"reserve": 1, "charge": 2})  # the operator's retry: consented
+
+
+def test_a_probe_that_queued_work_leaves_no_stale_probe_time_behind() -> None:
+    """The simulator (seed 2275): a probe that fired a day late woke a run blocked in compensation and queued
+    the compensation again, but kept its spent probe time. The run looked overdue by a day from then on, so
+    the sweeper looked at it again only a day later, and the compensation, whose message was lost, waited."""
+    calls: Counter[str] = Counter()
+
+    def build(new_step: bool) -> Ryusen:
+        app = Ryusen("undo", release_id=f"r{int(new_step)}", build_id=f"b{int(new_step)}")
+
+        @app.function("order")
+        def order(data: Any, step: Step) -> Any:
+            if new_step:
+                step.run("audit", lambda: calls.update(["audit"]))
+            step.run(
+                "reserve", lambda: calls.update(["reserve"]) or "held", compensate=lambda _: calls.update(["release"])
+            )
+            step.run("charge", fail, retry=RetryPolicy(max_attempts=1))
+
+        return app
+
+    def fail() -> None:
+        raise RuntimeError("declined")
+
+    env = WorkflowEnvironment(build(False))
+    run_id = env.start("order", {})
+    env.drive(until=lambda: env.engine.get_run(run_id).phase.value == "compensating")
+    env.sync(build(True))  # a release that calls a new step before the one to compensate: blocked
+    env.drive(horizon=timedelta(seconds=1))
+    state = env.engine.get_run(run_id)
+    assert [b.type.value for b in state.blockers] == ["new_step_before_target"] and state.probe_due_at is not None
+    for timer in env.timers.pending():  # the probe fires a day late
+        env.timers.cancel(timer)
+    env.clock.advance_to(state.probe_due_at + timedelta(days=1))
+    lost = losing_sends(env, kinds={TaskKind.COMPENSATE})
+    env.engine.fire_timer(_probe(state))
+    assert lost  # the compensation the probe queued has no message
+    assert env.engine.get_run(run_id).probe_due_at is None  # the probe's time is spent
+    env.engine.sweep()
+    env.advance(PAST_GRACE + timedelta(minutes=1))
+    assert env.engine.sweep().repaired == [run_id]
+    env.sync(build(False))  # the fix: code that no longer calls the new step first
+    assert env.wait(run_id).summary == "failed, fully compensated"
+    assert calls["release"] == 1 and calls["audit"] == 0
+
+
+def _probe(state: Any) -> Any:
+    from ryusen_server.core.model import TimerKind, TimerRef
+
+    return TimerRef(run_id=state.id, kind=TimerKind.PROBE, at=state.probe_due_at)

@@ -629,7 +629,8 @@ class Simulation:
                     for run_id in unsettled:
                         self.violation(f"{run_id} stalled silently: {self.check.describe(run_id)}")
                     return
-                target = max(self.now, min(checks) + timedelta(seconds=SWEEP_GRACE_S + SWEEP_EVERY_S))
+                next_pass = self.now + timedelta(seconds=SWEEP_EVERY_S)
+                target = max(next_pass, min(checks) + timedelta(seconds=SWEEP_GRACE_S + SWEEP_EVERY_S))
                 self.next_sweep = target
             if (stalled := self._stalled_by(target, unsettled)) is not None:
                 self.violation(stalled)

@@ -983,15 +983,30 @@ class _Transition:
             step = self.step(entry.step_id) if entry else None
             current = step.current(Phase.COMPENSATION) if step else None
             if step is None or (current is not None and current.status in LIVE_ATTEMPT):
-                return self.ignore("compensation already in progress")
+                return self.probe_finds_nothing_to_do(due, "compensation already in progress")
             # the blocker stays until a pass gets past it, so the probe keeps doubling (D7, decisions 6.8)
+            self.probe_done(due)
             self.queue_attempt(step, Phase.COMPENSATION)
             return None
         if s.discovery is not None:
-            return self.ignore("a discovery pass is already queued")
+            return self.probe_finds_nothing_to_do(due, "a discovery pass is already queued")
         if self.stopping:
-            return self.ignore("no rediscovery after a stop intent")
+            return self.probe_finds_nothing_to_do(due, "no rediscovery after a stop intent")
+        self.probe_done(due)
         self.queue_discovery()
+
+    def probe_done(self, due: bool) -> None:
+        """A due probe queued the work that looks again: its time is spent (the work, if it blocks again,
+        schedules the next probe). A probe time left in the past would read as overdue work forever."""
+        if due:
+            self.s.probe_due_at = None
+            self.touch()
+
+    def probe_finds_nothing_to_do(self, due: bool, note: str) -> None:
+        """A wake that finds the run's work already on its way: a due probe keeps looking, less often."""
+        if due:
+            self.schedule_probe()
+        return self.ignore(note)
 
     # ---- attempt results ---------------------------------------------------------
 

@@ -50,6 +50,7 @@ from ..runtime import lease_keeper, process_body
 from ..settings import server_settings
 from ..urls import EndpointPolicy
 from ..wiring import AwsEngine, AwsResources, aws_engine, client
+from . import emulator
 from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
 from .ui import UI_HTML
@@ -434,8 +435,9 @@ def _local_moto(port: int) -> Any:
     from werkzeug.serving import make_server
 
     werkzeug_app.DISABLE_GLOBAL_CORS = True  # type: ignore[attr-defined] # read at import: set where it is used
+    emulator.install()  # holds up under load: failed transactions undo only what they named (emulator.py)
     backend = werkzeug_app.DomainDispatcherApplication(werkzeug_app.create_backend_app)
-    app = guarded(backend, lambda: port, browsers=False)
+    app = guarded(emulator.one_at_a_time(backend), lambda: port, browsers=False)
     handler = threaded_moto_server.MotoRequestHandler  # type: ignore[attr-defined]
     return make_server("127.0.0.1", port, app, threaded=True, request_handler=handler)
 

@@ -1,0 +1,104 @@
+"""What ``ryusen dev`` changes in its embedded moto so that it holds up under load (issue 12's 1,000 runs).
+
+* **One request at a time.** moto's backends are not thread-safe: under load a ``TransactWriteItems`` that
+  copies a table while another thread inserts into it raised ``dictionary changed size during iteration``.
+  moto shares the one process (and its one GIL) with the engine anyway, so serving its requests one at a time
+  costs no parallelism.
+* **A failed transaction is undone from the items it named, not a copy of every table it touched.** moto
+  deep-copies each table a ``TransactWriteItems`` touches, to restore it if the transaction fails: that is
+  the whole table for every step a run takes, so the dev stack slowed as it filled (5 effects/s at 600
+  runs). The snapshot made here shares every item with the live table except the ones the transaction
+  names (each deep-copied), which are the only items a transaction can change; restoring it gives the
+  table back exactly as before. tests/functional/test_dev_emulator.py checks a failed transaction leaves
+  the table as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+class _Snapshots:
+    """Stands in for the ``copy`` module inside moto's DynamoDB backend while a transaction runs."""
+
+    def __init__(self, table_type: type, dynamo_type: Callable[[Any], Any]) -> None:
+        self._table_type = table_type
+        self._dynamo_type = dynamo_type
+        self.local = threading.local()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(copy, name)
+
+    def deepcopy(self, value: Any, memo: Any = None) -> Any:
+        named = getattr(self.local, "items", None)
+        if named is None or not isinstance(value, self._table_type):
+            return copy.deepcopy(value, memo)
+        return self._snapshot(value, named)
+
+    def _snapshot(self, table: Any, named: list[dict[str, Any]]) -> Any:
+        snapshot = copy.copy(table)
+        ranged = table.range_key_attr is not None
+        items: Any = defaultdict(dict)
+        for hash_value, value in table.items.items():
+            items[hash_value] = dict(value) if ranged else value
+        for op in named:
+            if op.get("TableName") != table.name:
+                continue
+            key = op.get("Key") or op.get("Item") or {}
+            if table.hash_key_attr not in key:
+                continue
+            hash_value = self._dynamo_type(key[table.hash_key_attr])
+            if ranged:
+                if table.range_key_attr not in key:
+                    continue
+                range_value = self._dynamo_type(key[table.range_key_attr])
+                live = table.items.get(hash_value, {}).get(range_value)
+                if live is not None:
+                    items[hash_value][range_value] = copy.deepcopy(live)
+            elif hash_value in table.items:
+                items[hash_value] = copy.deepcopy(table.items[hash_value])
+        snapshot.items = items
+        return snapshot
+
+
+def install() -> None:
+    """Make failed transactions undo only the items they named (idempotent; this process's moto only)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        from moto.dynamodb import models
+        from moto.dynamodb.models.dynamo_type import DynamoType
+        from moto.dynamodb.models.table import Table
+
+        snapshots = _Snapshots(Table, DynamoType)
+        original = models.DynamoDBBackend.transact_write_items
+
+        def transact_write_items(self: Any, transact_items: list[dict[str, Any]]) -> None:
+            snapshots.local.items = [next(iter(item.values())) for item in transact_items]
+            try:
+                original(self, transact_items)
+            finally:
+                snapshots.local.items = None
+
+        models.copy = snapshots  # type: ignore[attr-defined,assignment]
+        models.DynamoDBBackend.transact_write_items = transact_write_items  # type: ignore[method-assign]
+        _installed = True
+
+
+def one_at_a_time(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """A WSGI app that serves one request at a time (its whole response is produced under the lock)."""
+    lock = threading.Lock()
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        with lock:
+            return list(app(environ, start_response))
+
+    return serve

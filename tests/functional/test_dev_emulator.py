@@ -1,0 +1,130 @@
+"""``ryusen dev``'s changes to its embedded moto (local/emulator.py): a failed TransactWriteItems still leaves
+the table exactly as it was, while its snapshot copies only the items the transaction names."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+
+from ryusen_server.local import emulator
+
+TABLE = "emulated"
+
+
+@pytest.fixture
+def dynamodb() -> Iterator[Any]:
+    emulator.install()
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        client.create_table(
+            TableName=TABLE,
+            AttributeDefinitions=[
+                {"AttributeName": "pk", "AttributeType": "S"},
+                {"AttributeName": "sk", "AttributeType": "S"},
+            ],
+            KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}, {"AttributeName": "sk", "KeyType": "RANGE"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        yield client
+
+
+def item(pk: str, sk: str, **values: str) -> dict[str, Any]:
+    return {"pk": {"S": pk}, "sk": {"S": sk}, **{k: {"S": v} for k, v in values.items()}}
+
+
+def everything(client: Any) -> list[dict[str, Any]]:
+    return sorted(client.scan(TableName=TABLE)["Items"], key=lambda i: (i["pk"]["S"], i["sk"]["S"]))
+
+
+def test_a_failed_transaction_leaves_the_table_as_it_was(dynamodb: Any) -> None:
+    for n in range(20):
+        dynamodb.put_item(TableName=TABLE, Item=item(f"run#{n}", "head", status="running"))
+    before = everything(dynamodb)
+    with pytest.raises(ClientError) as raised:
+        dynamodb.transact_write_items(
+            TransactItems=[
+                {"Put": {"TableName": TABLE, "Item": item("run#3", "v#1", entry="new")}},  # a new item
+                {
+                    "Update": {  # changes an item in place, then the next condition fails
+                        "TableName": TABLE,
+                        "Key": {"pk": {"S": "run#4"}, "sk": {"S": "head"}},
+                        "UpdateExpression": "SET #s = :s",
+                        "ExpressionAttributeNames": {"#s": "status"},
+                        "ExpressionAttributeValues": {":s": {"S": "finished"}},
+                    }
+                },
+                {
+                    "Put": {
+                        "TableName": TABLE,
+                        "Item": item("run#5", "head", status="replaced"),
+                        "ConditionExpression": "attribute_not_exists(pk)",
+                    }
+                },
+            ]
+        )
+    assert raised.value.response["Error"]["Code"] == "TransactionCanceledException"
+    assert everything(dynamodb) == before
+
+
+def test_a_transaction_that_commits_is_applied(dynamodb: Any) -> None:
+    dynamodb.put_item(TableName=TABLE, Item=item("run#1", "head", status="running"))
+    dynamodb.transact_write_items(
+        TransactItems=[
+            {
+                "Put": {
+                    "TableName": TABLE,
+                    "Item": item("run#1", "v#2", entry="e"),
+                    "ConditionExpression": "attribute_not_exists(pk)",
+                }
+            },
+            {
+                "Update": {
+                    "TableName": TABLE,
+                    "Key": {"pk": {"S": "run#1"}, "sk": {"S": "head"}},
+                    "UpdateExpression": "SET #s = :s",
+                    "ConditionExpression": "#s = :r",
+                    "ExpressionAttributeNames": {"#s": "status"},
+                    "ExpressionAttributeValues": {":s": {"S": "finished"}, ":r": {"S": "running"}},
+                }
+            },
+        ]
+    )
+    assert everything(dynamodb) == [item("run#1", "head", status="finished"), item("run#1", "v#2", entry="e")]
+
+
+def test_the_snapshot_copies_only_the_items_the_transaction_names(
+    dynamodb: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for n in range(300):
+        dynamodb.put_item(TableName=TABLE, Item=item(f"run#{n}", "head", status="running"))
+    copied: list[Any] = []
+    deepcopy = copy.deepcopy
+
+    def counting(value: Any, memo: Any = None) -> Any:
+        copied.append(type(value).__name__)
+        return deepcopy(value, memo)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    dynamodb.transact_write_items(
+        TransactItems=[
+            {"Put": {"TableName": TABLE, "Item": item("run#7", "v#1", entry="e")}},
+            {
+                "Update": {
+                    "TableName": TABLE,
+                    "Key": {"pk": {"S": "run#7"}, "sk": {"S": "head"}},
+                    "UpdateExpression": "SET #s = :s",
+                    "ExpressionAttributeNames": {"#s": "status"},
+                    "ExpressionAttributeValues": {":s": {"S": "finished"}},
+                }
+            },
+        ]
+    )
+    assert copied.count("Item") <= 4 and "Table" not in copied, (
+        copied
+    )  # a few items (moto copies one it updates), not 300
