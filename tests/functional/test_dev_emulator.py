@@ -128,3 +128,34 @@ def test_the_snapshot_copies_only_the_items_the_transaction_names(
     assert copied.count("Item") <= 4 and "Table" not in copied, (
         copied
     )  # a few items (moto copies one it updates), not 300
+
+
+def test_dynamodb_requests_are_served_one_at_a_time_and_others_pass() -> None:
+    """An SQS receive long-polls: holding the table's lock while it waits stalled the whole dev stack."""
+    import threading
+
+    inside = threading.Event()
+    release = threading.Event()
+    served: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        target = environ.get("HTTP_X_AMZ_TARGET", "")
+        if target == "DynamoDB_20120810.TransactWriteItems":
+            inside.set()
+            release.wait(5)
+        served.append(target)
+        return [b"{}"]
+
+    serve = emulator.one_at_a_time(app)
+    slow = threading.Thread(target=serve, args=({"HTTP_X_AMZ_TARGET": "DynamoDB_20120810.TransactWriteItems"}, None))
+    slow.start()
+    assert inside.wait(5)
+    serve({"HTTP_X_AMZ_TARGET": "AmazonSQS.ReceiveMessage"}, None)  # not held up by the table's lock
+    blocked = threading.Thread(target=serve, args=({"HTTP_X_AMZ_TARGET": "DynamoDB_20120810.GetItem"}, None))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive() and served == ["AmazonSQS.ReceiveMessage"]  # waits for the transaction
+    release.set()
+    slow.join(5)
+    blocked.join(5)
+    assert served == ["AmazonSQS.ReceiveMessage", "DynamoDB_20120810.TransactWriteItems", "DynamoDB_20120810.GetItem"]

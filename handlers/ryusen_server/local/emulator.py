@@ -1,6 +1,6 @@
 """What ``ryusen dev`` changes in its embedded moto so that it holds up under load (issue 12's 1,000 runs).
 
-* **One request at a time.** moto's backends are not thread-safe: under load a ``TransactWriteItems`` that
+* **One DynamoDB request at a time.** moto's backends are not thread-safe: under load a ``TransactWriteItems`` that
   copies a table while another thread inserts into it raised ``dictionary changed size during iteration``.
   moto shares the one process (and its one GIL) with the engine anyway, so serving its requests one at a time
   costs no parallelism.
@@ -94,10 +94,13 @@ def install() -> None:
 
 
 def one_at_a_time(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-    """A WSGI app that serves one request at a time (its whole response is produced under the lock)."""
+    """A WSGI app that serves one DynamoDB request at a time (its whole response is produced under the lock).
+    Other services go through as they come: an SQS receive long-polls, and must not hold up the table."""
     lock = threading.Lock()
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not str(environ.get("HTTP_X_AMZ_TARGET", "")).startswith("DynamoDB"):
+            return app(environ, start_response)
         with lock:
             return list(app(environ, start_response))
 
