@@ -51,6 +51,7 @@ class Checker:
         self.phase: dict[str, RunPhase] = {}
         self.version: dict[str, int] = {}
         self.ran: set[Key] = set()
+        self.finished: set[str] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -87,6 +88,9 @@ class Checker:
                     )
             if any(n > 1 for n in live.values()):
                 self.fail(f"{run}: {step.id} has more than one live attempt in a phase")
+            succeeded = [a for a in step.attempts if a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED]
+            if succeeded and step.status is not StepStatus.COMPLETED:
+                self.fail(f"{run}: {step.id} #{succeeded[0].generation} succeeded but the step is {step.status.value}")
             if step.status is StepStatus.COMPLETED:
                 winner = next(
                     (
@@ -113,6 +117,43 @@ class Checker:
             ):
                 self.fail(f"{run}: the accepted result of {step_id} #{generation} was lost or changed")
         self._axes(state)
+        if state.phase is RunPhase.FINISHED and state.outcome is not Outcome.COMPLETED and run not in self.finished:
+            self.finished.add(run)
+            self._unwound(state)
+
+    def _unwound(self, state: RunState) -> None:
+        """A run that failed, was cancelled or timed out has finished: every accepted success was compensated
+        (its compensator ran, or an operator declared it compensated), or skipped where its code has no
+        compensator (the endpoint said so), or, past a compensation that failed for good, not reached."""
+        run = state.id
+        accepted = [
+            s
+            for s in state.steps
+            if any(a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED for a in s.attempts)
+        ]
+        if accepted and state.recovery is Recovery.NOT_REQUIRED:
+            self.fail(f"{run}: finished {state.recovery.value} with accepted successes {[s.id for s in accepted]}")
+        unwind = {e.step_id for e in state.unwind}
+        for step in accepted:
+            status = step.compensation_status
+            undo = [a for a in step.attempts if a.phase is Phase.COMPENSATION]
+            if step.id not in unwind:
+                self.fail(f"{run}: the accepted success of {step.id} is not in the unwind")
+            elif status is CompensationStatus.SKIPPED:
+                if not any(a.status in (AttemptStatus.SUCCEEDED, AttemptStatus.FENCED) for a in undo):
+                    self.fail(f"{run}: {step.id}'s compensation was skipped without asking the endpoint")
+            elif status is CompensationStatus.COMPENSATED:
+                ran = self.sim.executions[(run, step.id, "compensation")] > 0
+                declared = any(
+                    (run, step.id, "compensation", a.generation, "succeed") in self.sim.resolved for a in undo
+                )
+                if not ran and not declared:
+                    self.fail(f"{run}: {step.id} is compensated, but its compensator never ran and no operator said so")
+            elif status in (CompensationStatus.FAILED, CompensationStatus.NOT_REACHED):
+                if state.recovery is not Recovery.PARTIALLY_COMPENSATED:
+                    self.fail(f"{run}: {step.id}'s compensation is {status.value}, recovery {state.recovery}")
+            else:
+                self.fail(f"{run}: finished while {step.id}'s compensation is {status.value}")
 
     def _axes(self, state: RunState) -> None:
         run, phase, outcome, recovery = state.id, state.phase, state.outcome, state.recovery

@@ -34,6 +34,7 @@ from ryusen._internal.wire import (
     SDK_FEATURES,
     ErrorInfo,
     LateResult,
+    Phase,
     TaskRequest,
     TaskResponse,
     late_result_scope,
@@ -262,6 +263,8 @@ class Simulation:
         self.run_ids: list[str] = []
         self.inputs: dict[str, Any] = {}
         self.executions: Counter[tuple[str, str, str]] = Counter()
+        self.resolved: set[tuple[str, str, str, int, str]] = set()
+        """Operator resolutions the API accepted: (run, step, phase, generation, action)."""
         self.request: TaskRequest | None = None
         """The request the endpoint is executing (its callback reads its run and generation)."""
         self._publish(self.spec)
@@ -522,11 +525,23 @@ class Simulation:
         else:
             resolution = self._pick_resolution(run_id)
             if resolution is not None:
-                self.spawn(
-                    f"operator: {resolution.action} {run_id} {resolution.step_id} {resolution.phase.value}"
-                    f" #{resolution.generation}",
-                    lambda: _refused_ok(lambda: engine.resolve(run_id, resolution)),
-                )
+                self._spawn_resolution(engine, run_id, resolution)
+
+    def _spawn_resolution(self, engine: Engine, run_id: str, resolution: Resolve) -> None:
+        key = (run_id, resolution.step_id, resolution.phase.value, resolution.generation, resolution.action)
+
+        def resolve() -> None:
+            self.resolved.add(key)  # before the write that records it: the checker reads it there
+            try:
+                engine.resolve(run_id, resolution)
+            except ServerError as exc:
+                if exc.status >= 500:
+                    raise  # the write may have landed: the resolution stays counted
+                self.resolved.discard(key)  # refused: nothing was written
+                self.note(f"operator: refused: {exc.code}")
+
+        what = f"{resolution.action} {run_id} {resolution.step_id} {resolution.phase.value} #{resolution.generation}"
+        self.spawn(f"operator: {what}", resolve)
 
     def _pick_resolution(self, run_id: str, *, unknown_only: bool = False) -> Resolve | None:
         state = self.store.peek(run_id)
@@ -540,7 +555,10 @@ class Simulation:
         if not attempts:
             return None
         step_id, attempt = self.rng.choice(attempts)
-        action = self.rng.choice(["retry", "retry", "succeed", "fail"])
+        actions = ["retry", "retry", "succeed", "fail"]
+        if unknown_only and attempt.phase is Phase.FORWARD and state.stop_intent is not None:
+            actions = ["succeed", "fail"]  # what the remedy allows: no forward retry after a stop
+        action = self.rng.choice(actions)
         return Resolve(
             step_id=step_id,
             phase=attempt.phase,
@@ -582,9 +600,11 @@ class Simulation:
             if not self.violations:
                 self._settle()
             rounds = 0
-            while not self.violations and rounds < 4 and self._operator_round():
+            while not self.violations and rounds < 6 and self._operator_round():
                 rounds += 1
                 self._settle()
+            if not self.violations:
+                self._remedies_worked()
             if not self.violations:
                 self.check.at_end()
         finally:
@@ -644,7 +664,9 @@ class Simulation:
         fair = moment - self.calm_since
         for run_id in unsettled:
             due = self._due_at(run_id)
-            if due is None or moment - due <= STALL:
+            if due is None:
+                return f"{run_id} stalled silently: unfinished, no blocker, nothing due: {self.check.describe(run_id)}"
+            if moment - due <= STALL:
                 continue
             allowed = max(STALL, 2 * self.overdue_at_calm.get(run_id, timedelta(0)))
             if fair > allowed:
@@ -676,6 +698,22 @@ class Simulation:
     def _all_settled(self) -> bool:
         return not self.actors and len(self.run_ids) == self.profile.runs and not self._unsettled()
 
+    def _remedies_worked(self) -> None:
+        """After the operator did what each blocker said, no run waits on an Unknown, and none waits on nothing;
+        a definition blocker may stay (its remedy is new code, which the operator only guessed at)."""
+        for run_id in self.run_ids:
+            state = self.store.peek(run_id)
+            assert state is not None
+            if state.phase is RunPhase.FINISHED:
+                continue
+            types = {b.type for b in state.blockers}
+            if BlockerType.UNKNOWN_OUTCOME in types:
+                self.violation(
+                    f"{run_id} still waits on an Unknown the operator resolved: {self.check.describe(run_id)}"
+                )
+            elif not types & DEFINITION_BLOCKERS:
+                self.violation(f"{run_id} stalled silently after the remedies: {self.check.describe(run_id)}")
+
     def _operator_round(self) -> bool:
         """An operator reads each blocked run's blockers and does what their remedies say; False if none."""
         acted = False
@@ -692,12 +730,7 @@ class Simulation:
                 resolution = self._pick_resolution(run_id, unknown_only=True)
                 if resolution is not None:
                     acted = True
-                    engine = self.engines[0]
-                    self.spawn(
-                        f"operator: {resolution.action} {run_id} {resolution.step_id} {resolution.phase.value}"
-                        f" #{resolution.generation}",
-                        lambda e=engine, r=resolution, run=run_id: _refused_ok(lambda: e.resolve(run, r)),
-                    )
+                    self._spawn_resolution(self.engines[0], run_id, resolution)
             if types & DEFINITION_BLOCKERS:
                 acted = True
                 self.releases += 1
