@@ -38,7 +38,7 @@ class _Snapshots:
 
     def deepcopy(self, value: Any, memo: Any = None) -> Any:
         named = getattr(self.local, "items", None)
-        if named is None or not isinstance(value, self._table_type) or value.stream_shard is not None:
+        if named is None or not isinstance(value, self._table_type) or getattr(value, "stream_shard", None) is not None:
             return copy.deepcopy(value, memo)  # a table with a stream keeps moto's whole copy (its records roll back)
         return self._snapshot(value, named)
 
