@@ -740,6 +740,14 @@ class Simulation:
         return acted
 
 
+def _fail_before(verdict: str, failure: str) -> None:
+    """What a call's verdict does before the call: the process dies, or the call fails with ``failure``."""
+    if verdict == "crash_before":
+        raise Crash()
+    if verdict == "error_before":
+        raise InjectedError(failure)
+
+
 def _refused_ok(action: Callable[[], Any]) -> None:
     """An operator action the API refuses (409, 404) changes nothing: that is fine here."""
     try:
@@ -770,17 +778,11 @@ class SimStore:
 
     def _read(self, what: str) -> None:
         verdict = self.sim.boundary("store.read", what, READ_FAULTS)
-        if verdict in ("crash_before",):
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError(f"DynamoDB {what}: ProvisionedThroughputExceeded after retries")
+        _fail_before(verdict, f"DynamoDB {what}: ProvisionedThroughputExceeded after retries")
 
     def _write(self, what: str, commit: Callable[[], None]) -> None:
         verdict = self.sim.boundary("store.write", what, WRITE_FAULTS)
-        if verdict == "crash_before":
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError(f"DynamoDB {what}: throttled after retries")
+        _fail_before(verdict, f"DynamoDB {what}: throttled after retries")
         commit()
         if verdict == "crash_after":
             raise Crash()
@@ -850,10 +852,7 @@ class SimQueue:
 
     def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
         verdict = self.sim.boundary("sqs.send", f"{task.describe()} +{delay_s:.0f}s", SEND_FAULTS)
-        if verdict == "crash_before":
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError("SQS SendMessage failed after retries")
+        _fail_before(verdict, "SQS SendMessage failed after retries")
         if verdict == "lost":
             return
         self.put(task, delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
@@ -866,10 +865,7 @@ class SimQueue:
         verdict = self.sim.boundary(
             "sqs.change_visibility", f"{message.id} {seconds:.0f}s", ("crash_before", "error_before")
         )
-        if verdict == "crash_before":
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError("SQS ChangeMessageVisibility failed")
+        _fail_before(verdict, "SQS ChangeMessageVisibility failed")
         if message.id in self.messages:
             message.visible_at = self.sim.now + timedelta(seconds=seconds)
 
@@ -904,10 +900,7 @@ class SimTimers:
 
     def schedule(self, timer: TimerRef) -> None:
         verdict = self.sim.boundary("scheduler.create", timer.name, SCHEDULE_FAULTS)
-        if verdict == "crash_before":
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError("Scheduler CreateSchedule failed after retries")
+        _fail_before(verdict, "Scheduler CreateSchedule failed after retries")
         if verdict != "lost":
             self.pending[timer.name] = timer
             self.extra.pop(timer.name, None)
@@ -916,10 +909,7 @@ class SimTimers:
 
     def cancel(self, timer: TimerRef) -> None:
         verdict = self.sim.boundary("scheduler.delete", timer.name, ("crash_before", "error_before"))
-        if verdict == "crash_before":
-            raise Crash()
-        if verdict == "error_before":
-            raise InjectedError("Scheduler DeleteSchedule failed after retries")
+        _fail_before(verdict, "Scheduler DeleteSchedule failed after retries")
         self.pending.pop(timer.name, None)
 
     def _at(self, timer: TimerRef) -> datetime:
