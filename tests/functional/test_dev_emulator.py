@@ -159,3 +159,108 @@ def test_dynamodb_requests_are_served_one_at_a_time_and_others_pass() -> None:
     slow.join(5)
     blocked.join(5)
     assert served == ["AmazonSQS.ReceiveMessage", "DynamoDB_20120810.TransactWriteItems", "DynamoDB_20120810.GetItem"]
+
+
+def pages(client: Any, **query: Any) -> list[list[dict[str, Any]]]:
+    """Every page of a query, as moto answers it."""
+    answered: list[list[dict[str, Any]]] = []
+    while True:
+        response = client.query(TableName=INDEXED, **query)
+        answered.append(response["Items"])
+        if "LastEvaluatedKey" not in response:
+            return answered
+        query["ExclusiveStartKey"] = response["LastEvaluatedKey"]
+
+
+INDEXED = "indexed"
+
+QUERIES: list[dict[str, Any]] = [
+    {"KeyConditionExpression": "pk = :p", "ExpressionAttributeValues": {":p": {"S": "run#7"}}},
+    {
+        "KeyConditionExpression": "pk = :p AND sk BETWEEN :a AND :b",
+        "ExpressionAttributeValues": {":p": {"S": "run#3"}, ":a": {"S": "v#0002"}, ":b": {"S": "v#0005"}},
+    },
+    {
+        "KeyConditionExpression": "pk = :p AND begins_with(sk, :v)",
+        "ExpressionAttributeValues": {":p": {"S": "run#11"}, ":v": {"S": "v#"}},
+        "Limit": 3,
+        "ScanIndexForward": False,
+    },
+    {"KeyConditionExpression": "pk = :p", "ExpressionAttributeValues": {":p": {"S": "run#absent"}}},
+    {
+        "KeyConditionExpression": "pk = :p",
+        "FilterExpression": "#s = :s",
+        "ExpressionAttributeNames": {"#s": "status"},
+        "ExpressionAttributeValues": {":p": {"S": "run#5"}, ":s": {"S": "running"}},
+        "Limit": 2,
+    },
+    {
+        "IndexName": "by-shard",
+        "KeyConditionExpression": "shard = :s",
+        "ExpressionAttributeValues": {":s": {"S": "shard-1"}},
+        "Limit": 4,
+    },
+    {
+        "IndexName": "by-shard",
+        "KeyConditionExpression": "shard = :s AND at_time > :t",
+        "ExpressionAttributeValues": {":s": {"S": "shard-0"}, ":t": {"S": "2026-12-04T00:00:10"}},
+        "ScanIndexForward": False,
+        "Limit": 3,
+    },
+]
+
+
+def test_a_query_reads_only_what_it_can_match_and_answers_as_moto_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moto lists (and sorts) the whole table for every query; the emulator gives a query on the table's key only
+    its partition, and an index query the items unsorted. Every page must be what moto itself answers."""
+    from moto.dynamodb.models.table import Table
+
+    emulator.install()
+    with mock_aws():
+        client = boto3.client("dynamodb", region_name="us-east-1")
+        client.create_table(
+            TableName=INDEXED,
+            AttributeDefinitions=[
+                {"AttributeName": name, "AttributeType": "S"} for name in ("pk", "sk", "shard", "at_time")
+            ],
+            KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}, {"AttributeName": "sk", "KeyType": "RANGE"}],
+            GlobalSecondaryIndexes=[
+                {
+                    "IndexName": "by-shard",
+                    "KeySchema": [
+                        {"AttributeName": "shard", "KeyType": "HASH"},
+                        {"AttributeName": "at_time", "KeyType": "RANGE"},
+                    ],
+                    "Projection": {"ProjectionType": "ALL"},
+                }
+            ],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        for n in range(20):
+            head = item(f"run#{n}", "head", status="running" if n % 3 else "finished")
+            if n % 2:  # only some runs are in the index
+                head |= {"shard": {"S": f"shard-{n % 4 // 2}"}, "at_time": {"S": f"2026-12-04T00:00:{n:02d}"}}
+            client.put_item(TableName=INDEXED, Item=head)
+            for v in range(8):
+                client.put_item(TableName=INDEXED, Item=item(f"run#{n}", f"v#{v:04d}", status="running"))
+
+        listed: list[int] = []  # how many items each query was given to look through
+        all_items = Table.all_items
+
+        def counting(self: Any) -> Any:
+            items = all_items(self)
+            listed.append(len(items))
+            return items
+
+        monkeypatch.setattr(Table, "all_items", counting)
+        on_the_key = [q for q in QUERIES if "IndexName" not in q]
+        narrowed = [pages(client, **copy.deepcopy(query)) for query in on_the_key]
+        assert listed and max(listed) <= 9  # a run's partition (a head and 8 versions), not the table's 180
+        narrowed += [pages(client, **copy.deepcopy(query)) for query in QUERIES if "IndexName" in query]
+        listed.clear()
+        monkeypatch.setattr(Table, "query", Table.query.__wrapped__)  # moto's own
+        plain = [pages(client, **copy.deepcopy(query)) for query in on_the_key]
+        assert min(listed) == 180  # moto's own goes through the whole table: the count above could see it
+        plain += [pages(client, **copy.deepcopy(query)) for query in QUERIES if "IndexName" in query]
+        assert narrowed == plain
+        assert [sum(len(p) for p in answer) for answer in plain] == [9, 4, 8, 0, 9, 5, 2]

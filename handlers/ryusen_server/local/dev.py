@@ -322,21 +322,44 @@ class DevStack:
         settings = self.wired.engine.settings.engine
         visibility = int(settings.attempt_timeout_s + settings.lease_grace_s)
         self._visibility_s = float(visibility)
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ryusen-task") as pool:
+        # receive only what a worker is free to take: a message waiting in the pool's queue would outlive its
+        # visibility, come back, and look lost to the sweeper (as a Lambda event source takes a batch per
+        # concurrent invocation, never more)
+        free = threading.Semaphore(DISPATCH_WORKERS)
+
+        def handle(message: dict[str, Any]) -> None:
+            try:
+                self._handle(message)
+            finally:
+                free.release()
+
+        with ThreadPoolExecutor(max_workers=DISPATCH_WORKERS, thread_name_prefix="ryusen-task") as pool:
             while not self._stop.is_set():
+                if not free.acquire(timeout=0.5):
+                    continue
+                taken = 1
+                while taken < 10 and free.acquire(blocking=False):
+                    taken += 1
                 try:
                     self.counter.add("sqs.receive")
                     messages = sqs.receive_message(
-                        QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1, VisibilityTimeout=visibility
+                        QueueUrl=queue_url,
+                        MaxNumberOfMessages=taken,
+                        WaitTimeSeconds=1,
+                        VisibilityTimeout=visibility,
                     ).get("Messages", [])
                 except Exception:
+                    for _ in range(taken):
+                        free.release()
                     if self._stop.is_set():
                         return
                     log.exception("receive failed")
                     time.sleep(0.5)
                     continue
+                for _ in range(taken - len(messages)):
+                    free.release()
                 for message in messages:
-                    pool.submit(self._handle, message)
+                    pool.submit(handle, message)
 
     def _handle(self, message: dict[str, Any]) -> None:
         assert self.wired is not None and self.resources is not None
@@ -391,6 +414,9 @@ class DevStack:
                     return
                 log.exception("firing due schedules failed")
 
+
+DISPATCH_WORKERS = 8
+"""Tasks ``ryusen dev`` runs at once (a deployment's dispatch Lambda scales out instead)."""
 
 SWEEP_EVERY_S = 60.0
 """How often ``ryusen dev`` looks for runs whose work is overdue with nothing on its way (as the deployment's
