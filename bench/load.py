@@ -194,6 +194,11 @@ def run_load(stack: Any, port: int, args: argparse.Namespace) -> int:
     print(f"operator resolutions (retry of an Unknown, consented): {resolved['retry']}")
     print(f"wall {wall:.0f}s; throughput {steps_settled / wall:.1f} steps/s ({steps_settled} steps and compensations)")
     print(f"time per step: p50 {percentile(gaps, 0.5):.0f} ms, p99 {percentile(gaps, 0.99):.0f} ms ({len(gaps)} gaps)")
+    calm = [g for n, v in views.items() if faults_of[n] is None for g in step_gaps_ms(v)]
+    print(
+        f"time per step in runs without faults: p50 {percentile(calm, 0.5):.0f} ms,"
+        f" p90 {percentile(calm, 0.9):.0f} ms, p99 {percentile(calm, 0.99):.0f} ms ({len(calm)} gaps)"
+    )
     print(f"dead-letter queue: {depth} messages")
     if lost:
         print("not finished:", ", ".join(lost[:10]))
