@@ -200,6 +200,17 @@ def run_load(stack: Any, port: int, args: argparse.Namespace) -> int:
         f" p90 {percentile(calm, 0.9):.0f} ms, p99 {percentile(calm, 0.99):.0f} ms ({len(calm)} gaps)"
     )
     print(f"dead-letter queue: {depth} messages")
+    slowest = sorted(
+        ((gap, n) for n, v in views.items() if faults_of[n] is None for gap in step_gaps_ms(v)), reverse=True
+    )[:3]
+    for gap, n in slowest:  # what the slowest waits in runs without faults of their own were
+        attempts = [
+            f"{s['id']}/{a['phase']}#{a['generation']} {a['status']}" + (f" ({a['detail']})" if a.get("detail") else "")
+            for s in views[n]["steps"]
+            for a in s["attempts"]
+            if a["status"] != "succeeded"
+        ]
+        print(f"  a {gap / 1000:.0f} s wait in {views[n]['id']}: {'; '.join(attempts) or 'every attempt succeeded'}")
     if lost:
         print("not finished:", ", ".join(lost[:10]))
     return 0
