@@ -10,5 +10,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_ACCOUNT_ID_ENDPOINT_MODE", "disabled")
 
 from ryusen_server.core import decide as _core
+from ryusen_server.core import model as _model
 
 _core.CHECK_PURITY = True  # every decision in the suite proves it left its input unchanged (copy on write)
+_model.CHECK_DERIVED = True  # and what a state works out from its origin is what its own steps say

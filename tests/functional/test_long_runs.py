@@ -27,6 +27,7 @@ from ryusen._internal.wire import (
 )
 from ryusen_server.aws.store import DynamoStore, create_table
 from ryusen_server.core import decide as core
+from ryusen_server.core import model
 from ryusen_server.core.decide import decide
 from ryusen_server.core.events import (
     AttemptReported,
@@ -50,8 +51,10 @@ TABLE = "ryusen-long"
 
 @pytest.fixture
 def dynamo(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[DynamoStore]:
-    # proving each decision pure reads the whole run: O(steps) per decision, too slow at 10,000 steps
+    # proving each decision pure reads the whole run, and so does checking what a state derives from its
+    # origin against every step: O(steps) per decision, too slow at 10,000 steps
     monkeypatch.setattr(core, "CHECK_PURITY", False)
+    monkeypatch.setattr(model, "CHECK_DERIVED", False)
     with mock_aws():
         client = boto3.client("dynamodb", region_name="us-east-1")
         create_table(client, TABLE)

@@ -14,7 +14,9 @@ and step 10,000, and a new state shares every unchanged step with the old one.
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Iterable
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -44,6 +46,11 @@ class Recovery(StrEnum):
     NOT_REQUIRED = "not_required"
     COMPENSATED = "compensated"
     PARTIALLY_COMPENSATED = "partially_compensated"
+
+
+CHECK_DERIVED = False
+"""Check what is worked out from a state's origin (``steps_due``, ``memo_entries``) against working it out from
+every step (the test suite turns it on; the core must never depend on a stale copy)."""
 
 
 class StepStatus(StrEnum):
@@ -185,6 +192,33 @@ class StepState(_State):
         ]
         return copy
 
+    def due_at(self) -> datetime | None:
+        """When this step next needs a message or a timer: its current attempt's due time if queued, its
+        lease expiry if authorized, its automatic retry if Unknown (the earliest over both phases)."""
+        due: datetime | None = None
+        for phase in (Phase.FORWARD, Phase.COMPENSATION):
+            a = self.current(phase)
+            if a is None:
+                continue
+            when: datetime | None = None
+            if a.status is AttemptStatus.QUEUED:
+                when = a.not_before or a.queued_at
+            elif a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
+                when = a.lease_expires_at
+            elif a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
+                when = a.retry_at
+            if when is not None and (due is None or when < due):
+                due = when
+        return due
+
+    def memo_entry(self) -> dict[str, Any] | None:
+        """What a task request replays for this step: its result once completed, its error once failed."""
+        if self.status is StepStatus.COMPLETED:
+            return {"status": "completed", "result": self.result}
+        if self.status is StepStatus.FAILED:
+            return {"status": "failed", "error": self.error.model_dump() if self.error else None}
+        return None
+
     def current(self, phase: Phase) -> Attempt | None:
         for attempt in reversed(self.attempts):
             if attempt.phase is phase:
@@ -296,6 +330,14 @@ class RunState(_State):
     """Step id -> index in ``unwind`` (its entries are replaced in place, never moved)."""
     _unwind_done: int = PrivateAttr(default=0)
     """How many leading unwind entries are known to be compensated or skipped (where the walk resumes)."""
+    _due_cache: tuple[list[StepState], int, dict[int, datetime]] | None = PrivateAttr(default=None)
+    _memo_cache: tuple[list[StepState], int, dict[str, dict[str, Any]]] | None = PrivateAttr(default=None)
+    """What ``steps_due`` and ``memo_entries`` found, for the steps list and count they found it in (a working
+    copy has a list of its own, so it never reads its origin's as its own)."""
+    _derived_from: tuple[int, dict[int, datetime], dict[str, dict[str, Any]]] | None = PrivateAttr(default=None)
+    """For a working copy: its origin's step count, steps due and memo, when it was copied. With the steps
+    replaced since (``_replaced``) and the steps added, they give the copy's own: a decision costs what it
+    changed, not what the run holds."""
 
     def __eq__(self, other: object) -> bool:
         """Equal fields (the step index is a cache, not part of the state)."""
@@ -340,11 +382,14 @@ class RunState(_State):
         copy.discovery = self.discovery.model_copy() if self.discovery is not None else None
         copy._positions = self._positions
         copy._origin, copy._replaced, copy._unwind_replaced = weakref.ref(self), set(), set()
+        copy._due_cache = copy._memo_cache = None
+        copy._derived_from = (len(self.steps), self.steps_due(), self.memo_entries())
         return copy
 
     def forget_hints(self) -> None:
         """For a state made some other way than by the core (a journal replay): look everything up afresh."""
         self._origin = self._replaced = self._unwind_replaced = None
+        self._due_cache = self._memo_cache = self._derived_from = None
         self._unwind_positions, self._unwind_done = None, 0
 
     def set_unwind(self, entries: list[UnwindEntry]) -> None:
@@ -386,6 +431,7 @@ class RunState(_State):
 
     def replace_step(self, i: int, step: StepState) -> None:
         self.steps[i] = step
+        self._due_cache = self._memo_cache = None
         if self._replaced is not None:
             self._replaced.add(i)
 
@@ -395,6 +441,55 @@ class RunState(_State):
         if self._origin is None or self._origin() is not origin or self._replaced is None:
             return None
         return self._replaced
+
+    def _changed_since_origin(self) -> tuple[tuple[int, dict[int, datetime], dict[str, Any]], Iterable[int]] | None:
+        """What the origin worked out (its step count, steps due and memo) and the indexes of the steps that
+        may differ from its (replaced or added since), for a working copy that knows them."""
+        base = self._derived_from
+        if base is None or self._replaced is None or len(self.steps) < base[0]:
+            return None
+        return base, itertools.chain(sorted(self._replaced), range(base[0], len(self.steps)))
+
+    def steps_due(self) -> dict[int, datetime]:
+        """Step index -> when it next needs a message or a timer (:meth:`work_due_at`), for the steps that do:
+        usually none or one. A working copy works it out from its origin's."""
+        cached = self._due_cache
+        if cached is None or cached[0] is not self.steps or cached[1] != len(self.steps):
+            changed = self._changed_since_origin()
+            due, indexes = (dict(changed[0][1]), changed[1]) if changed is not None else ({}, range(len(self.steps)))
+            for i in indexes:
+                when = self.steps[i].due_at()
+                if when is None:
+                    due.pop(i, None)
+                else:
+                    due[i] = when
+            cached = self._due_cache = (self.steps, len(self.steps), due)
+        if CHECK_DERIVED:
+            full = {i: when for i, step in enumerate(self.steps) if (when := step.due_at()) is not None}
+            assert cached[2] == full, f"steps_due worked out from the origin {cached[2]} is not {full}"
+        return cached[2]
+
+    def memo_entries(self) -> dict[str, dict[str, Any]]:
+        """The recorded step outcomes a task request replays to the function (step id -> entry). A working
+        copy works it out from its origin's. Shared: a caller must not change it."""
+        cached = self._memo_cache
+        if cached is None or cached[0] is not self.steps or cached[1] != len(self.steps):
+            changed = self._changed_since_origin()
+            entries, indexes = (
+                (dict(changed[0][2]), changed[1]) if changed is not None else ({}, range(len(self.steps)))
+            )
+            for i in indexes:
+                step = self.steps[i]
+                entry = step.memo_entry()
+                if entry is None:
+                    entries.pop(step.id, None)
+                else:
+                    entries[step.id] = entry
+            cached = self._memo_cache = (self.steps, len(self.steps), entries)
+        if CHECK_DERIVED:
+            full = {step.id: entry for step in self.steps if (entry := step.memo_entry()) is not None}
+            assert cached[2] == full, "memo_entries worked out from the origin is not the memo of every step"
+        return cached[2]
 
     @property
     def blocked_by_definition(self) -> bool:
@@ -416,17 +511,9 @@ class RunState(_State):
             due.append(d.not_before or d.queued_at)
         elif d is not None and d.status is AttemptStatus.AUTHORIZED and d.lease_expires_at is not None:
             due.append(d.lease_expires_at)
-        for step in self.steps:
-            for phase in (Phase.FORWARD, Phase.COMPENSATION):
-                a = step.current(phase)
-                if a is None:
-                    continue
-                if a.status is AttemptStatus.QUEUED:
-                    due.append(a.not_before or a.queued_at)
-                elif a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
-                    due.append(a.lease_expires_at)
-                elif a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
-                    due.append(a.retry_at)
+        steps_due = self.steps_due()
+        if steps_due:
+            due.append(min(steps_due.values()))
         if self.deadline_at is not None and self.outcome is None:
             due.append(self.deadline_at)
         if self.probe_due_at is not None:

@@ -190,14 +190,8 @@ def run_summary_view(state: RunState, step_count: int | None = None) -> dict[str
 
 
 def memo(state: RunState) -> dict[str, dict[str, Any]]:
-    """The recorded step outcomes a task request replays to the function."""
-    entries: dict[str, dict[str, Any]] = {}
-    for step in state.steps:
-        if step.status.value == "completed":
-            entries[step.id] = {"status": "completed", "result": step.result}
-        elif step.status.value == "failed":
-            entries[step.id] = {"status": "failed", "error": step.error.model_dump() if step.error else None}
-    return entries
+    """The recorded step outcomes a task request replays to the function (shared: not to be changed)."""
+    return state.memo_entries()
 
 
 __all__ = ["Phase", "memo", "run_summary_view", "run_view", "summary"]

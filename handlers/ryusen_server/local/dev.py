@@ -325,7 +325,7 @@ class DevStack:
         # receive only what a worker is free to take: a message waiting in the pool's queue would outlive its
         # visibility, come back, and look lost to the sweeper (as a Lambda event source takes a batch per
         # concurrent invocation, never more)
-        free = threading.Semaphore(DISPATCH_WORKERS)
+        free = threading.BoundedSemaphore(DISPATCH_WORKERS)
 
         def handle(message: dict[str, Any]) -> None:
             try:
@@ -358,8 +358,8 @@ class DevStack:
                     continue
                 for _ in range(taken - len(messages)):
                     free.release()
-                for message in messages:
-                    pool.submit(handle, message)
+                for message in messages[:taken]:  # (a queue never gives more than asked; if one did, the
+                    pool.submit(handle, message)  # rest would come back when their visibility ends)
 
     def _handle(self, message: dict[str, Any]) -> None:
         assert self.wired is not None and self.resources is not None

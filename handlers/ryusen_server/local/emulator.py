@@ -15,7 +15,9 @@
   sorted (every run's every item), and keeping the items of the asked partition: with 1,000 runs that was
   most of the dev stack's time. Here a query on the table's own key is given only its partition's items,
   and a query on an index is given the table's items unsorted (moto sorts what it keeps by the index's
-  keys). The answer is the same; tests/functional/test_dev_emulator.py checks it against moto's own.
+  keys). The answer is the same for items whose key attributes have the types the table declares
+  (DynamoDB refuses any other; moto stores them, and then orders such items by the order it found them
+  in); tests/functional/test_dev_emulator.py checks it against moto's own.
 """
 
 from __future__ import annotations
