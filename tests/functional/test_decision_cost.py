@@ -71,3 +71,66 @@ def test_what_is_worked_out_from_the_origin_is_what_every_step_says() -> None:
     state._memo_cache = (state.steps, len(state.steps), stale)
     with pytest.raises(AssertionError, match="memo_entries"):
         state.memo_entries()
+
+
+def finished_state(env: WorkflowEnvironment, run_id: str) -> model.RunState:
+    state = env.engine.store.get(run_id)
+    assert state is not None
+    return state
+
+
+def test_a_step_changed_in_place_during_a_decision_is_seen_by_a_later_look() -> None:
+    """Found by the attack review: a decision that owns a step, looks at the memo (or the steps due), then
+    changes the step in place, must not be answered from what it worked out before the change. Nothing is
+    kept from a state that a decision may still change (it is sealed when decided)."""
+    app = Ryusen("three")
+
+    @app.function("three")
+    def three(data: Any, step: Step) -> int:
+        return sum(step.run(name, lambda: 1) for name in ("a", "b", "c"))
+
+    with WorkflowEnvironment(app) as env:
+        state = finished_state(env, env.run("three").id)
+    copy = state.working_copy()
+    owned = copy.steps[1].own_copy()
+    copy.replace_step(1, owned)
+    assert copy.memo_entries()["b"]["status"] == "completed"
+    owned.status = model.StepStatus.FAILED  # in place, as a decision changes a step it owns
+    assert copy.memo_entries()["b"]["status"] == "failed"
+    copy.seal()
+    assert copy.memo_entries()["b"]["status"] == "failed"
+
+
+def test_a_copy_with_other_steps_works_its_own_out() -> None:
+    """``model_copy(update={"steps": ...})`` keeps the private attributes: what the original worked out (or
+    would derive from its origin) must not answer for the copy's other steps."""
+    app = Ryusen("three")
+
+    @app.function("three")
+    def three(data: Any, step: Step) -> int:
+        return sum(step.run(name, lambda: 1) for name in ("a", "b", "c"))
+
+    with WorkflowEnvironment(app) as env:
+        state = finished_state(env, env.run("three").id)
+    assert set(state.memo_entries()) == {"a", "b", "c"}
+    fewer = state.model_copy(update={"steps": state.steps[:1]})
+    assert set(fewer.memo_entries()) == {"a"}
+    pending = [s.model_copy(update={"status": model.StepStatus.PENDING, "result": None}) for s in state.steps]
+    other = state.model_copy(update={"steps": pending})  # as many steps, none of them completed
+    assert other.memo_entries() == {}
+
+
+def test_the_check_tells_apart_what_json_tells_apart() -> None:
+    """A stale entry holding ``true`` where the step holds ``1`` is equal in Python, not in JSON."""
+    app = Ryusen("one")
+
+    @app.function("one")
+    def one(data: Any, step: Step) -> int:
+        return step.run("a", lambda: 1)
+
+    with WorkflowEnvironment(app) as env:
+        state = finished_state(env, env.run("one").id)
+    assert state.memo_entries() == {"a": {"status": "completed", "result": 1}}
+    state._memo_cache = (state.steps, len(state.steps), {"a": {"status": "completed", "result": True}})
+    with pytest.raises(AssertionError, match="memo_entries"):
+        state.memo_entries()

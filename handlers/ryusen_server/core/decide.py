@@ -141,13 +141,15 @@ CHECK_PURITY = False
 
 
 def decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
-    """Decide one event. ``state`` is never mutated."""
+    """Decide one event. ``state`` is never mutated; the state decided is sealed (it will not change again)."""
     if not CHECK_PURITY or state is None:
-        return _decide(state, event, now=now, settings=settings)
-    before = state.model_dump_json()
-    decision = _decide(state, event, now=now, settings=settings)
-    if state.model_dump_json() != before:
-        raise AssertionError(f"deciding {type(event).__name__} changed the state it was given")
+        decision = _decide(state, event, now=now, settings=settings)
+    else:
+        before = state.model_dump_json()
+        decision = _decide(state, event, now=now, settings=settings)
+        if state.model_dump_json() != before:
+            raise AssertionError(f"deciding {type(event).__name__} changed the state it was given")
+    decision.state.seal()
     return decision
 
 

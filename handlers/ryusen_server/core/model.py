@@ -15,6 +15,7 @@ and step 10,000, and a new state shares every unchanged step with the old one.
 from __future__ import annotations
 
 import itertools
+import json
 import weakref
 from collections.abc import Iterable
 from datetime import datetime
@@ -46,6 +47,10 @@ class Recovery(StrEnum):
     NOT_REQUIRED = "not_required"
     COMPENSATED = "compensated"
     PARTIALLY_COMPENSATED = "partially_compensated"
+
+
+def _as_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 CHECK_DERIVED = False
@@ -334,10 +339,16 @@ class RunState(_State):
     _memo_cache: tuple[list[StepState], int, dict[str, dict[str, Any]]] | None = PrivateAttr(default=None)
     """What ``steps_due`` and ``memo_entries`` found, for the steps list and count they found it in (a working
     copy has a list of its own, so it never reads its origin's as its own)."""
-    _derived_from: tuple[int, dict[int, datetime], dict[str, dict[str, Any]]] | None = PrivateAttr(default=None)
-    """For a working copy: its origin's step count, steps due and memo, when it was copied. With the steps
-    replaced since (``_replaced``) and the steps added, they give the copy's own: a decision costs what it
-    changed, not what the run holds."""
+    _derived_from: tuple[list[StepState], int, dict[int, datetime], dict[str, dict[str, Any]]] | None = PrivateAttr(
+        default=None
+    )
+    """For a working copy: its own steps list, and its origin's step count, steps due and memo when it was
+    copied. With the steps replaced since (``_replaced``) and the steps added, they give the copy's own: a
+    decision costs what it changed, not what the run holds. (Held for that list only: a copy of this state
+    with other steps, ``model_copy(update=...)``, works its own out from every step.)"""
+    _sealed: bool = PrivateAttr(default=True)
+    """False while a decision may still change this working copy (``decide`` seals what it returns): what is
+    worked out from an unsealed state is not kept, since a step it owns may still change in place."""
 
     def __eq__(self, other: object) -> bool:
         """Equal fields (the step index is a cache, not part of the state)."""
@@ -383,7 +394,8 @@ class RunState(_State):
         copy._positions = self._positions
         copy._origin, copy._replaced, copy._unwind_replaced = weakref.ref(self), set(), set()
         copy._due_cache = copy._memo_cache = None
-        copy._derived_from = (len(self.steps), self.steps_due(), self.memo_entries())
+        copy._derived_from = (copy.steps, len(self.steps), self.steps_due(), self.memo_entries())
+        copy._sealed = False
         return copy
 
     def forget_hints(self) -> None:
@@ -445,10 +457,15 @@ class RunState(_State):
     def _changed_since_origin(self) -> tuple[tuple[int, dict[int, datetime], dict[str, Any]], Iterable[int]] | None:
         """What the origin worked out (its step count, steps due and memo) and the indexes of the steps that
         may differ from its (replaced or added since), for a working copy that knows them."""
-        base = self._derived_from
-        if base is None or self._replaced is None or len(self.steps) < base[0]:
+        derived = self._derived_from
+        if derived is None or derived[0] is not self.steps or self._replaced is None or len(self.steps) < derived[1]:
             return None
-        return base, itertools.chain(sorted(self._replaced), range(base[0], len(self.steps)))
+        base = (derived[1], derived[2], derived[3])
+        return base, itertools.chain(sorted(self._replaced), range(derived[1], len(self.steps)))
+
+    def seal(self) -> None:
+        """This state will not change again (a decision's result): what is worked out from it may be kept."""
+        self._sealed = True
 
     def steps_due(self) -> dict[int, datetime]:
         """Step index -> when it next needs a message or a timer (:meth:`work_due_at`), for the steps that do:
@@ -463,7 +480,9 @@ class RunState(_State):
                     due.pop(i, None)
                 else:
                     due[i] = when
-            cached = self._due_cache = (self.steps, len(self.steps), due)
+            cached = (self.steps, len(self.steps), due)
+            if self._sealed:
+                self._due_cache = cached
         if CHECK_DERIVED:
             full = {i: when for i, step in enumerate(self.steps) if (when := step.due_at()) is not None}
             assert cached[2] == full, f"steps_due worked out from the origin {cached[2]} is not {full}"
@@ -485,10 +504,13 @@ class RunState(_State):
                     entries.pop(step.id, None)
                 else:
                     entries[step.id] = entry
-            cached = self._memo_cache = (self.steps, len(self.steps), entries)
+            cached = (self.steps, len(self.steps), entries)
+            if self._sealed:
+                self._memo_cache = cached
         if CHECK_DERIVED:
             full = {step.id: entry for step in self.steps if (entry := step.memo_entry()) is not None}
-            assert cached[2] == full, "memo_entries worked out from the origin is not the memo of every step"
+            # as JSON, so that an entry Python calls equal but JSON does not (1 and true) is still caught
+            assert _as_json(cached[2]) == _as_json(full), "memo_entries worked out from the origin is not the memo"
         return cached[2]
 
     @property
