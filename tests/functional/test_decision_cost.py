@@ -79,10 +79,8 @@ def finished_state(env: WorkflowEnvironment, run_id: str) -> model.RunState:
     return state
 
 
-def test_a_step_changed_in_place_during_a_decision_is_seen_by_a_later_look() -> None:
-    """Found by the attack review: a decision that owns a step, looks at the memo (or the steps due), then
-    changes the step in place, must not be answered from what it worked out before the change. Nothing is
-    kept from a state that a decision may still change (it is sealed when decided)."""
+def three_steps_completed() -> model.RunState:
+    """The stored state of a finished run of three steps, a, b and c, each completed."""
     app = Ryusen("three")
 
     @app.function("three")
@@ -90,7 +88,14 @@ def test_a_step_changed_in_place_during_a_decision_is_seen_by_a_later_look() -> 
         return sum(step.run(name, lambda: 1) for name in ("a", "b", "c"))
 
     with WorkflowEnvironment(app) as env:
-        state = finished_state(env, env.run("three").id)
+        return finished_state(env, env.run("three").id)
+
+
+def test_a_step_changed_in_place_during_a_decision_is_seen_by_a_later_look() -> None:
+    """Found by the attack review: a decision that owns a step, looks at the memo (or the steps due), then
+    changes the step in place, must not be answered from what it worked out before the change. Nothing is
+    kept from a state that a decision may still change (it is sealed when decided)."""
+    state = three_steps_completed()
     copy = state.working_copy()
     owned = copy.steps[1].own_copy()
     copy.replace_step(1, owned)
@@ -104,14 +109,7 @@ def test_a_step_changed_in_place_during_a_decision_is_seen_by_a_later_look() -> 
 def test_a_copy_with_other_steps_works_its_own_out() -> None:
     """``model_copy(update={"steps": ...})`` keeps the private attributes: what the original worked out (or
     would derive from its origin) must not answer for the copy's other steps."""
-    app = Ryusen("three")
-
-    @app.function("three")
-    def three(data: Any, step: Step) -> int:
-        return sum(step.run(name, lambda: 1) for name in ("a", "b", "c"))
-
-    with WorkflowEnvironment(app) as env:
-        state = finished_state(env, env.run("three").id)
+    state = three_steps_completed()
     assert set(state.memo_entries()) == {"a", "b", "c"}
     fewer = state.model_copy(update={"steps": state.steps[:1]})
     assert set(fewer.memo_entries()) == {"a"}
