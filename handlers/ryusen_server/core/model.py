@@ -17,10 +17,10 @@ from __future__ import annotations
 import itertools
 import json
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -472,15 +472,7 @@ class RunState(_State):
         usually none or one. A working copy works it out from its origin's."""
         cached = self._due_cache
         if cached is None or cached[0] is not self.steps or cached[1] != len(self.steps):
-            changed = self._changed_since_origin()
-            due, indexes = (dict(changed[0][1]), changed[1]) if changed is not None else ({}, range(len(self.steps)))
-            for i in indexes:
-                when = self.steps[i].due_at()
-                if when is None:
-                    due.pop(i, None)
-                else:
-                    due[i] = when
-            cached = (self.steps, len(self.steps), due)
+            cached = (self.steps, len(self.steps), self._work_out(1, lambda i: (i, self.steps[i].due_at())))
             if self._sealed:
                 self._due_cache = cached
         if CHECK_DERIVED:
@@ -493,17 +485,7 @@ class RunState(_State):
         copy works it out from its origin's. Shared: a caller must not change it."""
         cached = self._memo_cache
         if cached is None or cached[0] is not self.steps or cached[1] != len(self.steps):
-            changed = self._changed_since_origin()
-            entries, indexes = (
-                (dict(changed[0][2]), changed[1]) if changed is not None else ({}, range(len(self.steps)))
-            )
-            for i in indexes:
-                step = self.steps[i]
-                entry = step.memo_entry()
-                if entry is None:
-                    entries.pop(step.id, None)
-                else:
-                    entries[step.id] = entry
+            entries = self._work_out(2, lambda i: (self.steps[i].id, self.steps[i].memo_entry()))
             cached = (self.steps, len(self.steps), entries)
             if self._sealed:
                 self._memo_cache = cached
@@ -512,6 +494,24 @@ class RunState(_State):
             # as JSON, so that an entry Python calls equal but JSON does not (1 and true) is still caught
             assert _as_json(cached[2]) == _as_json(full), "memo_entries worked out from the origin is not the memo"
         return cached[2]
+
+    def _work_out(self, which: int, entry_of: Callable[[int], tuple[Any, Any]]) -> dict[Any, Any]:
+        """A mapping with an entry per step that has one (``entry_of(index)`` gives its key and value, None for
+        none): for a working copy, its origin's (item ``which`` of what it captured) with only the steps
+        replaced or added since looked at; otherwise every step."""
+        changed = self._changed_since_origin()
+        result: dict[Any, Any]
+        if changed is not None:
+            result, indexes = dict(cast("dict[Any, Any]", changed[0][which])), changed[1]
+        else:
+            result, indexes = {}, range(len(self.steps))
+        for i in indexes:
+            key, value = entry_of(i)
+            if value is None:
+                result.pop(key, None)
+            else:
+                result[key] = value
+        return result
 
     @property
     def blocked_by_definition(self) -> bool:
