@@ -238,11 +238,18 @@ class SentMemos:
             changed, base, size = whole, None, value_size(whole)
         else:
             previous_token, previous, size = last
-            # compared as JSON, so that a change Python calls equal (1 and true, 1 and 1.0) is still sent
+            # an entry a decision did not touch is the same object as in the memo sent last: only the others
+            # are compared, as JSON, so that a change Python calls equal (1 and true, 1 and 1.0) is still sent
+            get = previous.get
             changed = {
-                step_id: entry for step_id, entry in whole.items() if not _same_json(previous.get(step_id), entry)
+                step_id: entry
+                for step_id, entry in whole.items()
+                if get(step_id) is not entry and not _same_json(get(step_id), entry)
             }
-            removed = [step_id for step_id in previous if step_id not in whole]
+            added = sum(1 for step_id in changed if step_id not in previous)
+            removed = (
+                [] if len(previous) + added == len(whole) else [step_id for step_id in previous if step_id not in whole]
+            )
             size += value_size(changed)
             base = MemoBase(token=previous_token, removed=removed, count=len(whole))
         if size <= self.max_bytes:

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import DefinitionError
+from .kept import KeptPasses, LivePass
 from .memo_cache import MemoCache
 from .replay import DynamoSeenRequests, ReplayCheckUnavailableError, SeenStore
 from .serve import MAX_REQUEST_BYTES
@@ -130,6 +131,7 @@ class Ryusen:
         seen_requests: SeenStore | None = None,
         release_id: str | None = None,
         build_id: str | None = None,
+        kept_passes: int | None = None,
     ) -> None:
         if not app_id or not isinstance(app_id, str) or len(app_id) > MAX_ID_LENGTH:
             raise DefinitionError(f"app id must be a string of 1 to {MAX_ID_LENGTH} characters")
@@ -148,6 +150,9 @@ class Ryusen:
         memory, or with ``RYUSEN_REPLAY_TABLE`` (or ``seen_requests``) a store every instance shares."""
         self.memo_cache = MemoCache()
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
+        self.kept_passes = KeptPasses(kept_passes)
+        """Executions of chained runs' functions waiting at their next step for its attempt, so that it need not
+        replay from the top (``kept.py``): at most ``kept_passes`` (default 256, ``RYUSEN_KEPT_PASSES``; 0: none)."""
 
     @property
     def signing_keys(self) -> list[str]:
@@ -250,21 +255,60 @@ class Ryusen:
 
     # ---- executing a task --------------------------------------------------
 
-    def execute(self, request: TaskRequest) -> TaskResponse:
+    def execute(self, request: TaskRequest, sent: TaskRequest | None = None) -> TaskResponse:
         """Run one task to its outcome (synchronously; async functions get an event loop).
 
         What the task reports is decided by the replay, never by how the function
         ended: a callback that ran is reported even if the code around it raised
-        or returned early (decisions 16).
+        or returned early (decisions 16). ``sent`` is the request as it arrived (with
+        ``memo_base``, its memo only what changed), which a kept pass must extend.
         """
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if registered.is_async:
             return _run_coroutine(self.execute_async(request))
+        if (
+            request.kind is TaskKind.FORWARD
+            and request.continue_after
+            and request.memo_token is not None
+            and self.kept_passes.capacity > 0
+        ):
+            return self._execute_kept(registered, request, sent)
+        if len(self.kept_passes):
+            self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request))
         return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
+
+    def _execute_kept(
+        self, registered: RegisteredFunction, request: TaskRequest, sent: TaskRequest | None
+    ) -> TaskResponse:
+        """A chained forward attempt, served by the run's kept pass when it waits at this step, or by a new one
+        (``kept.py``); the pass goes on after a successful callback, and is kept at the next step."""
+        kept = self.kept_passes
+        live = kept.take(request.run_id)
+        if live is not None and (sent is None or not live.resume(request, sent)):
+            live.end()
+            live = None
+        if live is None:
+            run_input = _fresh(request.input)  # the pass may change its input; a replay needs it as it arrived
+            live = LivePass(registered, request, idle_s=kept.idle_s)
+            live.start()
+            kept.started += 1
+        else:
+            run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
+            kept.resumed += 1
+        attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()))
+        if waiting_at is not None and live.waiting:
+            live.kept_for(request, attempt)
+            kept.keep(live)
+            return _respond(request, attempt, waiting_at)
+        # The pass did not stop at a step: it ended (completed, failed, met a conflict), or did not go on
+        # after the callback. What the run does then is what a replay from the top with the recorded results
+        # does, as without a kept pass (a fault in code after a step is not the run's failure unless a
+        # replay fails too); once a run, so its cost does not grow with the run.
+        return _respond(request, attempt, self._continuation(registered, request, attempt, run_input))
 
     def _pass(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         """One pass of a plain function: what the replay reports once the function returned or raised."""
@@ -304,12 +348,12 @@ class Ryusen:
         except BaseException:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
             return None
 
-    async def execute_async(self, request: TaskRequest) -> TaskResponse:
+    async def execute_async(self, request: TaskRequest, sent: TaskRequest | None = None) -> TaskResponse:
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
-            return await asyncio.to_thread(self.execute, request)
+            return await asyncio.to_thread(self.execute, request, sent)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = await self._pass_async(registered, request, _replay(request))
         following: Any = None
@@ -367,7 +411,7 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         try:
-            response = self.execute(request)
+            response = self.execute(request, sent)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
         self._submit_late(request, response)
@@ -384,7 +428,7 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         try:
-            response = await self.execute_async(request)
+            response = await self.execute_async(request, sent)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
         await asyncio.to_thread(self._submit_late, request, response)

@@ -42,7 +42,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
 import pydantic_core
 from pydantic import ValidationError
@@ -298,6 +298,16 @@ class CallbackInterruptedError(Exception):
     would be a lie. The endpoint answers 500, which the server treats as an Unknown outcome."""
 
 
+class Keeper(Protocol):
+    """What a kept pass (``kept.py``) does for the replay: it is told when its callback finished, and it waits."""
+
+    thread_id: int
+
+    def attempt_finished(self, outcome: Any, *, going_on: bool) -> None: ...
+
+    def wait_for_attempt(self, plan: Any) -> None: ...
+
+
 class _Replay:
     """One pass: the task, the memo, the ids seen so far, and what the pass reports.
 
@@ -333,6 +343,13 @@ class _Replay:
         self.callback_done = threading.Event()
         self.parked: list[asyncio.Future[None]] = []
         self._lock = threading.RLock()
+        self.keeper: Keeper | None = None
+        """A pass kept between tasks (``kept.py``): it goes on after a successful callback, and waits at the next
+        step for that step's attempt instead of ending there. None: the pass ends at its step, as every pass
+        of a discovery or compensation task does."""
+        self.keepable = True
+        """Every ``step.run`` so far came from the thread the function runs on, and none was refused: only
+        such a pass may go on after its callback (anything else gets a replay from the top, as before)."""
 
     # ---- step.run -----------------------------------------------------------------
 
@@ -352,6 +369,8 @@ class _Replay:
         if not isinstance(step_id, str) or not step_id:
             raise TypeError("step id must be a non-empty string")
         with self._lock:
+            if self.keeper is not None and self.keepable and threading.get_ident() != self.keeper.thread_id:
+                self.keepable = False  # a step from another thread: the rest of this pass is not kept
             if self.closed:
                 raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
             if self.stopped_at is not None:
@@ -391,14 +410,15 @@ class _Replay:
                 self.recorded_failures.append(failure)
                 raise failure
             if self.kind is TaskKind.DISCOVER:
-                self._stop(
-                    step_id,
-                    location,
-                    display,
-                    self._plan(
-                        step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout
-                    ),
+                plan = self._plan(
+                    step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout
                 )
+                if self.keeper is not None and self.keepable and isinstance(plan, StepReached):
+                    # a kept pass reports the step and waits here for its attempt (Step.run calls the keeper)
+                    self.stopped_at = _Open(step_id, location, display, _context())
+                    self.outcome = plan
+                    return "keep", plan
+                self._stop(step_id, location, display, plan)
             if step_id != self.target:
                 assert self.target is not None
                 if self.kind is TaskKind.COMPENSATE and self.target_without_compensator is None:
@@ -480,6 +500,7 @@ class _Replay:
         if not self.entered:
             second = Occurrence(step_id=step_id, location=location, name=name)
             self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=first.occurrence(), second=second))
+        self.keepable = False
         raise ConcurrentStepError(step_id, open_step_id=first.step_id)
 
     # ---- the target callback ---------------------------------------------------------
@@ -489,9 +510,12 @@ class _Replay:
         assert op is not None
         return Operation(id=op.id, phase=op.phase.value, generation=op.generation)
 
-    def run_callback(self, step_id: str, call: Callable[[], Any]) -> NoReturn:
+    def run_callback(self, step_id: str, call: Callable[[], Any]) -> Any:
+        """Run the target callback and end the pass with its outcome; or, in a kept pass after a success,
+        return the recorded result to the function, which goes on as the discovery that follows."""
         token = _current_operation.set(self.operation_context())
         outcome: Any = None
+        going_on = False
         try:
             try:
                 result = call()
@@ -507,7 +531,36 @@ class _Replay:
         finally:
             _current_operation.reset(token)
             self._callback_finished(outcome)
+            if outcome is not None:
+                going_on = self._go_on(step_id, outcome)
+        if going_on:
+            return _fresh(outcome.result)
         raise Suspend(outcome)
+
+    def _go_on(self, step_id: str, outcome: Any) -> bool:
+        """After the target callback of a kept pass succeeded: hand its outcome to the task, and make the rest
+        of this pass the discovery that follows, with the result recorded (the memo the server will hold)."""
+        keeper = self.keeper
+        if keeper is None:
+            return False
+        with self._lock:
+            going_on = self.keepable and not self.closed and isinstance(outcome, CallbackSucceeded)
+            if going_on:
+                self.memo[step_id] = MemoEntry(status="completed", result=outcome.result)
+                self.kind, self.target, self.operation = TaskKind.DISCOVER, None, None
+                self.stopped_at, self.entered, self.outcome = None, False, None
+                self.callback_done = threading.Event()
+        keeper.attempt_finished(outcome, going_on=going_on)
+        return going_on
+
+    def resume(self, request_kind: TaskKind, memo: dict[str, MemoEntry], target: str, operation: OperationInfo) -> None:
+        """A kept pass waiting at ``target`` becomes that step's attempt (called while it waits)."""
+        with self._lock:
+            self.kind, self.memo, self.target, self.operation = request_kind, memo, target, operation
+            self.forward_result = None
+            self.stopped_at, self.entered, self.outcome, self.closed = None, False, None, False
+            self.callback_done = threading.Event()
+            self.seen.pop(target, None)  # the same step.run call, entered again
 
     async def run_callback_async(self, call: Callable[[], Any]) -> NoReturn:
         token = _current_operation.set(self.operation_context())
@@ -697,15 +750,22 @@ class Step:
         raises :class:`ConcurrentStepError`.
         """
         replay = self._replay
+        location = _caller_location(1)
         action, value = replay.enter(
-            step_id, _caller_location(1), fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+            step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
         )
+        if action == "keep":  # a kept pass: wait here for this step's attempt (or end, if it does not come)
+            assert replay.keeper is not None
+            replay.keeper.wait_for_attempt(value)
+            action, value = replay.enter(
+                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+            )
         if action == "return":
             return value  # type: ignore[no-any-return]
         if action == "park":  # pragma: no cover - only an asyncio task can park
             raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
-        replay.run_callback(step_id, call)
+        return replay.run_callback(step_id, call)  # type: ignore[no-any-return]
 
 
 class AsyncStep:

@@ -1,0 +1,301 @@
+"""Kept passes: a chained run's function goes on from step to step instead of replaying from the top.
+
+Without them, every task replays the function from the top: a forward attempt replays to its step and
+runs the callback, and the continuation after it (``continue_after``) replays from the top once more to
+find the next step. At step *n* that is *n* replayed ``step.run`` calls, so a run's endpoint time grows
+with the square of its length.
+
+A kept pass is one execution of the function that serves a run's chained tasks one after another, as
+Temporal's sticky cache keeps a workflow in a worker's memory:
+
+1. A forward attempt with ``continue_after`` starts the function in a thread of its own (the pass). It
+   replays to the target step and runs its callback; the request reports the callback's outcome.
+2. After a success the function goes on, in the same execution: ``step.run`` returns the recorded result
+   (a fresh copy of the JSON the server will hold), and the rest of the pass is the discovery that follows.
+   At the next step with no recorded outcome it does not run the callback: the request reports the step
+   as ``next``, and the pass waits there, kept by this process under the run's id.
+3. The next request for the run, if it is that step's forward attempt and extends the memo this pass was
+   last sent by exactly the result it reported, resumes the pass at that ``step.run``: its callback runs
+   with the new request's operation, and the pass goes on as in 2.
+
+Anything else ends the kept pass (its waiting ``step.run`` raises the pass-ending ``Suspend``, so the
+function's ``finally`` blocks run) and the task replays from the top as before: a request for another
+step or another kind of task, a memo that is not the one expected (another engine process, a resolution,
+a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` or pushed out by
+newer ones (``KEPT_PASSES`` per app). What the server records never depends on which happened: both are
+passes of current code over the same recorded results.
+
+What a kept pass changes for the function is only what a replay would have recomputed: code outside
+``step.run`` runs once per execution instead of once per task, so what it keeps in memory (or what a
+callback left there) is still there at the next step. RFD 1 allows this ("discovery is repeatable
+orchestration"), and it is why a value later steps rely on belongs in a step's result: a replay from the
+top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` can check a
+workflow for this (``WorkflowEnvironment(replay_check=True)``).
+
+A pass is kept only while it is simple enough to be the same as a replay: every ``step.run`` came from
+the thread the function runs on, and none was refused (``ConcurrentStepError``). A pass that spreads its
+steps over threads gets the continuation replayed from the top, as before. Async functions are not kept
+(each request runs them on a loop of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .step import Step, Suspend, _Replay
+from .wire import CallbackSucceeded, MemoEntry, StepReached, TaskKind, TaskRequest
+
+if TYPE_CHECKING:
+    from .app import RegisteredFunction
+
+log = logging.getLogger("ryusen")
+
+KEPT_PASSES = 256
+"""Kept passes per app, at most (each holds a waiting thread); the least recently used ends first.
+``RYUSEN_KEPT_PASSES`` sets it (0 turns kept passes off)."""
+KEPT_PASS_IDLE_S = 60.0
+"""How long a kept pass waits for its run's next attempt before it ends (the engine chains the next
+attempt at once; this covers a hand-over through the queue)."""
+
+
+def kept_passes_from_env() -> int:
+    raw = os.environ.get("RYUSEN_KEPT_PASSES")
+    if raw is None or not raw.strip():
+        return KEPT_PASSES
+    try:
+        value = int(raw)
+    except ValueError:
+        log.warning("RYUSEN_KEPT_PASSES=%r is not a number; keeping %d passes", raw, KEPT_PASSES)
+        return KEPT_PASSES
+    return max(0, value)
+
+
+class LivePass:
+    """One execution of a run's function, in a thread of its own, serving that run's chained attempts.
+
+    The request thread and the pass thread hand over through ``_changed``: the request waits for the
+    callback's outcome (or the end of the pass), then for what comes next (the pass waiting at a step, or
+    ending); the pass waits at a step for :meth:`resume` or :meth:`end`.
+    """
+
+    def __init__(self, registered: RegisteredFunction, request: TaskRequest, *, idle_s: float) -> None:
+        assert request.kind is TaskKind.FORWARD and request.step_id is not None and request.operation is not None
+        self.run_id = request.run_id
+        self.function_id = request.function_id
+        self.idle_s = idle_s
+        self.replay = _Replay(TaskKind.FORWARD, dict(request.memo), request.step_id, request.operation, None)
+        self.replay.keeper = self
+        self._registered = registered
+        self._input = request.input
+        self._changed = threading.Condition()
+        self._attempt: Any = None
+        self._going_on = False
+        self._finished = False
+        self._final: Any = None
+        self._final_error: BaseException | None = None
+        self._waiting: StepReached | None = None
+        """The step this pass waits at (reported as ``next``), while it waits."""
+        self._resumed = False
+        self._ended = False
+        self.expects: tuple[str, str, MemoEntry] | None = None
+        """What the next request must say to resume this pass: the memo token it extends, and the one entry
+        it adds (the step whose result this pass reported)."""
+        self.on_end: Any = None
+        """Called (with this pass) when the pass ends while kept: the registry forgets it."""
+        self._thread = threading.Thread(target=self._main, name=f"ryusen-pass-{request.run_id[:40]}", daemon=True)
+        self.thread_id = 0
+
+    # ---- the pass thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _main(self) -> None:
+        self.thread_id = threading.get_ident()  # before the function runs: the replay compares with it
+        output: Any = None
+        raised: BaseException | None = None
+        try:
+            output = self._registered.fn(self._input, Step(self.replay))
+        except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a Suspend too)
+            raised = exc
+        final: Any = None
+        error: BaseException | None = None
+        try:
+            final = self.replay.report(output=output, raised=raised)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request that waits (CallbackInterruptedError)
+            error = exc
+        with self._changed:
+            self._finished, self._final, self._final_error = True, final, error
+            self._waiting = None
+            self._changed.notify_all()
+
+    def attempt_finished(self, outcome: Any, *, going_on: bool) -> None:
+        """The callback finished (from the pass thread): the request may answer with its outcome."""
+        with self._changed:
+            self._attempt, self._going_on = outcome, going_on
+            self._changed.notify_all()
+
+    def wait_for_attempt(self, plan: Any) -> None:
+        """At a step with no recorded outcome (from the pass thread): report it and wait for its attempt.
+
+        Returns once :meth:`resume` made the replay that step's attempt; raises ``Suspend`` (ending the
+        pass) when the pass ends instead: ended by the registry, or not resumed within ``idle_s``."""
+        deadline = time.monotonic() + self.idle_s
+        with self._changed:
+            self._waiting = plan
+            self._changed.notify_all()
+            while not (self._resumed or self._ended):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._ended = True
+                    break
+                self._changed.wait(left)
+            resumed, self._resumed, self._waiting = self._resumed and not self._ended, False, None
+        if not resumed:
+            if self.on_end is not None:
+                self.on_end(self)
+            raise Suspend(plan)
+
+    # ---- the request thread ----------------------------------------------------------
+
+    def answer(self, budget: Callable[[], float]) -> tuple[Any, Any]:
+        """The current request's attempt outcome, and the step this pass now waits at (None: it does not wait
+        at one: it ended, or did not go on after the callback, or was still going ``budget()`` seconds after
+        the callback's end). Raises what the pass raised when it reported nothing
+        (``CallbackInterruptedError``)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._attempt is not None or self._finished)
+            attempt, going_on = self._attempt, self._going_on
+            if attempt is None or not going_on:
+                # the pass ended at its step (a failure, a conflict, a step from another thread): its report
+                self._changed.wait_for(lambda: self._finished)
+                if self._final_error is not None:
+                    raise self._final_error
+                return self._final, None
+            left = budget()
+            if left > 0:
+                self._changed.wait_for(lambda: self._waiting is not None or self._finished, timeout=left)
+            if self._waiting is not None or self._finished:
+                return attempt, self._waiting
+        self.replay.close()  # still going: a step.run still to come runs nothing
+        return attempt, None
+
+    @property
+    def waiting(self) -> bool:
+        with self._changed:
+            return self._waiting is not None and not self._ended and not self._finished
+
+    def resume(self, request: TaskRequest, sent: TaskRequest) -> bool:
+        """Make this waiting pass the attempt ``request`` asks for, if ``sent`` (the request as it came, its
+        memo only what changed) is the attempt of the step it waits at, extending exactly the memo it holds.
+        False: it is not (the caller ends it and replays from the top)."""
+        with self._changed:
+            plan = self._waiting
+            if plan is None or self._ended or self._finished or self.expects is None:
+                return False
+            token, step_id, entry = self.expects
+            base = sent.memo_base
+            if (
+                request.kind is not TaskKind.FORWARD
+                or not request.continue_after
+                or request.function_id != self.function_id
+                or request.step_id != plan.step.id
+                or request.operation is None
+                or base is None
+                or base.token != token
+                or base.removed
+                or set(sent.memo) != {step_id}
+                or not _same_entry(sent.memo[step_id], entry)
+            ):
+                return False
+            self.replay.resume(TaskKind.FORWARD, request.memo, plan.step.id, request.operation)
+            self._attempt, self._going_on, self._resumed, self._waiting = None, False, True, None
+            self._changed.notify_all()
+            return True
+
+    def kept_for(self, request: TaskRequest, attempt: Any) -> None:
+        """After ``request`` was answered with ``attempt`` and the step this pass waits at: what the run's
+        next request must extend for this pass to serve it."""
+        if request.memo_token is not None and isinstance(attempt, CallbackSucceeded) and request.step_id:
+            self.expects = (request.memo_token, request.step_id, MemoEntry(status="completed", result=attempt.result))
+        else:
+            self.expects = None
+
+    def end(self) -> None:
+        """End the pass (it is not resumed): its waiting ``step.run`` raises the pass-ending ``Suspend``."""
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+        self.replay.close()
+
+
+def _same_entry(a: MemoEntry, b: MemoEntry) -> bool:
+    """The same recorded outcome, compared as JSON (1 and true differ, as they do to the function)."""
+    try:
+        return json.dumps(a.model_dump(mode="json"), sort_keys=True) == json.dumps(
+            b.model_dump(mode="json"), sort_keys=True
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+class KeptPasses:
+    """The passes this app keeps, by run id: at most ``capacity``, the least recently kept ending first."""
+
+    def __init__(self, capacity: int | None = None, idle_s: float = KEPT_PASS_IDLE_S) -> None:
+        self.capacity = kept_passes_from_env() if capacity is None else capacity
+        self.idle_s = idle_s
+        self._passes: OrderedDict[str, LivePass] = OrderedDict()
+        self._lock = threading.Lock()
+        self.resumed = 0
+        """Requests a kept pass served (figures for tests and benchmarks)."""
+        self.started = 0
+        """Passes started for a chained attempt: a replay from the top."""
+
+    def take(self, run_id: str) -> LivePass | None:
+        with self._lock:
+            return self._passes.pop(run_id, None)
+
+    def keep(self, live: LivePass) -> None:
+        if self.capacity <= 0:
+            live.end()
+            return
+        pushed_out: list[LivePass] = []
+        with self._lock:
+            previous = self._passes.pop(live.run_id, None)
+            if previous is not None and previous is not live:
+                pushed_out.append(previous)
+            self._passes[live.run_id] = live
+            live.on_end = self._forget
+            while len(self._passes) > self.capacity:
+                pushed_out.append(self._passes.popitem(last=False)[1])
+        for old in pushed_out:
+            old.end()
+
+    def drop(self, run_id: str) -> None:
+        """The run's next task is not a chained attempt: its kept pass (if any) ends."""
+        live = self.take(run_id)
+        if live is not None:
+            live.end()
+
+    def _forget(self, live: LivePass) -> None:
+        with self._lock:
+            if self._passes.get(live.run_id) is live:
+                del self._passes[live.run_id]
+
+    def clear(self) -> None:
+        with self._lock:
+            passes = list(self._passes.values())
+            self._passes.clear()
+        for live in passes:
+            live.end()
+
+    def __len__(self) -> int:
+        return len(self._passes)
