@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "ConflictError",
+    "DiscoveryDivergenceError",
     "EngineSettings",
     "Faults",
     "InvalidRequestError",
@@ -204,6 +205,11 @@ class _Crash(BaseException):
     """Simulates the dispatcher process dying mid-task."""
 
 
+class DiscoveryDivergenceError(AssertionError):
+    """With ``check_discovery=True``: an execution that went on after a step reached another next step than a
+    discovery from the recorded results does (the message names both, and the run)."""
+
+
 class WorkflowEnvironment:
     """The engine, in-process, on a virtual clock, serving ``app`` (or several apps)."""
 
@@ -217,6 +223,8 @@ class WorkflowEnvironment:
         store: str = "memory",
         chain_steps: bool = True,
         signing: bool = True,
+        kept_passes: bool = True,
+        check_discovery: bool = False,
     ) -> None:
         """``store="moto"`` keeps runs in Ryusen's DynamoDB store on an in-process moto
         (slower; close the environment, or use it as a context manager, to stop moto).
@@ -225,7 +233,15 @@ class WorkflowEnvironment:
         no continuation after a callback, and every task a queue message of its own.
 
         ``signing=False`` runs unsigned, as insecure local mode does (for a test that rewrites what an
-        endpoint answers); by default every task is signed as on a deployment."""
+        endpoint answers); by default every task is signed as on a deployment.
+
+        ``kept_passes=False`` turns off the SDK's kept passes for the apps served here (as
+        ``RYUSEN_KEPT_PASSES=0`` does): every task replays the function from the top, as a cold endpoint does.
+
+        ``check_discovery=True`` also replays from the top wherever a kept pass goes on to a next step, and
+        raises :class:`DiscoveryDivergenceError` when the two reach different steps: code outside ``step.run``
+        that decides from state a callback left in memory (or a clock, a random value). RFD 1 allows such code;
+        the check is for a workflow whose choices must hold on any endpoint instance."""
         self.clock = VirtualClock(start)
         self.counter = RequestCounter()
         self._mock: Any = None
@@ -264,6 +280,8 @@ class WorkflowEnvironment:
         self.engine.chain_guards.append(lambda: self._chain)
         self._apps: dict[str, Ryusen] = {}
         self._keys: dict[str, list[str]] = {}
+        self._kept_passes = kept_passes
+        self._check_discovery = check_discovery
         for app in apps:
             self.sync(app)
 
@@ -282,7 +300,9 @@ class WorkflowEnvironment:
         return DynamoStore(client, "ryusen-testing", self.counter)
 
     def close(self) -> None:
-        """Stop the in-process moto of ``store="moto"`` (a no-op for the memory store)."""
+        """End the kept passes of the apps served here, and stop the in-process moto of ``store="moto"``."""
+        for app in self._apps.values():
+            app.kept_passes.clear()
         if self._mock is not None:
             self._mock.stop()
             self._mock = None
@@ -298,6 +318,14 @@ class WorkflowEnvironment:
     def sync(self, app: Ryusen, *, release_id: str | None = None) -> None:
         """Serve ``app`` and sync it as the newest release (as ``ryusen dev`` does on reload)."""
         url = f"inproc://{app.app_id}"
+        previous = self._apps.get(url)
+        if previous is not None and previous is not app:
+            previous.kept_passes.clear()  # the endpoint is replaced: what the old code kept running ends
+        if not self._kept_passes:
+            app.kept_passes.capacity = 0
+            app.kept_passes.clear()
+        if self._check_discovery:
+            app.check_discovery = True
         self._apps[url] = app
         self.invoker.apps[url] = self.endpoint(app)
         manifest = app.manifest()
@@ -456,6 +484,7 @@ class WorkflowEnvironment:
             if until is not None and until():
                 return
             if self.step_once():
+                self._raise_divergences()
                 continue
             if stop_when_blocked is not None and self._waits_for_someone(stop_when_blocked):
                 return
@@ -464,6 +493,12 @@ class WorkflowEnvironment:
                 return
             self.clock.advance_to(due)
         raise RuntimeError("workflow did not settle within max_transitions")
+
+    def _raise_divergences(self) -> None:
+        for app in self._apps.values():
+            if app.discovery_divergences:
+                divergence = app.discovery_divergences.pop(0)
+                raise DiscoveryDivergenceError(divergence.describe())
 
     def _waits_for_someone(self, run_id: str) -> bool:
         """The run has a blocker that only a release, an operator or a late result removes (an endpoint

@@ -153,6 +153,12 @@ class Ryusen:
         self.kept_passes = KeptPasses(kept_passes)
         """Executions of chained runs' functions waiting at their next step for its attempt, so that it need not
         replay from the top (``kept.py``): at most ``kept_passes`` (default 256, ``RYUSEN_KEPT_PASSES``; 0: none)."""
+        self.check_discovery = False
+        """Where a kept pass stops at a step, also run the discovery from the top with the recorded results, and
+        answer with what that reaches: a test's check that code outside ``step.run`` decides from recorded
+        results only (``WorkflowEnvironment(check_discovery=True)``). Each difference is added to
+        ``discovery_divergences``."""
+        self.discovery_divergences: list[DiscoveryDivergence] = []
 
     @property
     def signing_keys(self) -> list[str]:
@@ -301,6 +307,14 @@ class Ryusen:
             kept.resumed += 1
         attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()))
         if waiting_at is not None and live.waiting:
+            if self.check_discovery:
+                replayed = self._continuation(registered, request, attempt, run_input)
+                if replayed is not None and _as_json(replayed) != _as_json(waiting_at):
+                    self.discovery_divergences.append(
+                        DiscoveryDivergence(request.run_id, request.function_id, request.step_id, waiting_at, replayed)
+                    )
+                    live.end()
+                    return _respond(request, attempt, replayed)
             live.kept_for(request, attempt)
             kept.keep(live)
             return _respond(request, attempt, waiting_at)
@@ -730,6 +744,42 @@ def _memo_miss(request: TaskRequest) -> TaskResponse:
     server takes it only as the answer to that request."""
     assert request.memo_base is not None
     return TaskResponse(kind=request.kind, run_id=request.run_id, memo_miss=request.memo_base.token)
+
+
+@dataclass(frozen=True)
+class DiscoveryDivergence:
+    """Where a kept pass and a discovery from the recorded results went different ways (``check_discovery``): after
+    the callback of ``after_step``, the pass that went on reached ``kept`` and the replay ``replayed``."""
+
+    run_id: str
+    function_id: str
+    after_step: str | None
+    kept: Any
+    replayed: Any
+
+    def describe(self) -> str:
+        return (
+            f"run {self.run_id} ({self.function_id}): after step {self.after_step!r} the execution that went on "
+            f"reached {_reached(self.kept)}, but a discovery from the recorded results reaches "
+            f"{_reached(self.replayed)}. Code outside step.run decides from something that is not a recorded "
+            "result (state a callback left in memory, a clock, a random value); a cold endpoint or another "
+            "instance takes the second way. RFD 1 allows this, but if the choice must hold, return what later "
+            "steps need from the step that produces it."
+        )
+
+
+def _reached(outcome: Any) -> str:
+    step = getattr(outcome, "step", None)
+    if step is not None and getattr(step, "id", None):
+        return f"step {step.id!r}"
+    return type(outcome).__name__
+
+
+def _as_json(value: Any) -> str:
+    try:
+        return json.dumps(value.model_dump(mode="json"), sort_keys=True)
+    except (AttributeError, TypeError, ValueError):
+        return repr(value)
 
 
 def _respond(request: TaskRequest, outcome: Any, following: Any = None) -> TaskResponse:

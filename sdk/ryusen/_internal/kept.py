@@ -30,7 +30,7 @@ What a kept pass changes for the function is only what a replay would have recom
 callback left there) is still there at the next step. RFD 1 allows this ("discovery is repeatable
 orchestration"), and it is why a value later steps rely on belongs in a step's result: a replay from the
 top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` can check a
-workflow for this (``WorkflowEnvironment(replay_check=True)``).
+workflow for this (``WorkflowEnvironment(check_discovery=True)``).
 
 A pass is kept only while it is simple enough to be the same as a replay: every ``step.run`` came from
 the thread the function runs on, and none was refused (``ConcurrentStepError``). A pass that spreads its
@@ -40,6 +40,7 @@ steps over threads gets the continuation replayed from the top, as before. Async
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -92,6 +93,8 @@ class LivePass:
         self.idle_s = idle_s
         self.replay = _Replay(TaskKind.FORWARD, dict(request.memo), request.step_id, request.operation, None)
         self.replay.keeper = self
+        self.serving = request.step_id
+        """The step whose attempt this pass runs (or last ran)."""
         self._registered = registered
         self._input = request.input
         self._changed = threading.Condition()
@@ -109,7 +112,10 @@ class LivePass:
         it adds (the step whose result this pass reported)."""
         self.on_end: Any = None
         """Called (with this pass) when the pass ends while kept: the registry forgets it."""
-        self._thread = threading.Thread(target=self._main, name=f"ryusen-pass-{request.run_id[:40]}", daemon=True)
+        context = contextvars.copy_context()  # what the request that starts the pass had set (a logging context)
+        self._thread = threading.Thread(
+            target=context.run, args=(self._main,), name=f"ryusen-pass-{request.run_id[:40]}", daemon=True
+        )
         self.thread_id = 0
 
     # ---- the pass thread -------------------------------------------------------------
@@ -185,6 +191,12 @@ class LivePass:
             if self._waiting is not None or self._finished:
                 return attempt, self._waiting
         self.replay.close()  # still going: a step.run still to come runs nothing
+        log.warning(
+            "the kept pass of run %s was still going %.1fs after step %r; the server will run the discovery as a task",
+            self.run_id,
+            max(left, 0.0),
+            self.serving,
+        )
         return attempt, None
 
     @property
@@ -216,6 +228,7 @@ class LivePass:
             ):
                 return False
             self.replay.resume(TaskKind.FORWARD, request.memo, plan.step.id, request.operation)
+            self.serving = plan.step.id
             self._attempt, self._going_on, self._resumed, self._waiting = None, False, True, None
             self._changed.notify_all()
             return True
