@@ -302,7 +302,7 @@ class WorkflowEnvironment:
     def close(self) -> None:
         """End the kept passes of the apps served here, and stop the in-process moto of ``store="moto"``."""
         for app in self._apps.values():
-            app.kept_passes.clear()
+            app.kept_passes.clear(wait_s=5.0)  # their functions' finally blocks have run when close returns
         if self._mock is not None:
             self._mock.stop()
             self._mock = None

@@ -72,7 +72,9 @@ def test_a_step_refused_in_another_thread_during_the_callback_still_runs_later(c
 @CHAINING
 def test_what_a_callback_left_in_memory_does_not_decide_the_next_step(chain_steps: bool) -> None:
     """The callback sets an attribute of an object its pass created, instead of returning it. Every replay
-    from the recorded results sees the attribute unset; so does the pass after the callback."""
+    from the recorded results sees the attribute unset. The kept pass that goes on after the callback sees
+    it set and reaches the function's end; an end is always replayed from the recorded results, and that
+    replay finds notify (test_kept_passes shows a choice from memory followed by a step of its own)."""
     app = Ryusen("mem")
     ran: list[str] = []
 

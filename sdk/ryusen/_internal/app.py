@@ -300,8 +300,7 @@ class Ryusen:
         if live is None:
             run_input = _fresh(request.input)  # the pass may change its input; a replay needs it as it arrived
             live = LivePass(registered, request, idle_s=kept.idle_s)
-            live.start()
-            kept.started += 1
+            kept.start(live)
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
             kept.resumed += 1

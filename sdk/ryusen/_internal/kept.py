@@ -46,6 +46,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -248,6 +249,11 @@ class LivePass:
             self._changed.notify_all()
         self.replay.close()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the pass thread to finish (its ``finally`` blocks to run)."""
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
 
 def _same_entry(a: MemoEntry, b: MemoEntry) -> bool:
     """The same recorded outcome, compared as JSON (1 and true differ, as they do to the function)."""
@@ -271,6 +277,15 @@ class KeptPasses:
         """Requests a kept pass served (figures for tests and benchmarks)."""
         self.started = 0
         """Passes started for a chained attempt: a replay from the top."""
+        self._running: weakref.WeakSet[LivePass] = weakref.WeakSet()
+        """Every pass whose thread may still run (kept or not): what ``clear(wait_s=...)`` waits for."""
+
+    def start(self, live: LivePass) -> None:
+        """Start ``live``'s thread (a new pass for a chained attempt)."""
+        with self._lock:
+            self._running.add(live)
+            self.started += 1
+        live.start()
 
     def take(self, run_id: str) -> LivePass | None:
         with self._lock:
@@ -303,12 +318,18 @@ class KeptPasses:
             if self._passes.get(live.run_id) is live:
                 del self._passes[live.run_id]
 
-    def clear(self) -> None:
+    def clear(self, *, wait_s: float = 0.0) -> None:
+        """End every kept pass; with ``wait_s``, also wait up to that long for every pass thread still running
+        (those ended earlier too) to finish, so that the functions' ``finally`` blocks have run."""
         with self._lock:
             passes = list(self._passes.values())
             self._passes.clear()
+            running = list(self._running) if wait_s > 0 else []
         for live in passes:
             live.end()
+        deadline = time.monotonic() + wait_s
+        for live in running:
+            live.join(max(deadline - time.monotonic(), 0.0))
 
     def __len__(self) -> int:
         return len(self._passes)

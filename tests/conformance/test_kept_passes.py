@@ -1,0 +1,356 @@
+"""Kept passes: a chained run's function goes on from step to step instead of replaying from the top.
+
+Each test holds a kept pass to what a replay from the top would do: the same steps, each callback once per
+attempt, every execution's ``finally`` run, compensation in reverse. What a pass saves is only the replays:
+the function's top runs once per pass, not once per task.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from ryusen import Ryusen, Step
+from ryusen.testing import DiscoveryDivergenceError, WorkflowEnvironment
+
+KEPT = pytest.mark.parametrize("kept_passes", [False, True], ids=["replay every task", "kept passes"])
+
+
+class Tally:
+    """What a workflow's executions did: how often the function's top ran, its ``finally`` ran, and each
+    callback ran."""
+
+    def __init__(self) -> None:
+        self.tops = 0
+        self.finallys = 0
+        self.callbacks: Counter[str] = Counter()
+        self.order: list[str] = []
+        self._lock = threading.Lock()
+
+    def top(self) -> None:
+        with self._lock:
+            self.tops += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self.finallys += 1
+
+    def ran(self, name: str, value: Any = None) -> Any:
+        with self._lock:
+            self.callbacks[name] += 1
+            self.order.append(name)
+        return value if value is not None else name
+
+
+def chain_app(tally: Tally, name: str = "kept") -> Ryusen:
+    """``steps(n)``: n steps in a row, each returning its index, the output their sum."""
+    app = Ryusen(name)
+
+    @app.function("steps")
+    def steps(data: Any, step: Step) -> Any:
+        tally.top()
+        try:
+            total = 0
+            for i in range(data["n"]):
+                total += step.run(f"s{i}", lambda i=i: tally.ran(f"s{i}", i))
+            return total
+        finally:
+            tally.done()
+
+    return app
+
+
+def run_steps(env: WorkflowEnvironment, n: int) -> Any:
+    return env.run("steps", {"n": n})
+
+
+# ---- what a kept pass saves --------------------------------------------------------------------------------
+
+
+def test_a_chained_run_executes_its_function_from_the_top_a_number_of_times_that_does_not_grow() -> None:
+    """With kept passes the function's top runs a fixed number of times whatever the run's length, and every
+    attempt after the first is served by the pass that found its step; without them it runs twice a step."""
+    tops: dict[tuple[bool, int], int] = {}
+    for kept in (True, False):
+        for n in (30, 60):
+            tally = Tally()
+            app = chain_app(tally)
+            with WorkflowEnvironment(app, kept_passes=kept) as env:
+                run = run_steps(env, n)
+                left = len(app.kept_passes)
+            assert run.outcome == "completed" and run.output == sum(range(n))
+            assert tally.callbacks == Counter({f"s{i}": 1 for i in range(n)})
+            assert tally.finallys == tally.tops  # every execution ended, none is left waiting
+            tops[(kept, n)] = tally.tops
+            if kept:
+                assert app.kept_passes.resumed == n - 1
+                assert left == 0  # the last pass finished with the function
+            else:
+                assert app.kept_passes.resumed == 0 and app.kept_passes.started == 0
+    assert tops[(True, 30)] == tops[(True, 60)] <= 4
+    assert tops[(False, 60)] >= 2 * 60 and tops[(False, 60)] - tops[(False, 30)] >= 2 * 30
+
+
+# ---- anything else ends the pass, and the task replays ---------------------------------------------------
+
+
+@KEPT
+def test_another_endpoint_instance_serves_the_next_step(kept_passes: bool) -> None:
+    """Before s3's attempt the instance that kept the pass is gone (its passes end, as a process that
+    stops): s3 replays from the top on the "other" instance, and the run is the same."""
+    tally = Tally()
+    app = chain_app(tally)
+    with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
+        env.faults.before_invoke("s3", app.kept_passes.clear)
+        run = run_steps(env, 6)
+    assert run.outcome == "completed" and run.output == 15
+    assert tally.callbacks == Counter({f"s{i}": 1 for i in range(6)})
+    assert tally.finallys == tally.tops
+    if kept_passes:
+        assert app.kept_passes.started == 2  # s0's pass, then s3's
+        assert app.kept_passes.resumed == 4  # s1, s2; s4, s5
+
+
+def test_a_pass_kept_longer_than_its_idle_time_ends_and_the_step_replays() -> None:
+    tally = Tally()
+    app = chain_app(tally)
+    app.kept_passes.idle_s = 0.05
+    with WorkflowEnvironment(app) as env:
+        env.faults.before_invoke("s2", lambda: time.sleep(0.3))
+        run = run_steps(env, 4)
+    assert run.outcome == "completed" and run.output == 6
+    assert tally.callbacks == Counter({f"s{i}": 1 for i in range(4)})
+    assert tally.finallys == tally.tops
+    assert app.kept_passes.started == 2 and app.kept_passes.resumed == 2
+
+
+def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
+    """Capacity 1 and two runs whose steps interleave (each step goes through the queue): each pass pushes
+    the other run's out, so every attempt replays, and both runs are still right."""
+    tally = Tally()
+    app = chain_app(tally)
+    app.kept_passes.capacity = 1
+    with WorkflowEnvironment(app) as env:
+        first, second = env.start("steps", {"n": 5}), env.start("steps", {"n": 5})
+        env.drive(chain=False)
+        views = [env.get(first), env.get(second)]
+        left = len(app.kept_passes)
+    assert [v.outcome for v in views] == ["completed", "completed"] and [v.output for v in views] == [10, 10]
+    assert tally.callbacks == Counter({f"s{i}": 2 for i in range(5)})
+    assert tally.finallys == tally.tops and left == 0
+
+
+@KEPT
+def test_a_failed_attempt_ends_the_pass_and_its_retry_replays(kept_passes: bool) -> None:
+    tally = Tally()
+    app = Ryusen("retry")
+    failures = {"b": 1}
+
+    def b() -> str:
+        tally.ran("b")
+        if failures["b"]:
+            failures["b"] -= 1
+            raise RuntimeError("card declined, once")
+        return "b"
+
+    @app.function("abc")
+    def abc(data: Any, step: Step) -> Any:
+        tally.top()
+        try:
+            return [
+                step.run("a", lambda: tally.ran("a")),
+                step.run("b", b),
+                step.run("c", lambda: tally.ran("c")),
+            ]
+        finally:
+            tally.done()
+
+    with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
+        run = env.run("abc")
+        left = len(app.kept_passes)
+    assert run.outcome == "completed" and run.output == ["a", "b", "c"]
+    assert tally.callbacks == Counter({"a": 1, "b": 2, "c": 1}) and tally.order == ["a", "b", "b", "c"]
+    assert tally.finallys == tally.tops and left == 0
+
+
+@KEPT
+def test_a_cancel_during_a_callback_compensates_in_reverse_and_runs_no_later_step(kept_passes: bool) -> None:
+    """The run is cancelled while b's callback runs (b's result is still accepted, as RFD 1 says of an
+    attempt in flight): the pass that went on to c ends, c never runs, and a and b are undone in reverse."""
+    tally = Tally()
+    app = Ryusen("cancel")
+    env_box: dict[str, Any] = {}
+
+    def b() -> str:
+        env_box["env"].cancel(env_box["run"])
+        return tally.ran("b")
+
+    @app.function("abc")
+    def abc(data: Any, step: Step) -> Any:
+        tally.top()
+        try:
+            step.run("a", lambda: tally.ran("a"), compensate=lambda _: tally.ran("undo-a"))
+            step.run("b", b, compensate=lambda _: tally.ran("undo-b"))
+            step.run("c", lambda: tally.ran("c"), compensate=lambda _: tally.ran("undo-c"))
+            return "done"
+        finally:
+            tally.done()
+
+    with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
+        env_box["env"], env_box["run"] = env, env.start("abc")
+        env.drive(chain=True)
+        run = env.get(env_box["run"])
+        left = len(app.kept_passes)
+    assert run.outcome == "cancelled"
+    assert tally.order == ["a", "b", "undo-b", "undo-a"]
+    assert tally.finallys == tally.tops and left == 0
+
+
+@KEPT
+def test_a_duplicate_step_id_blocks_the_run_as_a_replay_does(kept_passes: bool) -> None:
+    tally = Tally()
+    app = Ryusen("dup")
+
+    @app.function("aba")
+    def aba(data: Any, step: Step) -> Any:
+        tally.top()
+        try:
+            step.run("a", lambda: tally.ran("a"))
+            step.run("b", lambda: tally.ran("b"))
+            step.run("a", lambda: tally.ran("a-again"))
+            return "done"
+        finally:
+            tally.done()
+
+    with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
+        run_id = env.start("aba")
+        env.drive(chain=True, stop_when_blocked=run_id)
+        run = env.get(run_id)
+        left = len(app.kept_passes)
+    assert run.outcome is None and [b["type"] for b in run.blockers] == ["duplicate_step_id"]
+    assert tally.callbacks == Counter({"a": 1, "b": 1})
+    assert tally.finallys == tally.tops and left == 0
+
+
+def test_an_engine_that_no_longer_holds_the_memo_it_sent_gets_a_replay() -> None:
+    """The engine forgets the memos it sent (a new process): its next request carries the whole memo under
+    a new token, which is not the one the pass extends, so the pass ends and the step replays."""
+    tally = Tally()
+    app = chain_app(tally)
+    with WorkflowEnvironment(app) as env:
+        env.engine.sent_memos.capacity = 0
+        run = run_steps(env, 5)
+    assert run.outcome == "completed" and run.output == 10
+    assert tally.callbacks == Counter({f"s{i}": 1 for i in range(5)})
+    assert app.kept_passes.resumed == 0 and tally.finallys == tally.tops
+
+
+def test_a_lost_result_retried_by_an_operator_runs_the_step_again_and_the_rest_once() -> None:
+    tally = Tally()
+    app = Ryusen("lost")
+
+    @app.function("abc")
+    def abc(data: Any, step: Step) -> Any:
+        tally.top()
+        try:
+            return [step.run(s, lambda s=s: tally.ran(s)) for s in ("a", "b", "c")]
+        finally:
+            tally.done()
+
+    with WorkflowEnvironment(app) as env:
+        env.faults.lose_result("b")
+        run_id = env.start("abc")
+        env.drive(chain=True, stop_when_blocked=run_id)
+        blocked = env.get(run_id)
+        assert [b["type"] for b in blocked.blockers] == ["unknown_outcome"]
+        assert tally.callbacks == Counter({"a": 1, "b": 1})  # c is not reached while b's outcome is Unknown
+        env.resolve(run_id, "b", generation=1, action="retry")
+        env.drive(chain=True)
+        run = env.get(run_id)
+        left = len(app.kept_passes)
+    assert run.outcome == "completed" and run.output == ["a", "b", "c"]
+    assert tally.callbacks == Counter({"a": 1, "b": 2, "c": 1})
+    assert tally.finallys == tally.tops and left == 0  # the pass left at c ended at b's retry
+
+
+def test_an_async_function_is_not_kept() -> None:
+    app = Ryusen("async")
+    ran: list[str] = []
+
+    @app.function("two")
+    async def two(data: Any, step: Step) -> Any:
+        return [await step.run(s, lambda s=s: ran.append(s) or s) for s in ("a", "b")]
+
+    with WorkflowEnvironment(app) as env:
+        run = env.run("two")
+    assert run.outcome == "completed" and run.output == ["a", "b"] and ran == ["a", "b"]
+    assert app.kept_passes.started == 0 and app.kept_passes.resumed == 0
+
+
+# ---- what code outside step.run may rely on -------------------------------------------------------------
+
+
+def memory_app(ran: list[str]) -> Ryusen:
+    """A callback leaves its confirmation in memory instead of returning it, and the next step depends on it."""
+    app = Ryusen("mem")
+
+    class Booking:
+        confirmation: str | None = None
+
+    @app.function("book")
+    def book(data: Any, step: Step) -> Any:
+        booking = Booking()
+
+        def reserve() -> bool:
+            ran.append("reserve")
+            booking.confirmation = "CONF-1"
+            return True
+
+        step.run("reserve", reserve)
+        if booking.confirmation is None:
+            step.run("notify", lambda: ran.append("notify") or "notified")
+        step.run("archive", lambda: ran.append("archive") or "archived")
+        return "booked"
+
+    return app
+
+
+def test_check_discovery_names_the_step_a_callback_s_memory_decided() -> None:
+    ran: list[str] = []
+    with (
+        WorkflowEnvironment(memory_app(ran), check_discovery=True) as env,
+        pytest.raises(DiscoveryDivergenceError) as caught,
+    ):
+        env.run("book")
+    message = str(caught.value)
+    assert "after step 'reserve'" in message and "'archive'" in message and "'notify'" in message
+
+
+def test_without_the_check_a_choice_made_from_memory_is_revisited_by_the_next_replay() -> None:
+    """What RFD 1 allows ("later discovery may emit different step IDs"), made visible. The kept pass, with
+    the confirmation in its memory, skips notify and goes on to archive. The function's end is always
+    replayed from the recorded results, and that replay, as a cold endpoint does from the start, sees no
+    confirmation: notify is a newly encountered step and runs. Every step still runs once."""
+    kept: list[str] = []
+    with WorkflowEnvironment(memory_app(kept)) as env:
+        warm = env.run("book")
+    cold: list[str] = []
+    with WorkflowEnvironment(memory_app(cold), kept_passes=False) as env:
+        replayed = env.run("book")
+    assert warm.outcome == replayed.outcome == "completed" and warm.output == replayed.output == "booked"
+    assert cold == ["reserve", "notify", "archive"]
+    assert kept == ["reserve", "archive", "notify"]
+    assert [s["id"] for s in warm.steps] == ["reserve", "archive", "notify"]
+
+
+def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() -> None:
+    tally = Tally()
+    app = chain_app(tally)
+    with WorkflowEnvironment(app, check_discovery=True) as env:
+        run = run_steps(env, 8)
+    assert run.outcome == "completed" and run.output == 28 and app.discovery_divergences == []
+    assert app.kept_passes.resumed == 7
