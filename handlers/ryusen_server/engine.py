@@ -162,6 +162,10 @@ class Sent:
     keys: tuple[str, ...]
 
 
+RELEASE_RECHECK_S = 1.0
+"""The default of ``ServerSettings.release_recheck_s`` (``RYUSEN_RELEASE_RECHECK_S``)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -183,6 +187,11 @@ class ServerSettings:
     chain_window_s: float = 60.0
     """The longest one dispatch message keeps chaining before the next task goes through the queue (a Lambda
     also stops at its own time limit): other runs' messages get a dispatcher in turn."""
+    release_recheck_s: float = RELEASE_RECHECK_S
+    """How long a chaining dispatcher uses the newest release it read before reading it again: after each
+    callback it decides from the newest release (R1), and a release synced through another process reaches
+    a chain within this long (0: read it after every callback). A sync through this process, and every new
+    dispatch message, is seen at once."""
     index_settle_s: float = 0.0
     """How long the blocked-runs index may lag the table (a DynamoDB GSI): a release sync looks it up again
     after this long, for a run that blocked just before the sync."""
@@ -319,6 +328,21 @@ class Engine:
         """Each must allow chaining the next task (``ryusen.testing`` stops a chain where a test wants to look)."""
         self.sent_memos = SentMemos()
         """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
+        self._releases_read: dict[str, tuple[float, Release | None]] = {}
+        """The newest release of each function as this process last read or synced it, and when (monotonic)."""
+
+    def _read_release(self, function_id: str) -> Release | None:
+        """The newest release of ``function_id``, read from the store (and remembered for ``_newest_release``)."""
+        release = self.store.get_release(function_id)
+        self._releases_read[function_id] = (time.monotonic(), release)
+        return release
+
+    def _newest_release(self, function_id: str) -> Release | None:
+        """The newest release of ``function_id`` as of at most ``release_recheck_s`` ago."""
+        seen = self._releases_read.get(function_id)
+        if seen is not None and time.monotonic() - seen[0] < self.settings.release_recheck_s:
+            return seen[1]
+        return self._read_release(function_id)
 
     def master_keys(self) -> list[str]:
         """The valid master keys, the one to sign with first (during a rotation, also the one it replaced)."""
@@ -519,6 +543,8 @@ class Engine:
             features=features,
         )
         self.store.put_release(release)
+        for fn in manifest.functions:
+            self._releases_read.pop(fn.id, None)  # this process's chains read the release afresh
         self._wake_blocked(manifest)
         if self.settings.index_settle_s > 0:
             time.sleep(self.settings.index_settle_s)  # the index catches up with runs that blocked just now
@@ -557,7 +583,7 @@ class Engine:
         state = self.store.get(task.run_id)
         if state is None:
             return Delivered(done=True)
-        release = self.store.get_release(state.function_id)
+        release = self._read_release(state.function_id)  # a new message reads the release afresh
         ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
         delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
         decision = self.apply(task.run_id, delivered, known=state)
@@ -646,7 +672,7 @@ class Engine:
         chaining = self.may_chain(deadline, chain_until)
         newest: Release | None = None
         if chaining or request.continue_after:
-            newest = self.store.get_release(state.function_id)  # the newest release, every time (R1)
+            newest = self._newest_release(state.function_id)  # the newest release (R1), re-read now and then
         chain = newest if chaining else None
         ref = ReleaseRef(release_id=chain.release_id, build_id=chain.build_id) if chain else None
         # What the pass found after the callback is what the code that ran it would do next; if a newer

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from ryusen._internal.wire import RetryPolicyWire
 
 from .core.events import EngineSettings
-from .engine import ServerSettings
+from .engine import RELEASE_RECHECK_S, ServerSettings
 
 
 def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
@@ -26,6 +26,14 @@ def _float(env: Mapping[str, str], name: str, default: float | None) -> float | 
     if value <= 0:
         raise ValueError(f"setting {name} must be positive")
     return value
+
+
+def _seconds_or_never(env: Mapping[str, str], name: str, default: float) -> float:
+    """Seconds, where 0 is allowed (no wait: every time)."""
+    raw = env.get(name)
+    if raw is not None and raw.strip() in ("0", "0.0"):
+        return 0.0
+    return _req(env, name, default)
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:
@@ -93,6 +101,7 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         default_run_timeout_s=_float(env, "RYUSEN_DEFAULT_RUN_TIMEOUT_S", None),
         max_run_timeout_s=_float(env, "RYUSEN_MAX_RUN_TIMEOUT_S", None),
         index_settle_s=_float(env, "RYUSEN_INDEX_SETTLE_S", None) or 0.0,
+        release_recheck_s=_seconds_or_never(env, "RYUSEN_RELEASE_RECHECK_S", RELEASE_RECHECK_S),
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
     )
 

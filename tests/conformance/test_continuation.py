@@ -132,6 +132,59 @@ def test_a_release_synced_while_a_callback_runs_decides_what_comes_next(chain_st
     assert ran == ["ship@a", "receipt@b"]
 
 
+@pytest.mark.parametrize(
+    ("recheck_s", "ran_after_ship"),
+    [(0.0, ["receipt@b"]), (3600.0, [])],
+    ids=["read after every callback", "within release_recheck_s"],
+)
+def test_a_release_synced_through_another_process_reaches_a_chain_within_release_recheck_s(
+    recheck_s: float, ran_after_ship: list[str]
+) -> None:
+    """A chaining dispatcher reads the newest release after a callback only once ``release_recheck_s`` has
+    passed since it last read it (the read was one per step). Release b is synced through another engine
+    process while ship's callback runs: with 0 the step after ship is b's; within the recheck time the chain
+    goes on with a's answer, as if b had landed just after it. A sync through the same process is seen at
+    once (the test above)."""
+    ran: list[str] = []
+    deploys: list[Any] = []
+
+    def build(variant: str) -> Ryusen:
+        app = Ryusen("shop", release_id=f"r-{variant}", build_id=f"b-{variant}")
+
+        def ship() -> str:
+            ran.append(f"ship@{variant}")
+            while deploys:
+                deploys.pop()()
+            return "shipped"
+
+        @app.function("order")
+        def order(data: Any, step: Step) -> str:
+            step.run("ship", ship)
+            if variant == "b":
+                step.run("receipt", lambda: ran.append(f"receipt@{variant}") or "sent")
+            return "done"
+
+        return app
+
+    env = WorkflowEnvironment(build("a"))
+    env.engine.settings = replace(env.engine.settings, release_recheck_s=recheck_s)
+
+    def sync_through_another_process() -> None:
+        this = env.engine
+        env.engine = Engine(
+            store=this.store, queue=this.queue, timers=this.timers, invoker=this.invoker, settings=this.settings
+        )
+        try:
+            env.sync(build("b"))
+        finally:
+            env.engine = this
+
+    deploys.append(sync_through_another_process)
+    run = env.run("order")
+    assert run.outcome == "completed" and ran == ["ship@a", *ran_after_ship]
+    assert run.step("ship")["attempts"][0]["release_id"] == "r-a"
+
+
 # ---- over HTTP: the continuation has a budget of its own --------------------------------------------------
 
 

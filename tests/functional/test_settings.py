@@ -22,6 +22,11 @@ def test_variables_override_their_settings() -> None:
     assert settings.forward_retry.max_attempts == 2
     assert settings.attempt_timeout_s == 1.5
     assert server_settings({"RYUSEN_MAX_RUN_TIMEOUT_S": "3600"}).max_run_timeout_s == 3600
+    assert server_settings({}).release_recheck_s == 1.0
+    assert server_settings({"RYUSEN_RELEASE_RECHECK_S": "0"}).release_recheck_s == 0.0
+    assert server_settings({"RYUSEN_RELEASE_RECHECK_S": "2.5"}).release_recheck_s == 2.5
+    with pytest.raises(ValueError, match="RYUSEN_RELEASE_RECHECK_S"):
+        server_settings({"RYUSEN_RELEASE_RECHECK_S": "-1"})
 
 
 @pytest.mark.parametrize(
