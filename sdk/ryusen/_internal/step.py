@@ -1,7 +1,8 @@
 """``step.run`` and the replay that answers one task.
 
-Theory of operation. Every task runs the user's function from the top with the
-memo of recorded step outcomes. ``step.run`` returns a recorded success,
+Theory of operation. A task runs the user's function from the top with the
+memo of recorded step outcomes (or, for a chained run's next attempt, resumes
+the kept pass that stopped at its step: ``kept.py``). ``step.run`` returns a recorded success,
 raises :class:`StepFailed` for a recorded terminal failure, and otherwise
 *stops the pass* at that step by raising :class:`Suspend` (a
 ``BaseException``, so a user's ``except Exception`` cannot swallow it). What
@@ -27,7 +28,9 @@ The same code re-entering ``step.run`` after swallowing the suspension just
 gets the suspension again: nothing else runs in that pass.
 
 Code outside ``step.run`` runs again on every pass; that is repeatable
-orchestration, not deterministic replay (RFD 1).
+orchestration, not deterministic replay (RFD 1). A kept pass runs it once for
+several tasks, so what a callback left in memory is still there at the next
+step; a pass from the top sees only the recorded results.
 """
 
 from __future__ import annotations
