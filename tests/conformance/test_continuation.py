@@ -100,6 +100,26 @@ def test_what_a_callback_left_in_memory_does_not_decide_the_next_step(chain_step
     assert ran == ["reserve", "notify"]
 
 
+def shop_release(variant: str, ran: list[str], deploys: list[Any]) -> Ryusen:
+    """Release a ends after ship; release b adds a receipt. Ship's callback runs what ``deploys`` holds."""
+    app = Ryusen("shop", release_id=f"r-{variant}", build_id=f"b-{variant}")
+
+    def ship() -> str:
+        ran.append(f"ship@{variant}")
+        while deploys:
+            deploys.pop()()
+        return "shipped"
+
+    @app.function("order")
+    def order(data: Any, step: Step) -> str:
+        step.run("ship", ship)
+        if variant == "b":
+            step.run("receipt", lambda: ran.append(f"receipt@{variant}") or "sent")
+        return "done"
+
+    return app
+
+
 @CHAINING
 def test_a_release_synced_while_a_callback_runs_decides_what_comes_next(chain_steps: bool) -> None:
     """Release a ends after ship; release b, synced while ship's callback runs, adds a receipt. The task after
@@ -108,22 +128,7 @@ def test_a_release_synced_while_a_callback_runs_decides_what_comes_next(chain_st
     deploys: list[Any] = []
 
     def build(variant: str) -> Ryusen:
-        app = Ryusen("shop", release_id=f"r-{variant}", build_id=f"b-{variant}")
-
-        def ship() -> str:
-            ran.append(f"ship@{variant}")
-            while deploys:
-                deploys.pop()()
-            return "shipped"
-
-        @app.function("order")
-        def order(data: Any, step: Step) -> str:
-            step.run("ship", ship)
-            if variant == "b":
-                step.run("receipt", lambda: ran.append(f"receipt@{variant}") or "sent")
-            return "done"
-
-        return app
+        return shop_release(variant, ran, deploys)
 
     env = WorkflowEnvironment(build("a"), chain_steps=chain_steps)
     deploys.append(lambda: env.sync(build("b")))
@@ -149,22 +154,7 @@ def test_a_release_synced_through_another_process_reaches_a_chain_within_release
     deploys: list[Any] = []
 
     def build(variant: str) -> Ryusen:
-        app = Ryusen("shop", release_id=f"r-{variant}", build_id=f"b-{variant}")
-
-        def ship() -> str:
-            ran.append(f"ship@{variant}")
-            while deploys:
-                deploys.pop()()
-            return "shipped"
-
-        @app.function("order")
-        def order(data: Any, step: Step) -> str:
-            step.run("ship", ship)
-            if variant == "b":
-                step.run("receipt", lambda: ran.append(f"receipt@{variant}") or "sent")
-            return "done"
-
-        return app
+        return shop_release(variant, ran, deploys)
 
     env = WorkflowEnvironment(build("a"))
     env.engine.settings = replace(env.engine.settings, release_recheck_s=recheck_s)

@@ -7,14 +7,21 @@ the function's top runs once per pass, not once per task.
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ryusen._internal.app as sdk_app
 from ryusen import Ryusen, Step
+from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
 from ryusen.testing import DiscoveryDivergenceError, WorkflowEnvironment
 
 KEPT = pytest.mark.parametrize("kept_passes", [False, True], ids=["replay every task", "kept passes"])
@@ -354,3 +361,139 @@ def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() 
         run = run_steps(env, 8)
     assert run.outcome == "completed" and run.output == 28 and app.discovery_divergences == []
     assert app.kept_passes.resumed == 7
+
+
+# ---- a callback runs where the request runs (the attack review of kept passes) ------------------------
+
+
+@KEPT
+def test_a_callback_runs_on_its_request_s_thread_with_its_locks_and_context(kept_passes: bool) -> None:
+    """The endpoint's middleware holds a re-entrant lock while it serves a request and sets a request id;
+    the callbacks take the same lock and read the id. A kept pass hands each callback to the request that
+    authorized it: no deadlock, each step sees its own request, on that request's thread (the review's
+    reproduction hung forever, and every step saw the first request's id)."""
+    guard = threading.RLock()
+    request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+    app = Ryusen("middleware")
+
+    def write(row: int) -> list[Any]:
+        with guard:
+            return [row, request_id.get(), threading.current_thread().name]
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        return [step.run(f"s{i}", write, i) for i in range(3)]
+
+    with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
+        url = f"inproc://{app.app_id}"
+        inner = env.invoker.apps[url]
+        served = iter(range(1, 100))
+
+        def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
+            def serve() -> Any:
+                request_id.set(f"req-{next(served)}")
+                with guard:
+                    return inner(method, headers, body)
+
+            return contextvars.copy_context().run(serve)
+
+        env.invoker.apps[url] = middleware
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def drive() -> None:
+            box["run"] = env.run("f")
+            done.set()
+
+        driver = threading.Thread(target=drive, name="the-request-thread", daemon=True)
+        driver.start()
+        assert done.wait(20), "the run hung"
+    run = box["run"]
+    assert run.outcome == "completed"
+    ids = [row[1] for row in run.output]
+    assert len(set(ids)) == 3 and all(i and i.startswith("req-") for i in ids)
+    assert {row[2] for row in run.output} == {"the-request-thread"}
+    if kept_passes:
+        assert app.kept_passes.resumed == 2
+
+
+def test_a_pass_still_kept_when_the_process_exits_runs_its_finally(tmp_path: Path) -> None:
+    marker = tmp_path / "finally-ran"
+    script = f"""
+from ryusen import Ryusen, Step
+from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
+app = Ryusen("exit", insecure=True)
+@app.function("f")
+def f(data, step: Step):
+    try:
+        return step.run("a", lambda: 1) + step.run("b", lambda: 2)
+    finally:
+        open({str(marker)!r}, "w").write("ran")
+request = TaskRequest(kind=TaskKind.FORWARD, run_id="r1", function_id="f", input={{}}, memo={{}}, step_id="a",
+    operation=OperationInfo(id="op-a", phase=Phase.FORWARD, generation=1), continue_after=True, memo_token="t1")
+response = app.execute(request, request)
+assert response.next.step.id == "b" and len(app.kept_passes) == 1
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert marker.read_text() == "ran"
+
+
+def chained_request(step_id: str = "a") -> TaskRequest:
+    return TaskRequest(
+        kind=TaskKind.FORWARD,
+        run_id="r1",
+        function_id="f",
+        input={},
+        memo={},
+        step_id=step_id,
+        operation=OperationInfo(id=f"op-{step_id}", phase=Phase.FORWARD, generation=1),
+        continue_after=True,
+        memo_token="t1",
+    )
+
+
+def test_slow_code_after_a_step_spends_the_continuation_budget_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass still going when the budget after its callback ends is not kept, and the answer goes without a
+    next step (the server runs the discovery as a task): no second replay with a budget of its own."""
+    monkeypatch.setattr(sdk_app, "CONTINUATION_MAX_S", 0.2)
+    app = Ryusen("slow", insecure=True)
+    tops: list[int] = []
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        tops.append(1)
+        a = step.run("a", lambda: 1)
+        time.sleep(0.6)
+        return [a, step.run("b", lambda: 2)]
+
+    request = chained_request()
+    response = app.execute(request, request)
+    assert response.attempt is not None and response.attempt.type == "succeeded" and response.next is None
+    assert len(app.kept_passes) == 0 and len(tops) == 1  # no replay from the top after the budget
+    app.kept_passes.clear(wait_s=5)
+
+
+def test_a_failure_only_the_kept_pass_met_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Code between steps raises once, in the kept pass; the replay from the recorded results that decides
+    what the run does does not. The run goes on, and the log says what the pass met."""
+    app = Ryusen("flaky")
+    state = {"after_a": False, "failed": False}
+
+    def check_quota() -> None:
+        if state["after_a"] and not state["failed"]:
+            state["failed"] = True
+            raise RuntimeError("quota service unavailable")
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        a = step.run("a", lambda: state.update(after_a=True) or 1)
+        check_quota()
+        return [a, step.run("b", lambda: 2)]
+
+    with caplog.at_level(logging.WARNING, logger="ryusen"), WorkflowEnvironment(app) as env:
+        run = env.run("f")
+    assert run.outcome == "completed" and run.output == [1, 2]
+    assert any(
+        "after step 'a' the function raised RuntimeError: quota service unavailable" in r.getMessage()
+        for r in caplog.records
+    )

@@ -56,6 +56,7 @@ from .wire import (
     SDK_FEATURES,
     CallbackFailed,
     CallbackSucceeded,
+    FunctionFailed,
     FunctionManifest,
     FunctionNotFound,
     LateResult,
@@ -317,11 +318,27 @@ class Ryusen:
             live.kept_for(request, attempt)
             kept.keep(live)
             return _respond(request, attempt, waiting_at)
+        if live.overran:
+            # still going after the continuation's budget (slow code after a step): the answer goes without
+            # a next step, and the server runs the discovery as a task of its own, as without a kept pass
+            return _respond(request, attempt)
         # The pass did not stop at a step: it ended (completed, failed, met a conflict), or did not go on
         # after the callback. What the run does then is what a replay from the top with the recorded results
         # does, as without a kept pass (a fault in code after a step is not the run's failure unless a
         # replay fails too); once a run, so its cost does not grow with the run.
-        return _respond(request, attempt, self._continuation(registered, request, attempt, run_input))
+        following = self._continuation(registered, request, attempt, run_input)
+        ended = live.final_report
+        if isinstance(ended, FunctionFailed) and not isinstance(following, FunctionFailed):
+            log.warning(
+                "run %s (%s): after step %r the function raised %s: %s; a replay from the recorded results "
+                "did not, and that replay decides what the run does",
+                request.run_id,
+                request.function_id,
+                request.step_id,
+                ended.error.type,
+                ended.error.message[:500],
+            )
+        return _respond(request, attempt, following)
 
     def _pass(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         """One pass of a plain function: what the replay reports once the function returned or raised."""

@@ -9,7 +9,8 @@ A kept pass is one execution of the function that serves a run's chained tasks o
 Temporal's sticky cache keeps a workflow in a worker's memory:
 
 1. A forward attempt with ``continue_after`` starts the function in a thread of its own (the pass). It
-   replays to the target step and runs its callback; the request reports the callback's outcome.
+   replays to the target step and hands the callback to the request's thread, which runs it in its own
+   context (``call_in_request``); the request reports the callback's outcome.
 2. After a success the function goes on, in the same execution: ``step.run`` returns the recorded result
    (a fresh copy of the JSON the server will hold), and the rest of the pass is the discovery that follows.
    At the next step with no recorded outcome it does not run the callback: the request reports the step
@@ -21,7 +22,7 @@ Temporal's sticky cache keeps a workflow in a worker's memory:
 Anything else ends the kept pass (its waiting ``step.run`` raises the pass-ending ``Suspend``, so the
 function's ``finally`` blocks run) and the task replays from the top as before: a request for another
 step or another kind of task, a memo that is not the one expected (another engine process, a resolution,
-a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` or pushed out by
+a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` (10 s) or pushed out by
 newer ones (``KEPT_PASSES`` per app). What the server records never depends on which happened: both are
 passes of current code over the same recorded results.
 
@@ -40,6 +41,7 @@ steps over threads gets the continuation replayed from the top, as before. Async
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
@@ -62,9 +64,23 @@ log = logging.getLogger("ryusen")
 KEPT_PASSES = 256
 """Kept passes per app, at most (each holds a waiting thread); the least recently used ends first.
 ``RYUSEN_KEPT_PASSES`` sets it (0 turns kept passes off)."""
-KEPT_PASS_IDLE_S = 60.0
+KEPT_PASS_IDLE_S = 10.0
 """How long a kept pass waits for its run's next attempt before it ends (the engine chains the next
-attempt at once; this covers a hand-over through the queue)."""
+attempt at once; this covers a hand-over through the queue). Short, because what the function holds
+(its locals, a lock taken around ``step.run``) stays held while it waits."""
+EXIT_WAIT_S = 2.0
+"""At interpreter exit, how long the kept passes have, in all, to end (their ``finally`` blocks run)."""
+
+_registries: weakref.WeakSet[KeptPasses] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_kept_passes_at_exit() -> None:
+    """The pass threads are daemons (a waiting pass must not keep a process alive); at exit, end them and
+    give them a moment, so that the functions' ``finally`` and ``with`` blocks run."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for registry in list(_registries):
+        registry.clear(wait_s=max(deadline - time.monotonic(), 0.0))
 
 
 def kept_passes_from_env() -> int:
@@ -114,10 +130,16 @@ class LivePass:
         self.on_end: Any = None
         """Called (with this pass) when the pass ends while kept: the registry forgets it."""
         context = contextvars.copy_context()  # what the request that starts the pass had set (a logging context)
+        self._call: Callable[[], Any] | None = None
+        """The callback the pass hands to the request thread to run (``call_in_request``)."""
+        self._called: tuple[bool, Any] | None = None
+        """What it returned (True, value) or raised (False, exception)."""
         self._thread = threading.Thread(
             target=context.run, args=(self._main,), name=f"ryusen-pass-{request.run_id[:40]}", daemon=True
         )
         self.thread_id = 0
+        self.overran = False
+        """The pass was still going when the request's budget after the callback ran out (``answer``)."""
 
     # ---- the pass thread -------------------------------------------------------------
 
@@ -149,6 +171,38 @@ class LivePass:
             self._attempt, self._going_on = outcome, going_on
             self._changed.notify_all()
 
+    def call_in_request(self, call: Callable[[], Any]) -> Any:
+        """Run the target callback on the request thread (from the pass thread): the request that authorized
+        the attempt runs it in its own thread and context, so what it holds (a lock, a connection, a
+        contextvar, the main thread's signals) is what the callback sees, as without a kept pass."""
+        with self._changed:
+            if self._ended:
+                raise Suspend(None)  # the request gave up on this pass before its callback: nothing runs
+            self._call, self._called = call, None
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._called is not None)
+            called: tuple[bool, Any] = self._called  # type: ignore[assignment]
+            self._called = None
+        returned, value = called
+        if returned:
+            return value
+        raise value
+
+    def _run_handed_callback(self) -> None:
+        """On the request thread, with the condition's lock held: run the callback the pass handed over."""
+        call, self._call = self._call, None
+        assert call is not None
+        self._changed.release()
+        try:
+            try:
+                called: tuple[bool, Any] = (True, call())
+            except BaseException as exc:  # noqa: BLE001 - handed back to the pass thread, which raises it
+                called = (False, exc)
+        finally:
+            self._changed.acquire()
+        self._called = called
+        self._changed.notify_all()
+
     def wait_for_attempt(self, plan: Any) -> None:
         """At a step with no recorded outcome (from the pass thread): report it and wait for its attempt.
 
@@ -178,7 +232,11 @@ class LivePass:
         the callback's end). Raises what the pass raised when it reported nothing
         (``CallbackInterruptedError``)."""
         with self._changed:
-            self._changed.wait_for(lambda: self._attempt is not None or self._finished)
+            while True:
+                self._changed.wait_for(lambda: self._call is not None or self._attempt is not None or self._finished)
+                if self._call is None:
+                    break
+                self._run_handed_callback()
             attempt, going_on = self._attempt, self._going_on
             if attempt is None or not going_on:
                 # the pass ended at its step (a failure, a conflict, a step from another thread): its report
@@ -191,7 +249,8 @@ class LivePass:
                 self._changed.wait_for(lambda: self._waiting is not None or self._finished, timeout=left)
             if self._waiting is not None or self._finished:
                 return attempt, self._waiting
-        self.replay.close()  # still going: a step.run still to come runs nothing
+        self.overran = True
+        self.end()  # still going: a step.run still to come runs nothing, and the pass is not kept
         log.warning(
             "the kept pass of run %s was still going %.1fs after step %r; the server will run the discovery as a task",
             self.run_id,
@@ -199,6 +258,12 @@ class LivePass:
             self.serving,
         )
         return attempt, None
+
+    @property
+    def final_report(self) -> Any:
+        """What the pass reported when it ended at the function's end or a conflict (None: it did not)."""
+        with self._changed:
+            return self._final if self._finished else None
 
     @property
     def waiting(self) -> bool:
@@ -279,6 +344,7 @@ class KeptPasses:
         """Passes started for a chained attempt: a replay from the top."""
         self._running: weakref.WeakSet[LivePass] = weakref.WeakSet()
         """Every pass whose thread may still run (kept or not): what ``clear(wait_s=...)`` waits for."""
+        _registries.add(self)
 
     def start(self, live: LivePass) -> None:
         """Start ``live``'s thread (a new pass for a chained attempt)."""

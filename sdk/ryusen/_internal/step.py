@@ -301,6 +301,19 @@ class CallbackInterruptedError(Exception):
     would be a lie. The endpoint answers 500, which the server treats as an Unknown outcome."""
 
 
+def _with_operation(call: Callable[[], Any], operation: Operation) -> Callable[[], Any]:
+    """``call``, with ``ryusen.operation()`` answering ``operation`` while it runs (on whatever thread)."""
+
+    def run() -> Any:
+        token = _current_operation.set(operation)
+        try:
+            return call()
+        finally:
+            _current_operation.reset(token)
+
+    return run
+
+
 class Keeper(Protocol):
     """What a kept pass (``kept.py``) does for the replay: it is told when its callback finished, and it waits."""
 
@@ -309,6 +322,8 @@ class Keeper(Protocol):
     def attempt_finished(self, outcome: Any, *, going_on: bool) -> None: ...
 
     def wait_for_attempt(self, plan: Any) -> None: ...
+
+    def call_in_request(self, call: Callable[[], Any]) -> Any: ...
 
 
 class _Replay:
@@ -516,12 +531,16 @@ class _Replay:
     def run_callback(self, step_id: str, call: Callable[[], Any]) -> Any:
         """Run the target callback and end the pass with its outcome; or, in a kept pass after a success,
         return the recorded result to the function, which goes on as the discovery that follows."""
-        token = _current_operation.set(self.operation_context())
+        operation = self.operation_context()
+        token = _current_operation.set(operation)
         outcome: Any = None
         going_on = False
+        keeper = self.keeper
         try:
             try:
-                result = call()
+                # a kept pass hands its callback to the request that authorized it, so the callback runs on
+                # that request's thread and in its context (its locks, its contextvars), as without one
+                result = call() if keeper is None else keeper.call_in_request(_with_operation(call, operation))
                 if inspect.isawaitable(result):
                     _close(result)
                     raise NonRetryableError(
