@@ -8,7 +8,9 @@ the function's top runs once per pass, not once per task.
 from __future__ import annotations
 
 import contextvars
+import decimal
 import logging
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -367,22 +369,43 @@ def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() 
 
 
 @KEPT
-def test_a_callback_runs_on_its_request_s_thread_with_its_locks_and_context(kept_passes: bool) -> None:
-    """The endpoint's middleware holds a re-entrant lock while it serves a request and sets a request id;
-    the callbacks take the same lock and read the id. A kept pass hands each callback to the request that
-    authorized it: no deadlock, each step sees its own request, on that request's thread (the review's
-    reproduction hung forever, and every step saw the first request's id)."""
+def test_a_callback_sees_what_the_function_around_it_set_up_and_its_own_request_s_context(
+    kept_passes: bool,
+) -> None:
+    """The function holds a re-entrant lock around its steps, opens a thread-bound connection, sets a
+    contextvar and a decimal context, and keeps a thread-local; its callbacks use each. The endpoint's
+    middleware sets a request id. A kept pass runs each callback on the function's own thread, with the
+    serving request's contextvars added: each step sees all of it, as a replay on one thread does (the
+    second review's reproductions hung, failed, or recorded other values when callbacks ran elsewhere)."""
     guard = threading.RLock()
+    tenant: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="<unset>")
     request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-    app = Ryusen("middleware")
-
-    def write(row: int) -> list[Any]:
-        with guard:
-            return [row, request_id.get(), threading.current_thread().name]
+    local = threading.local()
+    app = Ryusen("affinity")
 
     @app.function("f")
     def f(data: Any, step: Step) -> Any:
-        return [step.run(f"s{i}", write, i) for i in range(3)]
+        db = sqlite3.connect(":memory:")
+        local.user = "alice"
+        token = tenant.set(data["tenant"])
+        rows = []
+        try:
+            with guard, decimal.localcontext() as precision:
+                precision.prec = 4
+                for i in range(3):
+
+                    def effect(i: int = i) -> list[Any]:
+                        with guard:
+                            db.execute("create table if not exists t(x)")
+                            db.execute("insert into t values (?)", (i,))
+                        third = str(decimal.Decimal(1) / decimal.Decimal(3))
+                        return [i, tenant.get(), local.user, third, request_id.get()]
+
+                    rows.append(step.run(f"s{i}", effect))
+            return rows
+        finally:
+            tenant.reset(token)
+            db.close()
 
     with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
         url = f"inproc://{app.app_id}"
@@ -392,8 +415,7 @@ def test_a_callback_runs_on_its_request_s_thread_with_its_locks_and_context(kept
         def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
             def serve() -> Any:
                 request_id.set(f"req-{next(served)}")
-                with guard:
-                    return inner(method, headers, body)
+                return inner(method, headers, body)
 
             return contextvars.copy_context().run(serve)
 
@@ -402,19 +424,52 @@ def test_a_callback_runs_on_its_request_s_thread_with_its_locks_and_context(kept
         box: dict[str, Any] = {}
 
         def drive() -> None:
-            box["run"] = env.run("f")
+            box["run"] = env.run("f", {"tenant": "acme"})
             done.set()
 
-        driver = threading.Thread(target=drive, name="the-request-thread", daemon=True)
-        driver.start()
+        threading.Thread(target=drive, daemon=True).start()
         assert done.wait(20), "the run hung"
     run = box["run"]
-    assert run.outcome == "completed"
-    ids = [row[1] for row in run.output]
+    assert run.outcome == "completed", run.error
+    assert [row[:4] for row in run.output] == [[i, "acme", "alice", "0.3333"] for i in range(3)]
+    ids = [row[4] for row in run.output]
     assert len(set(ids)) == 3 and all(i and i.startswith("req-") for i in ids)
-    assert {row[2] for row in run.output} == {"the-request-thread"}
     if kept_passes:
         assert app.kept_passes.resumed == 2
+
+
+def test_a_callback_that_waits_on_what_its_request_holds_is_answered_as_unknown_and_submitted_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request's thread holds a lock the callback needs (a middleware's), and the callback runs on the
+    pass thread: the request stops waiting when the server stops listening (``respond_by``) and answers
+    that the outcome is not known; once it lets the lock go, the callback finishes, its outcome goes to
+    the late-result path, and the pass ends (its ``finally`` runs). Nothing hangs (the first review's
+    reproduction hung forever)."""
+    guard = threading.Lock()
+    app = Ryusen("held", insecure=True)
+    late: list[Any] = []
+    finished = threading.Event()
+    monkeypatch.setattr(app, "_submit_late", lambda request, response: late.append(response.attempt))
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        try:
+
+            def charge() -> int:
+                with guard:
+                    return 10
+
+            return step.run("a", charge) + step.run("b", lambda: 1)
+        finally:
+            finished.set()
+
+    request = chained_request().model_copy(update={"respond_by": time.time() + 0.3})
+    with guard, pytest.raises(sdk_app.CallbackInterruptedError, match="before the server stopped listening"):
+        app.execute(request, request)
+    assert finished.wait(5)
+    assert [a.type for a in late] == ["succeeded"] and late[0].result == 10
+    assert len(app.kept_passes) == 0
 
 
 def test_a_pass_still_kept_when_the_process_exits_runs_its_finally(tmp_path: Path) -> None:

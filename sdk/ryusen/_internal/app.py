@@ -305,7 +305,13 @@ class Ryusen:
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
             kept.resumed += 1
-        attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()))
+        live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
+        give_up_s = None if request.respond_by is None else max(request.respond_by - self.clock(), 0.0)
+        try:
+            attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()), give_up_s)
+        except BaseException:
+            live.end()  # the request is gone (no outcome in time, an interrupt): the pass must not wait on
+            raise
         if waiting_at is not None and live.waiting:
             if self.check_discovery:
                 replayed = self._continuation(registered, request, attempt, run_input)
@@ -328,7 +334,7 @@ class Ryusen:
         # replay fails too); once a run, so its cost does not grow with the run.
         following = self._continuation(registered, request, attempt, run_input)
         ended = live.final_report
-        if isinstance(ended, FunctionFailed) and not isinstance(following, FunctionFailed):
+        if isinstance(ended, FunctionFailed) and following is not None and not isinstance(following, FunctionFailed):
             log.warning(
                 "run %s (%s): after step %r the function raised %s: %s; a replay from the recorded results "
                 "did not, and that replay decides what the run does",

@@ -9,8 +9,10 @@ A kept pass is one execution of the function that serves a run's chained tasks o
 Temporal's sticky cache keeps a workflow in a worker's memory:
 
 1. A forward attempt with ``continue_after`` starts the function in a thread of its own (the pass). It
-   replays to the target step and hands the callback to the request's thread, which runs it in its own
-   context (``call_in_request``); the request reports the callback's outcome.
+   replays to the target step and runs its callback there, with the request's contextvars added
+   (``run_callback``); the request reports the callback's outcome. If the server stops listening first
+   (``respond_by``), the request answers that the outcome is not known, and the outcome, once there, is
+   submitted as a late result.
 2. After a success the function goes on, in the same execution: ``step.run`` returns the recorded result
    (a fresh copy of the JSON the server will hold), and the rest of the pass is the discovery that follows.
    At the next step with no recorded outcome it does not run the callback: the request reports the step
@@ -53,13 +55,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .step import Step, Suspend, _Replay
+from .step import CallbackInterruptedError, Step, Suspend, _Replay
 from .wire import CallbackSucceeded, MemoEntry, StepReached, TaskKind, TaskRequest
 
 if TYPE_CHECKING:
     from .app import RegisteredFunction
 
 log = logging.getLogger("ryusen")
+
+_UNSET = object()
 
 KEPT_PASSES = 256
 """Kept passes per app, at most (each holds a waiting thread); the least recently used ends first.
@@ -130,10 +134,14 @@ class LivePass:
         self.on_end: Any = None
         """Called (with this pass) when the pass ends while kept: the registry forgets it."""
         context = contextvars.copy_context()  # what the request that starts the pass had set (a logging context)
-        self._call: Callable[[], Any] | None = None
-        """The callback the pass hands to the request thread to run (``call_in_request``)."""
-        self._called: tuple[bool, Any] | None = None
-        """What it returned (True, value) or raised (False, exception)."""
+        self._start = context.copy()
+        """The context the pass started in (the first request's): what the function itself set differs."""
+        self._request_vars: dict[contextvars.ContextVar[Any], Any] = {}
+        """The contextvars of the request being served that differ from the first request's (``resume``)."""
+        self.abandoned = False
+        """The request stopped waiting for the callback (``answer``): its outcome is submitted late."""
+        self.on_late: Callable[[Any], None] | None = None
+        """Where an abandoned attempt's outcome goes (the app's late-result submission)."""
         self._thread = threading.Thread(
             target=context.run, args=(self._main,), name=f"ryusen-pass-{request.run_id[:40]}", daemon=True
         )
@@ -166,42 +174,32 @@ class LivePass:
             self._changed.notify_all()
 
     def attempt_finished(self, outcome: Any, *, going_on: bool) -> None:
-        """The callback finished (from the pass thread): the request may answer with its outcome."""
+        """The callback finished (from the pass thread): the request may answer with its outcome; or, if it
+        gave up waiting (``abandoned``), the outcome goes to the server as a late result (``on_late``)."""
         with self._changed:
             self._attempt, self._going_on = outcome, going_on
+            abandoned = self.abandoned
             self._changed.notify_all()
+        if abandoned and self.on_late is not None:
+            self.on_late(outcome)
 
-    def call_in_request(self, call: Callable[[], Any]) -> Any:
-        """Run the target callback on the request thread (from the pass thread): the request that authorized
-        the attempt runs it in its own thread and context, so what it holds (a lock, a connection, a
-        contextvar, the main thread's signals) is what the callback sees, as without a kept pass."""
-        with self._changed:
-            if self._ended:
-                raise Suspend(None)  # the request gave up on this pass before its callback: nothing runs
-            self._call, self._called = call, None
-            self._changed.notify_all()
-            self._changed.wait_for(lambda: self._called is not None)
-            called: tuple[bool, Any] = self._called  # type: ignore[assignment]
-            self._called = None
-        returned, value = called
-        if returned:
-            return value
-        raise value
+    def run_callback(self, call: Callable[[], Any]) -> Any:
+        """Run the target callback (on the pass thread, where the function runs: its locks, connections and
+        thread-locals are the callback's), in the function's context with the contextvars of the request
+        that authorized this attempt added where the function did not set them itself (a request id, a
+        trace span, a request's session), as a replay on the request's thread would see them."""
+        overlay = self._request_vars
+        if not overlay:
+            return call()
+        body, start = contextvars.copy_context(), self._start
 
-    def _run_handed_callback(self) -> None:
-        """On the request thread, with the condition's lock held: run the callback the pass handed over."""
-        call, self._call = self._call, None
-        assert call is not None
-        self._changed.release()
-        try:
-            try:
-                called: tuple[bool, Any] = (True, call())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the pass thread, which raises it
-                called = (False, exc)
-        finally:
-            self._changed.acquire()
-        self._called = called
-        self._changed.notify_all()
+        def run() -> Any:
+            for var, value in overlay.items():
+                if body.get(var, _UNSET) is start.get(var, _UNSET):  # not one the function set
+                    var.set(value)
+            return call()
+
+        return body.run(run)
 
     def wait_for_attempt(self, plan: Any) -> None:
         """At a step with no recorded outcome (from the pass thread): report it and wait for its attempt.
@@ -226,17 +224,25 @@ class LivePass:
 
     # ---- the request thread ----------------------------------------------------------
 
-    def answer(self, budget: Callable[[], float]) -> tuple[Any, Any]:
+    def answer(self, budget: Callable[[], float], give_up_s: float | None = None) -> tuple[Any, Any]:
         """The current request's attempt outcome, and the step this pass now waits at (None: it does not wait
         at one: it ended, or did not go on after the callback, or was still going ``budget()`` seconds after
         the callback's end). Raises what the pass raised when it reported nothing
         (``CallbackInterruptedError``)."""
         with self._changed:
-            while True:
-                self._changed.wait_for(lambda: self._call is not None or self._attempt is not None or self._finished)
-                if self._call is None:
-                    break
-                self._run_handed_callback()
+            answered = self._changed.wait_for(
+                lambda: self._attempt is not None or self._finished, timeout=None if give_up_s is None else give_up_s
+            )
+            if not answered:
+                # the server has stopped listening (a callback that outlives ``respond_by``, or one waiting
+                # on something this request holds): answer now, and submit the outcome late if it comes
+                self.abandoned = True
+                self._ended = True
+                self._changed.notify_all()
+                self.replay.close()
+                raise CallbackInterruptedError(
+                    f"step {self.serving!r} of run {self.run_id} did not finish before the server stopped listening"
+                )
             attempt, going_on = self._attempt, self._going_on
             if attempt is None or not going_on:
                 # the pass ended at its step (a failure, a conflict, a step from another thread): its report
@@ -295,6 +301,10 @@ class LivePass:
                 return False
             self.replay.resume(TaskKind.FORWARD, request.memo, plan.step.id, request.operation)
             self.serving = plan.step.id
+            start = self._start
+            self._request_vars = {
+                var: value for var, value in contextvars.copy_context().items() if start.get(var, _UNSET) is not value
+            }
             self._attempt, self._going_on, self._resumed, self._waiting = None, False, True, None
             self._changed.notify_all()
             return True

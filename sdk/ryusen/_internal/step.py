@@ -301,19 +301,6 @@ class CallbackInterruptedError(Exception):
     would be a lie. The endpoint answers 500, which the server treats as an Unknown outcome."""
 
 
-def _with_operation(call: Callable[[], Any], operation: Operation) -> Callable[[], Any]:
-    """``call``, with ``ryusen.operation()`` answering ``operation`` while it runs (on whatever thread)."""
-
-    def run() -> Any:
-        token = _current_operation.set(operation)
-        try:
-            return call()
-        finally:
-            _current_operation.reset(token)
-
-    return run
-
-
 class Keeper(Protocol):
     """What a kept pass (``kept.py``) does for the replay: it is told when its callback finished, and it waits."""
 
@@ -323,7 +310,7 @@ class Keeper(Protocol):
 
     def wait_for_attempt(self, plan: Any) -> None: ...
 
-    def call_in_request(self, call: Callable[[], Any]) -> Any: ...
+    def run_callback(self, call: Callable[[], Any]) -> Any: ...
 
 
 class _Replay:
@@ -531,16 +518,15 @@ class _Replay:
     def run_callback(self, step_id: str, call: Callable[[], Any]) -> Any:
         """Run the target callback and end the pass with its outcome; or, in a kept pass after a success,
         return the recorded result to the function, which goes on as the discovery that follows."""
-        operation = self.operation_context()
-        token = _current_operation.set(operation)
+        token = _current_operation.set(self.operation_context())
         outcome: Any = None
         going_on = False
         keeper = self.keeper
         try:
             try:
-                # a kept pass hands its callback to the request that authorized it, so the callback runs on
-                # that request's thread and in its context (its locks, its contextvars), as without one
-                result = call() if keeper is None else keeper.call_in_request(_with_operation(call, operation))
+                # a kept pass runs the callback on its own thread, as the function around it, and with the
+                # contextvars of the request that authorized this attempt (where the function set none)
+                result = call() if keeper is None else keeper.run_callback(call)
                 if inspect.isawaitable(result):
                     _close(result)
                     raise NonRetryableError(
