@@ -442,15 +442,16 @@ def test_a_callback_that_waits_on_what_its_request_holds_is_answered_as_unknown_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The request's thread holds a lock the callback needs (a middleware's), and the callback runs on the
-    pass thread: the request stops waiting when the server stops listening (``respond_by``) and answers
-    that the outcome is not known; once it lets the lock go, the callback finishes, its outcome goes to
-    the late-result path, and the pass ends (its ``finally`` runs). Nothing hangs (the first review's
-    reproduction hung forever)."""
+    pass thread: the request stops waiting a while after the server stopped listening (``respond_by``, plus
+    ``KEPT_GIVE_UP_AFTER_S``, shortened here); once it lets the lock go, the callback finishes, its outcome
+    goes to the late-result path, and the pass ends (its ``finally`` runs). Nothing hangs (the first
+    review's reproduction hung forever)."""
     guard = threading.Lock()
     app = Ryusen("held", insecure=True)
     late: list[Any] = []
     finished = threading.Event()
     monkeypatch.setattr(app, "_submit_late", lambda request, response: late.append(response.attempt))
+    monkeypatch.setattr(sdk_app, "KEPT_GIVE_UP_AFTER_S", 0.2)
 
     @app.function("f")
     def f(data: Any, step: Step) -> Any:
@@ -465,9 +466,13 @@ def test_a_callback_that_waits_on_what_its_request_holds_is_answered_as_unknown_
             finished.set()
 
     request = chained_request().model_copy(update={"respond_by": time.time() + 0.3})
-    with guard, pytest.raises(sdk_app.CallbackInterruptedError, match="before the server stopped listening"):
+    with guard, pytest.raises(sdk_app.CallbackInterruptedError, match="after the server stopped listening"):
         app.execute(request, request)
     assert finished.wait(5)
+    for _ in range(100):  # the late result goes on a thread of its own
+        if late:
+            break
+        time.sleep(0.05)
     assert [a.type for a in late] == ["succeeded"] and late[0].result == 10
     assert len(app.kept_passes) == 0
 
@@ -552,3 +557,75 @@ def test_a_failure_only_the_kept_pass_met_is_logged(caplog: pytest.LogCaptureFix
         "after step 'a' the function raised RuntimeError: quota service unavailable" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_a_callback_still_runs_and_goes_late_when_its_request_gave_up_before_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slow code before the step outlasts the request's patience: as without a kept pass, the callback still
+    runs (its attempt is authorized) and its outcome is submitted late, so the attempt settles instead of
+    turning Unknown (the third review found it answered 500 and ran nothing)."""
+    app = Ryusen("slow-setup", insecure=True)
+    late: list[Any] = []
+    ran: list[str] = []
+    monkeypatch.setattr(app, "_submit_late", lambda request, response: late.append(response.attempt))
+    monkeypatch.setattr(sdk_app, "KEPT_GIVE_UP_AFTER_S", 0.1)
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        time.sleep(0.4)
+        return step.run("a", lambda: ran.append("a") or 10) + step.run("b", lambda: 1)
+
+    request = chained_request().model_copy(update={"respond_by": time.time() + 0.1})
+    with pytest.raises(sdk_app.CallbackInterruptedError):
+        app.execute(request, request)
+    app.kept_passes.clear(wait_s=5)
+    for _ in range(100):
+        if late:
+            break
+        time.sleep(0.05)
+    assert ran == ["a"] and [a.type for a in late] == ["succeeded"] and len(app.kept_passes) == 0
+
+
+def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() -> None:
+    """A middleware sets a trace span only on the request that started the pass; the callbacks of later
+    requests must not see it (the third review: they did), and what a callback sets does not reach the
+    function around it."""
+    span: contextvars.ContextVar[str | None] = contextvars.ContextVar("span", default=None)
+    marker: contextvars.ContextVar[str | None] = contextvars.ContextVar("marker", default=None)
+    app = Ryusen("spans")
+    seen_by_body: list[str | None] = []
+
+    def effect(i: int) -> list[Any]:
+        value = span.get()
+        marker.set(f"set-by-s{i}")
+        return [i, value]
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        rows = []
+        for i in range(3):
+            rows.append(step.run(f"s{i}", effect, i))
+            seen_by_body.append(marker.get())
+        return rows
+
+    with WorkflowEnvironment(app) as env:
+        url = f"inproc://{app.app_id}"
+        inner = env.invoker.apps[url]
+        served = iter(range(1, 100))
+
+        def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
+            def serve() -> Any:
+                n = next(served)
+                if n == 2:  # request 1 is the discovery, request 2 starts the pass at s0
+                    span.set("span-of-request-2")
+                return inner(method, headers, body)
+
+            return contextvars.copy_context().run(serve)
+
+        env.invoker.apps[url] = middleware
+        run = env.run("f")
+    assert run.outcome == "completed"
+    assert run.output == [[0, "span-of-request-2"], [1, None], [2, None]]
+    assert app.kept_passes.resumed == 2
+    assert all(value is None for value in seen_by_body)

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import DefinitionError
-from .kept import KeptPasses, LivePass
+from .kept import KEPT_GIVE_UP_AFTER_S, KeptPasses, LivePass
 from .memo_cache import MemoCache
 from .replay import DynamoSeenRequests, ReplayCheckUnavailableError, SeenStore
 from .serve import MAX_REQUEST_BYTES
@@ -306,11 +306,14 @@ class Ryusen:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
             kept.resumed += 1
         live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
-        give_up_s = None if request.respond_by is None else max(request.respond_by - self.clock(), 0.0)
+        give_up_s = None
+        if request.respond_by is not None:  # well after the server has stopped listening (kept.py)
+            give_up_s = max(request.respond_by - self.clock(), 0.0) + KEPT_GIVE_UP_AFTER_S
         try:
             attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()), give_up_s)
         except BaseException:
-            live.end()  # the request is gone (no outcome in time, an interrupt): the pass must not wait on
+            if not live.abandoned:  # an abandoned pass still runs its callback, whose outcome goes late
+                live.end()  # the request is gone (an interrupt): the pass must not wait at a step
             raise
         if waiting_at is not None and live.waiting:
             if self.check_discovery:

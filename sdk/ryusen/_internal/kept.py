@@ -9,10 +9,10 @@ A kept pass is one execution of the function that serves a run's chained tasks o
 Temporal's sticky cache keeps a workflow in a worker's memory:
 
 1. A forward attempt with ``continue_after`` starts the function in a thread of its own (the pass). It
-   replays to the target step and runs its callback there, with the request's contextvars added
-   (``run_callback``); the request reports the callback's outcome. If the server stops listening first
-   (``respond_by``), the request answers that the outcome is not known, and the outcome, once there, is
-   submitted as a late result.
+   replays to the target step and runs its callback there, in the request's context with what the
+   function set on top (``run_callback``); the request reports the callback's outcome. A callback still
+   running ``KEPT_GIVE_UP_AFTER_S`` after the server stopped listening frees the request, and its
+   outcome is submitted as a late result once there.
 2. After a success the function goes on, in the same execution: ``step.run`` returns the recorded result
    (a fresh copy of the JSON the server will hold), and the rest of the pass is the discovery that follows.
    At the next step with no recorded outcome it does not run the callback: the request reports the step
@@ -72,6 +72,10 @@ KEPT_PASS_IDLE_S = 10.0
 """How long a kept pass waits for its run's next attempt before it ends (the engine chains the next
 attempt at once; this covers a hand-over through the queue). Short, because what the function holds
 (its locals, a lock taken around ``step.run``) stays held while it waits."""
+KEPT_GIVE_UP_AFTER_S = 10.0
+"""How long after ``respond_by`` (when the server stops listening, less its grace) a request stops waiting for
+a kept pass's callback: the answer can no longer be heard, and the request may hold what the callback waits
+for. The callback still runs to its end, and its outcome is submitted late."""
 EXIT_WAIT_S = 2.0
 """At interpreter exit, how long the kept passes have, in all, to end (their ``finally`` blocks run)."""
 
@@ -136,8 +140,8 @@ class LivePass:
         context = contextvars.copy_context()  # what the request that starts the pass had set (a logging context)
         self._start = context.copy()
         """The context the pass started in (the first request's): what the function itself set differs."""
-        self._request_vars: dict[contextvars.ContextVar[Any], Any] = {}
-        """The contextvars of the request being served that differ from the first request's (``resume``)."""
+        self._request_context = self._start
+        """The context of the request being served (``resume``): what its callback starts from."""
         self.abandoned = False
         """The request stopped waiting for the callback (``answer``): its outcome is submitted late."""
         self.on_late: Callable[[Any], None] | None = None
@@ -180,26 +184,26 @@ class LivePass:
             self._attempt, self._going_on = outcome, going_on
             abandoned = self.abandoned
             self._changed.notify_all()
-        if abandoned and self.on_late is not None:
-            self.on_late(outcome)
+        if abandoned:
+            self.end()  # nobody waits for what comes next: the pass is not kept
+            if self.on_late is not None:  # on a thread of its own: the function must not wait on the network
+                threading.Thread(target=self.on_late, args=(outcome,), name="ryusen-late-result", daemon=True).start()
 
     def run_callback(self, call: Callable[[], Any]) -> Any:
-        """Run the target callback (on the pass thread, where the function runs: its locks, connections and
-        thread-locals are the callback's), in the function's context with the contextvars of the request
-        that authorized this attempt added where the function did not set them itself (a request id, a
-        trace span, a request's session), as a replay on the request's thread would see them."""
-        overlay = self._request_vars
-        if not overlay:
-            return call()
+        """Run the target callback on the pass thread, where the function runs (its locks, connections and
+        thread-locals are the callback's), in the context of the request that authorized this attempt with
+        every contextvar the function set since the pass started (its own, ``ryusen.operation()``) on top:
+        what a replay on that request's thread would see. What the callback sets stays in that copy."""
         body, start = contextvars.copy_context(), self._start
+        served = self._request_context.copy()
 
         def run() -> Any:
-            for var, value in overlay.items():
-                if body.get(var, _UNSET) is start.get(var, _UNSET):  # not one the function set
+            for var, value in body.items():
+                if start.get(var, _UNSET) is not value:  # set by the function (or by the replay for it)
                     var.set(value)
             return call()
 
-        return body.run(run)
+        return served.run(run)
 
     def wait_for_attempt(self, plan: Any) -> None:
         """At a step with no recorded outcome (from the pass thread): report it and wait for its attempt.
@@ -234,14 +238,13 @@ class LivePass:
                 lambda: self._attempt is not None or self._finished, timeout=None if give_up_s is None else give_up_s
             )
             if not answered:
-                # the server has stopped listening (a callback that outlives ``respond_by``, or one waiting
-                # on something this request holds): answer now, and submit the outcome late if it comes
+                # the server stopped listening a while ago (a callback that outlives ``respond_by``, or one
+                # waiting on something this request holds): free the request; the callback still runs to
+                # its end and its outcome goes to the late-result path, as without a kept pass
                 self.abandoned = True
-                self._ended = True
-                self._changed.notify_all()
-                self.replay.close()
                 raise CallbackInterruptedError(
-                    f"step {self.serving!r} of run {self.run_id} did not finish before the server stopped listening"
+                    f"step {self.serving!r} of run {self.run_id} had not finished {KEPT_GIVE_UP_AFTER_S:g}s after"
+                    " the server stopped listening; its outcome will be submitted as a late result"
                 )
             attempt, going_on = self._attempt, self._going_on
             if attempt is None or not going_on:
@@ -301,10 +304,7 @@ class LivePass:
                 return False
             self.replay.resume(TaskKind.FORWARD, request.memo, plan.step.id, request.operation)
             self.serving = plan.step.id
-            start = self._start
-            self._request_vars = {
-                var: value for var, value in contextvars.copy_context().items() if start.get(var, _UNSET) is not value
-            }
+            self._request_context = contextvars.copy_context()
             self._attempt, self._going_on, self._resumed, self._waiting = None, False, True, None
             self._changed.notify_all()
             return True
