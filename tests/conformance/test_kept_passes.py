@@ -365,6 +365,23 @@ def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() 
     assert app.kept_passes.resumed == 7
 
 
+def behind_middleware(env: WorkflowEnvironment, app: Ryusen, on_request: Any) -> None:
+    """Serve ``app`` behind a middleware that runs each request in a context of its own, after
+    ``on_request(n)`` (n counts the requests from 1) has set what it likes there."""
+    url = f"inproc://{app.app_id}"
+    inner = env.invoker.apps[url]
+    served = iter(range(1, 1_000_000))
+
+    def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
+        def serve() -> Any:
+            on_request(next(served))
+            return inner(method, headers, body)
+
+        return contextvars.copy_context().run(serve)
+
+    env.invoker.apps[url] = middleware
+
+
 # ---- a callback runs where the request runs (the attack review of kept passes) ------------------------
 
 
@@ -408,18 +425,7 @@ def test_a_callback_sees_what_the_function_around_it_set_up_and_its_own_request_
             db.close()
 
     with WorkflowEnvironment(app, kept_passes=kept_passes) as env:
-        url = f"inproc://{app.app_id}"
-        inner = env.invoker.apps[url]
-        served = iter(range(1, 100))
-
-        def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
-            def serve() -> Any:
-                request_id.set(f"req-{next(served)}")
-                return inner(method, headers, body)
-
-            return contextvars.copy_context().run(serve)
-
-        env.invoker.apps[url] = middleware
+        behind_middleware(env, app, lambda n: request_id.set(f"req-{n}"))
         done = threading.Event()
         box: dict[str, Any] = {}
 
@@ -610,20 +616,8 @@ def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() ->
         return rows
 
     with WorkflowEnvironment(app) as env:
-        url = f"inproc://{app.app_id}"
-        inner = env.invoker.apps[url]
-        served = iter(range(1, 100))
-
-        def middleware(method: str, headers: dict[str, str], body: bytes) -> Any:
-            def serve() -> Any:
-                n = next(served)
-                if n == 2:  # request 1 is the discovery, request 2 starts the pass at s0
-                    span.set("span-of-request-2")
-                return inner(method, headers, body)
-
-            return contextvars.copy_context().run(serve)
-
-        env.invoker.apps[url] = middleware
+        # request 1 is the discovery, request 2 starts the pass at s0
+        behind_middleware(env, app, lambda n: span.set("span-of-request-2") if n == 2 else None)
         run = env.run("f")
     assert run.outcome == "completed"
     assert run.output == [[0, "span-of-request-2"], [1, None], [2, None]]
