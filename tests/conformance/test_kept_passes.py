@@ -623,3 +623,32 @@ def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() ->
     assert run.output == [[0, "span-of-request-2"], [1, None], [2, None]]
     assert app.kept_passes.resumed == 2
     assert all(value is None for value in seen_by_body)
+
+
+def test_a_request_that_fails_while_it_waits_ends_its_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request raises after the pass went on to the next step (an interrupt, a server shutting down):
+    the pass is not kept, so it must end now rather than wait out its idle time (the second review: it
+    waited with nobody to end it)."""
+    app = Ryusen("gone", insecure=True)
+    app.kept_passes.idle_s = 60.0
+    finished = threading.Event()
+
+    @app.function("f")
+    def f(data: Any, step: Step) -> Any:
+        try:
+            return step.run("a", lambda: 1) + step.run("b", lambda: 2)
+        finally:
+            finished.set()
+
+    answer = sdk_app.LivePass.answer
+
+    def answer_then_fail(self: Any, *args: Any) -> Any:
+        answer(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sdk_app.LivePass, "answer", answer_then_fail)
+    request = chained_request()
+    with pytest.raises(KeyboardInterrupt):
+        app.execute(request, request)
+    assert finished.wait(5), "the pass still waits at step b"
+    assert len(app.kept_passes) == 0

@@ -25,8 +25,9 @@ Anything else ends the kept pass (its waiting ``step.run`` raises the pass-endin
 function's ``finally`` blocks run) and the task replays from the top as before: a request for another
 step or another kind of task, a memo that is not the one expected (another engine process, a resolution,
 a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` (10 s) or pushed out by
-newer ones (``KEPT_PASSES`` per app). What the server records never depends on which happened: both are
-passes of current code over the same recorded results.
+newer ones (``KEPT_PASSES`` per app). Either way the server records what a pass of current code over the
+same recorded results reports; the two differ only where code outside ``step.run`` decides from something
+that is not a recorded result (below).
 
 What a kept pass changes for the function is only what a replay would have recomputed: code outside
 ``step.run`` runs once per execution instead of once per task, so what it keeps in memory (or what a
@@ -232,7 +233,8 @@ class LivePass:
         """The current request's attempt outcome, and the step this pass now waits at (None: it does not wait
         at one: it ended, or did not go on after the callback, or was still going ``budget()`` seconds after
         the callback's end). Raises what the pass raised when it reported nothing
-        (``CallbackInterruptedError``)."""
+        (``CallbackInterruptedError``), and ``CallbackInterruptedError`` when the callback has not finished
+        ``give_up_s`` seconds from now (the pass is then ``abandoned``: its outcome goes late)."""
         with self._changed:
             answered = self._changed.wait_for(
                 lambda: self._attempt is not None or self._finished, timeout=None if give_up_s is None else give_up_s

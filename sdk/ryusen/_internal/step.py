@@ -524,8 +524,8 @@ class _Replay:
         keeper = self.keeper
         try:
             try:
-                # a kept pass runs the callback on its own thread, as the function around it, and with the
-                # contextvars of the request that authorized this attempt (where the function set none)
+                # a kept pass runs the callback on its own thread, as the function around it, in the context
+                # of the request that authorized this attempt with what the function set on top
                 result = call() if keeper is None else keeper.run_callback(call)
                 if inspect.isawaitable(result):
                     _close(result)
