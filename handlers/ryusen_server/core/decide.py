@@ -53,6 +53,7 @@ from ryusen._internal.wire import (
     StepReached,
     TargetNotFound,
     TaskKind,
+    nested_step_conflict,
     value_size,
 )
 
@@ -91,6 +92,7 @@ from .model import (
     Occurrence,
     Outcome,
     Recovery,
+    Resolution,
     RunPhase,
     RunState,
     StaleSubmission,
@@ -203,6 +205,8 @@ class _Transition:
         """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
         self.next: DiscoveryResponse | None = None
         """The continuation a successful callback's response carried."""
+        self.build_id: str | None = None
+        """The build whose pass reported what ``discovered`` is deciding (a discovery's, or a continuation's)."""
         self._owned: set[int] = set()
         """The steps this decision copied (or created): only those may be changed."""
 
@@ -362,14 +366,17 @@ class _Transition:
         release = self.take_chain(delay_s)
         if release is not None and not (phase is Phase.FORWARD and self.stopping):
             # one write accepts what came back and authorizes this attempt; the dispatcher invokes it next
-            self.authorize(step, attempt, task, release)
+            self.authorize_unless_it_nests(step, attempt, task, release)
         else:
             self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
         return attempt
 
     def failures(self, step: StepState, phase: Phase) -> int:
-        """Failed attempts of (step, phase): what its retry policy counts."""
-        return sum(1 for a in step.attempts if a.phase is phase and a.status is AttemptStatus.FAILED)
+        """Failed attempts of (step, phase): what its retry policy counts (a callback that opened a step spends
+        no retry: decisions 23)."""
+        return sum(
+            1 for a in step.attempts if a.phase is phase and a.status is AttemptStatus.FAILED and not a.opened_a_step
+        )
 
     def policy(self, step: StepState, phase: Phase) -> RetryPolicyWire:
         if phase is Phase.FORWARD:
@@ -503,7 +510,43 @@ class _Transition:
             self.touch()
             self.send_again(attempt, task, attempt.redeliveries)
             return self.ignore("the function has no synced release")
-        return self.authorize(step, attempt, task, release)
+        return self.authorize_unless_it_nests(step, attempt, task, release)
+
+    def authorize_unless_it_nests(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
+        """Authorize, unless the step's last attempt opened a step inside its callback with this same build and
+        no operator consented to running it again: that code would charge again and nest again (decisions 23).
+        The attempt is then fenced and the run stays blocked."""
+        nested = self.opened_a_step_with(step, attempt.phase, release.build_id)
+        if nested is None:
+            return self.authorize(step, attempt, task, release)
+        self.settle(
+            attempt,
+            AttemptStatus.FENCED,
+            detail=f"not run: build {release.build_id} still opens a step inside this callback",
+        )
+        if attempt.phase is Phase.FORWARD:
+            step.status = StepStatus.PENDING
+        else:
+            step.compensation_status = CompensationStatus.PENDING
+        conflict = nested_step_conflict(nested.error)
+        assert conflict is not None
+        return self.definition_conflict(conflict, holds=nested)
+
+    def opened_a_step_with(self, step: StepState, phase: Phase, build_id: str | None) -> Attempt | None:
+        """The step's last attempt that ran, if its callback opened a step (decisions 23) with ``build_id`` and no
+        operator has resolved it since: running the callback again with that build would nest again."""
+        ran = self.last_ran(step, phase)
+        if ran is None or not ran.opened_a_step or ran.resolution is not None:
+            return None
+        return ran if build_id is not None and ran.build_id == build_id else None
+
+    @staticmethod
+    def last_ran(step: StepState, phase: Phase) -> Attempt | None:
+        """The latest attempt of (step, phase) that was not fenced before it ran."""
+        for attempt in reversed(step.attempts):
+            if attempt.phase is phase and attempt.status is not AttemptStatus.FENCED:
+                return attempt
+        return None
 
     def authorize(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
         """The fence: the attempt may run now; the adapter invokes it only after this is written."""
@@ -762,6 +805,7 @@ class _Transition:
         if d is None or d.seq != seq or d.status is not AttemptStatus.AUTHORIZED:
             return self.ignore(f"discovery #{seq} is not in flight; its report is discarded")
         s.discovery = None
+        self.build_id = d.build_id
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.touch()
         if self.stopping:  # S4: authorized discovery in flight at the stop is discarded
@@ -775,8 +819,15 @@ class _Transition:
         s = self.s
         s.discoveries += 1
         if isinstance(response, StepReached):
-            self.clear_definition_blockers()
             plan = response.step
+            known = s.step(plan.id)
+            if known is not None and (nested := self.opened_a_step_with(known, Phase.FORWARD, self.build_id)):
+                # the build whose callback opened a step inside it still serves: running it again would
+                # only repeat its effect and nest again (decisions 23); the run stays blocked
+                conflict = nested_step_conflict(nested.error)
+                assert conflict is not None
+                return self.definition_conflict(conflict, holds=nested)
+            self.clear_definition_blockers()
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
@@ -916,15 +967,23 @@ class _Transition:
             )
         if isinstance(conflict, ConcurrentStepConflict):
             first, second = conflict.first, conflict.second
+            message = (
+                f"step {second.step_id!r} (at {second.location}) was started while step {first.step_id!r}"
+                f" (at {first.location}) was still open; Ryusen runs one step at a time"
+            )
+            if holds is not None:  # decisions 23: opened inside the callback of the step it holds up
+                message = (
+                    f"step {second.step_id!r} (at {second.location}) was opened inside the callback of step"
+                    f" {first.step_id!r} (at {first.location}), which ran (build {holds.build_id}); a callback"
+                    " cannot open steps. A release that moves it out, or an operator, moves the run on"
+                )
             return Blocker(
                 type=BlockerType.CONCURRENT_STEP,
                 step_id=second.step_id,
                 first=Occurrence(**first.model_dump()),
                 second=Occurrence(**second.model_dump()),
-                message=(
-                    f"step {second.step_id!r} (at {second.location}) was started while step {first.step_id!r}"
-                    f" (at {first.location}) was still open; Ryusen runs one step at a time"
-                ),
+                message=message,
+                **held,
                 **seen,
             )
         if isinstance(conflict, NewStepBeforeTarget):
@@ -1131,9 +1190,12 @@ class _Transition:
             if self.stopping:
                 return self.evaluate_recovery()  # S5: joins the unwind
             if self.next is not None:  # continuation: what the replay found next, in this same write
+                self.build_id = attempt.build_id
                 return self.discovered(self.next)
             return self.queue_discovery()
         if isinstance(response, CallbackFailed):
+            if (conflict := nested_step_conflict(response.error)) is not None:
+                return self.callback_opened_a_step(step, attempt, response.error, conflict)
             return self.attempt_failed(step, attempt, response.error)
         if isinstance(response, TargetNotFound | ReplayFailed):
             # decisions 16: the callback was not entered; discovery with current code finds what comes next
@@ -1164,6 +1226,29 @@ class _Transition:
                 return self.definition_conflict(response.conflict)
             return self.function_not_found(response.detail)
         raise IllegalEventError(f"unexpected response {response!r}")
+
+    def callback_opened_a_step(
+        self, step: StepState, attempt: Attempt, error: ErrorInfo, conflict: ConcurrentStepConflict
+    ) -> None:
+        """The callback ran and opened a step inside it (decisions 23). Not an ordinary failure: no retry is
+        spent or scheduled, the function is not told, and the run blocks until a release, the probe or an
+        operator moves it on; only a build other than this one runs the callback again."""
+        self.settle(
+            attempt,
+            AttemptStatus.FAILED,
+            error=error,
+            detail="concurrent_step: the callback ran and opened a step inside it; no retry is spent",
+        )
+        if attempt.phase is Phase.FORWARD:
+            if self.stopping:  # S6: no forward retry after a stop; the step stays out of the unwind
+                step.status = StepStatus.FAILED
+                self.record_step_error(step, error)
+                return self.evaluate_recovery()
+            step.status = StepStatus.PENDING
+        else:
+            step.compensation_status = CompensationStatus.PENDING
+            self.set_unwind_status(step.id, CompensationStatus.PENDING)
+        return self.definition_conflict(conflict, holds=attempt)
 
     def attempt_failed(self, step: StepState, attempt: Attempt, error: ErrorInfo, detail: str | None = None) -> None:
         error = error.bounded(self.settings.max_value_bytes)
@@ -1236,6 +1321,8 @@ class _Transition:
             self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
             return self.advance_unwind()
         if isinstance(response, CallbackFailed):
+            if (conflict := nested_step_conflict(response.error)) is not None:
+                return self.callback_opened_a_step(step, attempt, response.error, conflict)
             return self.attempt_failed(step, attempt, response.error)
         if isinstance(response, ReplayFailed):  # decisions 17: a failed attempt, never a skip
             detail = "replay_failed: code outside step.run raised before the target; its compensator did not run"
@@ -1325,6 +1412,13 @@ class _Transition:
             s.discovery = None  # S4: its report will be discarded
         for found in s.steps:
             current = found.current(Phase.FORWARD)
+            if current is not None and current.opened_a_step and found.status is StepStatus.PENDING:
+                # blocked by a callback that opened a step (decisions 23): it ran and failed, and no retry follows
+                step = self.edit(found)
+                step.status = StepStatus.FAILED
+                assert current.error is not None
+                self.record_step_error(step, current.error)
+                continue
             if current is None or current.status not in (AttemptStatus.UNKNOWN, AttemptStatus.QUEUED):
                 continue
             step = self.edit(found)
@@ -1357,6 +1451,8 @@ class _Transition:
         current = step.current(event.phase)
         if attempt is current and self.blocked_compensation(step, attempt):
             return self.resolve_blocked_compensation(step, event)
+        if attempt.opened_a_step and attempt is self.last_ran(step, event.phase):
+            return self.resolve_opened_step(step, attempt, event)
         # idempotency: the same resolution repeated
         if attempt.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
             return self.reject(
@@ -1432,6 +1528,54 @@ class _Transition:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
             self.attempt_failed(step, resolved, error)
         resolved.detail = f"operator {event.action}"
+        return None
+
+    def resolve_opened_step(self, step: StepState, attempt: Attempt, event: Resolve) -> None:
+        """An operator moves on a run blocked by a callback that opened a step inside it (decisions 23): retry
+        is consent to run that callback again (with code that may nest again); succeed or fail states the
+        outcome of the callback that ran, recorded as the next generation."""
+        if attempt.resolution is not None:
+            if attempt.resolution.action == event.action:
+                self.reemit_queued()  # a retried request may follow one whose sends failed after its write
+                return self.ignore("resolution already applied")
+            return self.reject(
+                "generation_settled",
+                f"generation {event.generation} was already resolved by an operator ({attempt.resolution.action})",
+            )
+        if event.phase is Phase.FORWARD and self.stopping:
+            if event.action == "retry":
+                return self.reject("retry_after_stop", "a stop intent exists: no new forward attempt is allowed")
+            return self.reject("generation_settled", f"generation {event.generation} is failed and the run is stopping")
+        if self.s.phase is RunPhase.FINISHED:
+            return self.reject("run_finished", "the run is finished")
+        if event.action == "succeed":
+            too_large = (
+                self.oversized_result(event.result)
+                if event.phase is Phase.FORWARD
+                else self.oversized_compensation_result(event.result)
+            )
+            if too_large is not None:
+                return self.reject(too_large.type, too_large.message)
+        self.clear_definition_blockers()
+        resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
+        attempt.resolution = resolution
+        self.touch()
+        if event.action == "retry":
+            if event.phase is Phase.FORWARD:
+                step.status = StepStatus.PENDING
+            else:
+                step.compensation_status = CompensationStatus.PENDING
+                self.set_unwind_status(step.id, CompensationStatus.PENDING)
+            self.queue_attempt(step, event.phase)
+            return None
+        resolved = self.new_attempt(step, event.phase)
+        if event.action == "succeed":
+            self.apply_outcome(step, resolved, CallbackSucceeded(result=event.result))
+        else:
+            error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
+            self.attempt_failed(step, resolved, error)
+        resolved.detail = f"operator {event.action}"
+        resolved.resolution = resolution
         return None
 
     def _same_resolution(self, attempt: Attempt, event: Resolve, step: StepState) -> bool:

@@ -162,6 +162,10 @@ class Resolve:
     action: Literal["succeed", "fail", "retry"]
     result: Any = None
     error: ErrorInfo | None = None
+    reason: str | None = None
+    """Why the operator decided so (kept on the attempt: decisions 28)."""
+    by: str | None = None
+    """Who resolved it, where the API knows (the caller's identity on AWS)."""
 
 
 Event = (

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind
+from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind, nested_step_conflict
 
 
 class RunPhase(StrEnum):
@@ -142,6 +142,15 @@ class StaleSubmission(_State):
     reason: str
 
 
+class Resolution(_State):
+    """How an operator settled or moved on an attempt (decisions 28): what they did, when, and why."""
+
+    action: str
+    at: datetime
+    reason: str | None = None
+    by: str | None = None
+
+
 class Attempt(_State):
     phase: Phase
     generation: int
@@ -166,6 +175,13 @@ class Attempt(_State):
     stale_submissions: list[StaleSubmission] = Field(default_factory=list)
     stale_submissions_dropped: int = 0
     """Stale submissions past the kept number: counted, not recorded."""
+    resolution: Resolution | None = None
+    """An operator's resolution of this attempt, if one settled it or moved past it."""
+
+    @property
+    def opened_a_step(self) -> bool:
+        """Its callback ran and opened a step inside it (decisions 23): failed, but no retry is spent."""
+        return self.status is AttemptStatus.FAILED and nested_step_conflict(self.error) is not None
 
 
 class StepState(_State):

@@ -74,9 +74,18 @@ REMEDIES = {
 }
 """What an operator can do about each blocker, shown with it in the API, the CLI and the dev UI."""
 
+NESTED_STEP_REMEDY = (
+    "A step.run was called inside another step's callback, which ran: its effect may have happened, so it is"
+    " neither retried nor compensated, and it will not run again with this build. Move the inner step out of"
+    " the callback and sync the app: the callback then runs once more, as a retry. If you know what it did,"
+    " resolve that generation instead: succeed with its result, fail it, or retry it (with consent to run it again)."
+)
+
 
 def blocker_view(blocker: Blocker) -> dict[str, Any]:
-    return {**blocker.model_dump(mode="json", exclude_none=True), "remedy": REMEDIES[blocker.type]}
+    nested = blocker.type is BlockerType.CONCURRENT_STEP and blocker.generation is not None
+    remedy = NESTED_STEP_REMEDY if nested else REMEDIES[blocker.type]
+    return {**blocker.model_dump(mode="json", exclude_none=True), "remedy": remedy}
 
 
 def summary(state: RunState) -> str:
@@ -118,6 +127,7 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
         "redeliveries": attempt.redeliveries,
         "stale_submissions": [s.model_dump(mode="json") for s in attempt.stale_submissions],
         "stale_submissions_dropped": attempt.stale_submissions_dropped,
+        "resolution": attempt.resolution.model_dump(mode="json") if attempt.resolution else None,
     }
 
 

@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
@@ -53,6 +53,7 @@ from pydantic import ValidationError
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
 from .wire import (
     MAX_VALUE_BYTES,
+    NESTED_STEP_ERROR,
     CallbackFailed,
     CallbackSucceeded,
     ConcurrentStepConflict,
@@ -345,6 +346,8 @@ class _Replay:
         self.target_without_compensator: str | None = None
         """Compensation: current code reached the target and declared no compensator (its location)."""
         self.recorded_failures: list[StepFailed] = []
+        self.refused_in_callback: list[tuple[ConcurrentStepError, ConcurrentStepConflict]] = []
+        """Steps refused while the target callback ran (decisions 23), with what each refusal names."""
         self.callback_done = threading.Event()
         self.parked: list[asyncio.Future[None]] = []
         self._lock = threading.RLock()
@@ -502,11 +505,17 @@ class _Replay:
             # another asyncio task of the function while the target callback runs: wait for the callback to
             # finish instead of raising, so that a task group does not cancel it (decisions 16)
             return "park", None
-        if not self.entered:
-            second = Occurrence(step_id=step_id, location=location, name=name)
-            self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=first.occurrence(), second=second))
+        second = Occurrence(step_id=step_id, location=location, name=name)
+        conflict = ConcurrentStepConflict(first=first.occurrence(), second=second)
         self.keepable = False
-        raise ConcurrentStepError(step_id, open_step_id=first.step_id)
+        refused = ConcurrentStepError(step_id, open_step_id=first.step_id)
+        if not self.entered:
+            self.outcome = ConflictFound(conflict=conflict)
+        elif self.outcome is None:
+            # opened while the target callback runs (inside it, or from a thread it started): if this error
+            # escapes the callback, the attempt reports the refusal, not an ordinary failure (decisions 23)
+            self.refused_in_callback.append((refused, conflict))
+        raise refused
 
     # ---- the target callback ---------------------------------------------------------
 
@@ -610,7 +619,19 @@ class _Replay:
         raise Suspend(self.outcome)
 
     def _failed(self, exc: Exception) -> CallbackFailed:
+        if (conflict := self._refusal_in(exc)) is not None:
+            return CallbackFailed(error=nested_step_error(conflict))
         return CallbackFailed(error=error_info(exc, retryable=not isinstance(exc, NonRetryableError)))
+
+    def _refusal_in(self, exc: BaseException) -> ConcurrentStepConflict | None:
+        """The refusal of a step opened inside the callback, if ``exc`` is it, wraps it or groups it."""
+        if not self.refused_in_callback:
+            return None
+        for found in _exception_chain(exc):
+            for refused, conflict in self.refused_in_callback:
+                if found is refused:
+                    return conflict
+        return None
 
     def _succeeded(self, value: Any) -> CallbackSucceeded | CallbackFailed:
         checked, problem = check_value(value, "result")
@@ -672,20 +693,40 @@ class _Replay:
     def _recorded_failure_in(self, raised: BaseException) -> StepFailed | None:
         """A recorded ``StepFailed`` this pass raised, if ``raised`` is it, wraps it (``raise ... from``, or
         raised while handling it) or groups it (a TaskGroup): the function ended as its recorded run did."""
-        seen: set[int] = set()
-        pending = [raised]
-        while pending:
-            exc = pending.pop()
-            if id(exc) in seen:
-                continue
-            seen.add(id(exc))
+        for exc in _exception_chain(raised):
             if any(exc is failure for failure in self.recorded_failures):
                 assert isinstance(exc, StepFailed)
                 return exc
-            if isinstance(exc, BaseExceptionGroup):
-                pending.extend(exc.exceptions)
-            pending.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
         return None
+
+
+def _exception_chain(raised: BaseException) -> Iterator[BaseException]:
+    """``raised``, what it wraps (``raise ... from``, or raised while handling) and what it groups."""
+    seen: set[int] = set()
+    pending = [raised]
+    while pending:
+        exc = pending.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        yield exc
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        pending.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
+
+
+def nested_step_error(conflict: ConcurrentStepConflict) -> ErrorInfo:
+    """How an attempt reports that its callback opened a step and let the refusal escape (decisions 23): the
+    callback ran, so it is not a plain failure to retry; the server blocks the run instead."""
+    return ErrorInfo(
+        type=NESTED_STEP_ERROR,
+        message=(
+            f"step {conflict.second.step_id!r} (at {conflict.second.location}) was opened inside the callback of"
+            f" step {conflict.first.step_id!r} (at {conflict.first.location}); a callback cannot open steps"
+        ),
+        data=conflict.model_dump(mode="json"),
+        retryable=False,
+    )
 
 
 def _release(waiter: asyncio.Future[None]) -> None:

@@ -290,6 +290,21 @@ class InvalidStep(_Wire):
     message: DiagnosticText
 
 
+NESTED_STEP_ERROR = "concurrent_step"
+"""The error type of an attempt whose callback opened a step and let the refusal escape (decisions 23); its
+``data`` is the :class:`ConcurrentStepConflict` (the step whose callback ran, and the step it opened)."""
+
+
+def nested_step_conflict(error: ErrorInfo | None) -> ConcurrentStepConflict | None:
+    """The conflict an attempt's error reports when its callback opened a step (decisions 23), else None."""
+    if error is None or error.type != NESTED_STEP_ERROR or not isinstance(error.data, dict):
+        return None
+    try:
+        return ConcurrentStepConflict.model_validate(error.data)
+    except ValueError:
+        return None
+
+
 DefinitionConflict = Annotated[
     DuplicateStepConflict | ConcurrentStepConflict | NewStepBeforeTarget | OutputTooLarge | OutputNotJson | InvalidStep,
     Field(discriminator="code"),

@@ -1,0 +1,129 @@
+"""D8: a ``step.run`` opened inside another step's callback (decision 23).
+
+The outer callback ran (a card was charged) and then met a step it may not open. That is not an ordinary
+failure: retrying would charge again, and failing would compensate a run that nothing failed. The run
+blocks on a definition blocker naming both steps; the outer callback runs at most once per release that
+still nests.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from ryusen import Ryusen, Step, StepFailed
+from ryusen.testing import WorkflowEnvironment
+
+
+def shop(charges: list[str], refunds: list[Any], *, nest: bool, build: str) -> Ryusen:
+    app = Ryusen("shop", build_id=build)
+
+    @app.function("fulfil")
+    def fulfil(order: Any, step: Step) -> Any:
+        step.run("reserve", lambda: {"sku": "lamp"}, compensate=lambda r: refunds.append(("release", r)))
+
+        def charge() -> dict[str, str]:
+            charges.append(build)
+            if nest:  # a receipt sent as a step of its own, from inside the charge: refused
+                step.run("email-receipt", lambda: "sent")
+            return {"charge_id": f"ch_{len(charges)}"}
+
+        try:
+            paid = step.run("charge", charge, compensate=lambda c: refunds.append(("refund", c)))
+        except StepFailed:
+            return {"handled": True}  # the function must never be told about the refusal
+        return {"paid": paid}
+
+    return app
+
+
+@pytest.mark.rfd("D8")
+def test_a_step_opened_inside_a_callback_blocks_the_run_without_running_the_callback_again() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    run = env.wait(run_id)
+
+    assert charges == ["b1"]  # charged once: not retried as an ordinary failure
+    assert run.phase == "running" and run.outcome is None and refunds == []  # not failed, nothing compensated
+    [blocker] = run.blockers
+    assert blocker["type"] == "concurrent_step"
+    assert blocker["first"]["step_id"] == "charge" and blocker["second"]["step_id"] == "email-receipt"
+    assert "test_nested_steps.py" in blocker["first"]["location"]
+    assert "test_nested_steps.py" in blocker["second"]["location"]
+    [attempt] = run.attempts("charge")
+    assert attempt["status"] == "failed" and attempt["error"]["type"] == "concurrent_step"
+    assert run.step("charge")["status"] == "pending" and run.step("charge")["error"] is None
+
+    # the probe and an operator's rediscover find the same build: it still nests, so nothing runs again
+    env.advance(timedelta(hours=3))
+    run = env.wait(run_id)
+    env.rediscover(run_id)
+    run = env.wait(run_id)
+    assert charges == ["b1"]
+    assert run.blockers[0]["type"] == "concurrent_step" and run.blockers[0]["count"] >= 3
+
+    # a release that no longer nests moves it on: the charge is tried again, as a retry under its policy
+    env.sync(shop(charges, refunds, nest=False, build="b2"))
+    run = env.wait(run_id)
+    assert charges == ["b1", "b2"]
+    assert run.summary == "completed" and run.output == {"paid": {"charge_id": "ch_2"}}
+    assert [a["status"] for a in run.attempts("charge")] == ["failed", "succeeded"]
+    assert refunds == []
+
+
+@pytest.mark.rfd("D8")
+def test_a_release_that_still_nests_runs_the_outer_callback_once_more_and_blocks_again() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.sync(shop(charges, refunds, nest=True, build="b2"))
+    run = env.wait(run_id)
+    assert charges == ["b1", "b2"]  # once per release that nests
+    assert run.phase == "running" and [b["type"] for b in run.blockers] == ["concurrent_step"]
+    env.advance(timedelta(hours=3))
+    assert env.wait(run_id).outcome is None and charges == ["b1", "b2"]
+
+
+@pytest.mark.rfd("D8")
+def test_an_operator_may_retry_or_settle_the_nested_attempt_with_consent() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    # the operator knows the charge went through: supplies its result; the run goes on from there
+    env.resolve(run_id, "charge", generation=1, action="succeed", result={"charge_id": "ch_ops"})
+    run = env.wait(run_id)
+    assert charges == ["b1"] and run.summary == "completed"
+    assert run.output == {"paid": {"charge_id": "ch_ops"}}
+    assert [a["status"] for a in run.attempts("charge")] == ["failed", "succeeded"]
+
+    # an explicit retry is consent to run the callback again (with the same code it nests again)
+    env2 = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    other = env2.start("fulfil")
+    env2.wait(other)
+    env2.resolve(other, "charge", generation=1, action="retry")
+    run = env2.wait(other)
+    assert charges == ["b1", "b1", "b1"] and run.blockers[0]["type"] == "concurrent_step"
+
+
+@pytest.mark.rfd("D8")
+def test_a_cancel_while_blocked_by_a_nested_step_compensates_what_completed() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.cancel(run_id)
+    run = env.wait(run_id)
+    assert run.outcome == "cancelled" and run.phase == "finished"
+    assert refunds == [("release", {"sku": "lamp"})]  # the reserve is undone; the charge never completed
+    assert charges == ["b1"]
+    assert run.step("charge")["status"] == "failed" and run.step("charge")["error"]["type"] == "concurrent_step"
+    assert run.blockers == []
