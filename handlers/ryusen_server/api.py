@@ -60,9 +60,20 @@ class CancelRequest(_Body):
 
 
 class ResolveRequest(_Body):
-    action: Literal["succeed", "fail", "retry"]
+    action: Literal["succeed", "fail", "retry", "skip"]
     result: Any = None
     error: ErrorInfo | None = None
+    reason: str | None = Field(default=None, max_length=1024)
+    """Why: kept on the attempt with the resolution (decisions 28)."""
+
+
+def _caller(api: Any) -> str | None:
+    """Who made the request, where API Gateway's IAM authorization says (the caller's ARN); None locally."""
+    try:
+        identity = api.current_event.request_context.identity
+        return str(identity.user_arn) if identity.user_arn else None
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 class MalformedJsonError(ServerError):
@@ -246,6 +257,8 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
                 action=request.action,
                 result=request.result,
                 error=request.error,
+                reason=request.reason,
+                by=_caller(api),
             ),
         )
         return _json(200, run_view(decision.state))

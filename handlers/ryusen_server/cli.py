@@ -848,6 +848,12 @@ def rediscover(api: Api, run_id: str) -> None:
 )
 @click.option("--fail", "message", metavar="MESSAGE", help="Declare the attempt failed.")
 @click.option("--retry", is_flag=True, help="Authorize another attempt (only if the callback is safe to run twice).")
+@click.option(
+    "--skip",
+    is_flag=True,
+    help="Skip a compensation the unwind is blocked on because no pass reached it (you undid the effect yourself).",
+)
+@click.option("--reason", metavar="TEXT", help="Why: kept on the attempt with the resolution.")
 @click.pass_context
 def resolve(
     ctx: click.Context,
@@ -858,19 +864,20 @@ def resolve(
     result: Any,
     message: str | None,
     retry: bool,
+    skip: bool,
+    reason: str | None,
 ) -> None:
-    """Resolve an attempt whose outcome is Unknown.
+    """Resolve an attempt whose outcome is Unknown, or move on a blocked one.
 
-    Exactly one of --succeed JSON, --fail MESSAGE or --retry.
+    Exactly one of --succeed JSON, --fail MESSAGE, --retry or --skip.
     """
     succeed = ctx.get_parameter_source("result") is click.core.ParameterSource.COMMANDLINE
-    chosen = [
-        name for name, given in (("--succeed", succeed), ("--fail", message is not None), ("--retry", retry)) if given
-    ]
+    given = (("--succeed", succeed), ("--fail", message is not None), ("--retry", retry), ("--skip", skip))
+    chosen = [name for name, was_given in given if was_given]
     if len(chosen) != 1:
         _usage(
             ctx,
-            "give exactly one of --succeed JSON, --fail MESSAGE, --retry"
+            "give exactly one of --succeed JSON, --fail MESSAGE, --retry, --skip"
             + (f" (got {' '.join(chosen)})" if chosen else ""),
         )
     if succeed:
@@ -878,7 +885,9 @@ def resolve(
     elif message is not None:
         body = {"action": "fail", "error": {"type": "declared_failure", "message": message}}
     else:
-        body = {"action": "retry"}
+        body = {"action": "retry" if retry else "skip"}
+    if reason is not None:
+        body["reason"] = reason
     view = _api(ctx).resolve(run_id, step_id, phase, generation, body)
     click.echo(printable(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}"))
 

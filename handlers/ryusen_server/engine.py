@@ -795,6 +795,9 @@ class Engine:
             step_id=step.id,
             operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
+            forward_result_omitted=(
+                step.omitted_result if task.phase is Phase.COMPENSATION and "omitted_results" in features else None
+            ),
             result_url=self.settings.result_url,
             respond_by=respond_by.timestamp(),
             continue_after=self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features,

@@ -9,13 +9,14 @@
 
 from ._internal.app import Ryusen
 from ._internal.errors import ConcurrentStepError, DefinitionError, NonRetryableError, RyusenError, StepFailed
-from ._internal.step import AsyncStep, Operation, RetryPolicy, Step, operation
+from ._internal.step import AsyncStep, OmittedResult, Operation, RetryPolicy, Step, operation
 
 __all__ = [
     "AsyncStep",
     "ConcurrentStepError",
     "DefinitionError",
     "NonRetryableError",
+    "OmittedResult",
     "Operation",
     "RetryPolicy",
     "Ryusen",

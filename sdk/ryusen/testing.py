@@ -562,7 +562,10 @@ class WorkflowEnvironment:
         action: str,
         result: Any = None,
         error: dict[str, Any] | None = None,
+        reason: str | None = None,
     ) -> None:
+        """An operator's resolution (``action``: succeed, fail, retry, or skip for a blocked compensation), with
+        the reason kept on the attempt."""
         from ryusen._internal.wire import ErrorInfo
 
         self.engine.resolve(
@@ -574,6 +577,8 @@ class WorkflowEnvironment:
                 action=action,  # type: ignore[arg-type]
                 result=result,
                 error=ErrorInfo.model_validate(error) if error else None,
+                reason=reason,
+                by="ryusen.testing",
             ),
         )
 

@@ -333,9 +333,9 @@ def test_oversized_values_are_refused_not_truncated() -> None:
     with pytest.raises(PayloadTooLargeError):
         env.start("wf", "z" * (300 * 1024))
     assert env.store.list_runs().runs == []  # nothing was created
-    run = env.run("wf", "big-result")
-    assert run.output == "result_too_large"
-    assert len(run.attempts("big")) == 1  # non-retryable
+    run = env.run("wf", "big-result")  # decisions 25: it ran, so it blocks, neither failed nor retried
+    assert run.outcome is None and run.blockers[0]["type"] == "result_too_large"
+    assert len(run.attempts("big")) == 1 and run.step("big")["result"] is None
     run = env.run("wf", "big-output")  # decisions 20: blocked for a release that returns less, not failed
     assert run.outcome is None and run.blockers[0]["type"] == "output_too_large"
     assert run.output is None
@@ -387,7 +387,7 @@ def test_async_callback_in_a_sync_workflow_fails_at_once() -> None:
     assert "needs an async workflow function" in run.output
 
 
-@pytest.mark.rfd("F12")
+@pytest.mark.rfd("F12", "F13")
 def test_the_server_enforces_value_limits_itself_and_bounds_the_whole_run() -> None:
     """The engine does not trust the endpoint to check sizes: its own limits decide."""
     from ryusen.testing import EngineSettings
@@ -404,19 +404,22 @@ def test_the_server_enforces_value_limits_itself_and_bounds_the_whole_run() -> N
     # per value: the endpoint's own limit is 256 KiB; the server's is set lower here
     env = WorkflowEnvironment(app, settings=EngineSettings(max_value_bytes=1000, max_run_bytes=10**9))
     run = env.run("wf", 2000)
-    assert run.outcome == "failed"
-    assert run.step("s0")["error"]["type"] == "result_too_large"
-    assert len(run.attempts("s0")) == 1  # non-retryable, though the callback succeeded
-    assert run.step("s0").get("result") is None
+    assert run.outcome is None and run.blockers[0]["type"] == "result_too_large"  # ran: blocked (decisions 25)
+    assert run.blockers[0]["size"] == 2002 and run.blockers[0]["limit"] == 1000
+    assert len(run.attempts("s0")) == 1  # not retried: the callback succeeded
+    assert run.step("s0").get("result") is None and run.step("s0")["omitted_result"]["size"] == 2002
     # the whole run: input plus accepted results; the third 2000-byte result would pass 5000
     undone.clear()
     env = WorkflowEnvironment(app, settings=EngineSettings(max_value_bytes=10**6, max_run_bytes=5000))
-    run = env.run("wf", 2000)
-    assert run.outcome == "failed" and run.recovery == "compensated"
-    assert [s["status"] for s in run.steps[:3]] == ["completed", "completed", "failed"]
-    error = run.step("s2")["error"]
-    assert error["type"] == "run_too_large" and "5000" in error["message"]
-    assert undone == ["s1", "s0"]  # the accepted steps are compensated in reverse
+    run_id = env.start("wf", 2000)
+    run = env.wait(run_id)
+    assert [s["status"] for s in run.steps[:3]] == ["completed", "completed", "pending"]
+    blocker = run.blockers[0]
+    assert blocker["type"] == "result_too_large" and blocker["step_id"] == "s2" and blocker["limit"] < 5000
+    env.cancel(run_id)  # a stop undoes the accepted steps, the one over the budget too, in reverse
+    run = env.wait(run_id)
+    assert run.outcome == "cancelled" and run.recovery == "compensated"
+    assert undone == ["s2", "s1", "s0"]
 
 
 @pytest.mark.rfd("F12")

@@ -204,7 +204,12 @@ def test_an_operator_may_resolve_a_compensation_blocked_by_a_new_step() -> None:
         run_id, "hotel", phase="compensation", generation=blocker["generation"], action="succeed", result="by hand"
     )
     run = env.wait(run_id)
-    assert run.step("hotel")["compensation"] == {"status": "compensated", "result": "by hand", "error": None}
+    assert run.step("hotel")["compensation"] == {
+        "status": "compensated",
+        "result": "by hand",
+        "error": None,
+        "omitted_result": None,
+    }
     # the next target, flight, meets the same new step: blocked again rather than skipped
     assert run.blockers[0]["type"] == "new_step_before_target" and run.blockers[0]["step_id"] == "flight"
     env.sync(trip_app(calls))
@@ -212,14 +217,14 @@ def test_an_operator_may_resolve_a_compensation_blocked_by_a_new_step() -> None:
     assert run.summary == "failed, fully compensated" and calls["undo-hotel"] == 0 and calls["undo-flight"] == 1
 
 
-@pytest.mark.rfd("C2")
-def test_a_function_that_ends_before_the_target_skips_it_as_removed_from_current_code() -> None:
+@pytest.mark.rfd("C2", "C10")
+def test_a_removed_step_is_skipped_only_once_the_release_retires_it() -> None:
     calls: Counter[str] = Counter()
 
-    def build(*, removed: bool) -> Ryusen:
-        app = Ryusen("removed", release_id=str(removed), build_id=str(removed))
+    def build(*, removed: bool, retired: tuple[str, ...] = ()) -> Ryusen:
+        app = Ryusen("removed", release_id=f"{removed}{retired}", build_id=f"{removed}{retired}")
 
-        @app.function("wf")
+        @app.function("wf", retired_steps=retired)
         def wf(data: Any, step: Step) -> Any:
             step.run("a", lambda: "A", compensate=lambda r: calls.update(["undo-a"]))
             try:
@@ -237,10 +242,15 @@ def test_a_function_that_ends_before_the_target_skips_it_as_removed_from_current
     env.drive(until=lambda: env.get(run_id).phase == "compensating")
     env.sync(build(removed=True))
     run = env.wait(run_id)
+    # a pass that ends before c proves nothing (decisions 24): the unwind waits, nothing is skipped
+    assert run.phase == "compensating" and [b["type"] for b in run.blockers] == ["compensation_target_not_reached"]
+    assert calls == Counter()
+    env.sync(build(removed=True, retired=("c",)))  # the release says so: c is gone on purpose
+    run = env.wait(run_id)
     assert run.summary == "failed, fully compensated"
     assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [("c", "skipped"), ("a", "compensated")]
     assert calls == Counter({"undo-a": 1})
-    assert run.attempts("c", "compensation")[-1]["detail"].startswith("target_not_found")  # after a second pass
+    assert run.attempts("c", "compensation")[-1]["detail"].startswith("retired by the release")
 
 
 # ---- decision 18: one step at a time --------------------------------------------------------

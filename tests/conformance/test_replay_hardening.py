@@ -89,8 +89,8 @@ def test_a_late_result_during_an_unknown_retry_backoff_saves_the_retry() -> None
 # ---- F2: a transient early return, with the same code that recorded the step --------------------
 
 
-@pytest.mark.rfd("C2", "C4")
-def test_an_early_return_in_a_compensation_pass_of_the_same_code_is_retried_not_skipped() -> None:
+@pytest.mark.rfd("C2", "C10")
+def test_an_early_return_in_a_compensation_pass_of_the_same_code_blocks_until_a_pass_reaches_the_step() -> None:
     calls: Counter[str] = Counter()
     app = Ryusen("shop")
 
@@ -112,11 +112,16 @@ def test_an_early_return_in_a_compensation_pass_of_the_same_code_is_retried_not_
         step.run("charge", lambda: {"charge_id": "ch_1"}, compensate=lambda r: calls.update(["refund"]))
         raise RuntimeError("warehouse rejected the order")
 
-    run = WorkflowEnvironment(app).run("checkout")
+    env = WorkflowEnvironment(app)
+    run = env.run("checkout")
+    assert calls["refund"] == 0 and run.phase == "compensating"  # blocked, not skipped, not failed
+    assert [b["type"] for b in run.blockers] == ["compensation_target_not_reached"]
+    env.advance(timedelta(minutes=2))  # the probe asks current code again; the config service is back
+    run = env.wait(run.id)
     assert calls["refund"] == 1 and run.summary == "failed, fully compensated"
     compensation = run.attempts("charge", "compensation")
-    assert [a["status"] for a in compensation] == ["failed", "succeeded"]
-    assert compensation[0]["error"]["type"] == "target_not_reached"
+    assert [a["status"] for a in compensation] == ["fenced", "succeeded"]
+    assert compensation[0]["detail"].startswith("compensation_target_not_reached")
 
 
 # ---- F3: asyncio.TaskGroup ----------------------------------------------------------------------
@@ -477,8 +482,8 @@ def test_a_blocked_unwind_is_probed_less_and_less_often_and_counts_the_conflict(
     assert len(state.step("charge").attempts) < 30  # one pass per probe, not one a minute
 
 
-@pytest.mark.rfd("C2")
-def test_a_removed_step_whose_pass_ends_with_a_wrapped_recorded_failure_is_skipped() -> None:
+@pytest.mark.rfd("C2", "C10")
+def test_a_retired_step_whose_pass_ends_with_a_wrapped_recorded_failure_is_skipped() -> None:
     calls: Counter[str] = Counter()
 
     class ShippingError(Exception):
@@ -492,7 +497,7 @@ def test_a_removed_step_whose_pass_ends_with_a_wrapped_recorded_failure_is_skipp
     def build(v2: bool) -> Ryusen:
         app = Ryusen("shop", release_id=f"v{int(v2)}", build_id=f"b{int(v2)}")
 
-        @app.function("checkout")
+        @app.function("checkout", retired_steps=("charge",) if v2 else ())
         def checkout(order: Any, step: Step) -> Any:
             step.run("reserve", lambda: "r1", compensate=lambda r: calls.update(["release"]))
             if not v2:  # v2 moved payment out of this workflow
@@ -514,8 +519,8 @@ def test_a_removed_step_whose_pass_ends_with_a_wrapped_recorded_failure_is_skipp
     assert [(u["step_id"], u["status"]) for u in run["unwind"]] == [("charge", "skipped"), ("reserve", "compensated")]
 
 
-@pytest.mark.rfd("C2", "C4")
-def test_an_early_return_after_an_unrelated_redeploy_is_confirmed_before_it_is_a_skip() -> None:
+@pytest.mark.rfd("C2", "C10")
+def test_an_early_return_after_an_unrelated_redeploy_blocks_instead_of_skipping() -> None:
     calls: Counter[str] = Counter()
     blip = {"once": False}
 
@@ -537,6 +542,9 @@ def test_an_early_return_after_an_unrelated_redeploy_is_confirmed_before_it_is_a
     env.drive(until=lambda: env.get(run_id).phase == "compensating")
     env.sync(build(2))  # any unrelated deploy gives a new build id
     blip["once"] = True
+    run = env.wait(run_id)
+    assert calls["refund"] == 0 and [b["type"] for b in run.blockers] == ["compensation_target_not_reached"]
+    env.advance(timedelta(minutes=2))  # the probe
     run = env.wait(run_id)
     assert calls["refund"] == 1 and run.summary == "failed, fully compensated"
     statuses = [a["status"] for a in run.attempts("charge", "compensation")]

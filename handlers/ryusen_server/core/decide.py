@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -44,6 +45,7 @@ from ryusen._internal.wire import (
     FunctionNotFound,
     InvalidStep,
     NewStepBeforeTarget,
+    OmittedValue,
     OutputNotJson,
     OutputTooLarge,
     Phase,
@@ -113,8 +115,26 @@ def _conflict_key(blocker: Blocker) -> tuple[object, ...]:
     return (blocker.type, blocker.step_id, *(c.step_id if c else None for c in calls))
 
 
-CONFIRMING = "target_not_found, to be confirmed by a second pass"
-"""The detail of a compensation pass that found current code ending before its step, asked once more."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompensationTargetNotReached:
+    """A compensation pass ended without reaching its target step (decisions 24): a blocker the core finds
+    from a ``target_not_found`` report, not one the SDK reports as a conflict."""
+
+    step_id: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultTooLarge:
+    """A forward callback ran and returned more than the limit (decisions 25): a blocker, never a failure."""
+
+    step_id: str
+    omitted: OmittedValue
+
+
+HeldConflict = ConcurrentStepConflict | ResultTooLarge
+"""Why an attempt whose callback ran holds its step: the engine cannot take its outcome and must not run it
+again by itself (decisions 23, 25)."""
 
 
 class IllegalEventError(Exception):
@@ -366,7 +386,7 @@ class _Transition:
         release = self.take_chain(delay_s)
         if release is not None and not (phase is Phase.FORWARD and self.stopping):
             # one write accepts what came back and authorizes this attempt; the dispatcher invokes it next
-            self.authorize_unless_it_nests(step, attempt, task, release)
+            self.authorize_unless_held(step, attempt, task, release)
         else:
             self.commands.append(EnqueueTask(task=task, delay_s=delay_s))
         return attempt
@@ -510,35 +530,46 @@ class _Transition:
             self.touch()
             self.send_again(attempt, task, attempt.redeliveries)
             return self.ignore("the function has no synced release")
-        return self.authorize_unless_it_nests(step, attempt, task, release)
+        return self.authorize_unless_held(step, attempt, task, release)
 
-    def authorize_unless_it_nests(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
-        """Authorize, unless the step's last attempt opened a step inside its callback with this same build and
-        no operator consented to running it again: that code would charge again and nest again (decisions 23).
-        The attempt is then fenced and the run stays blocked."""
-        nested = self.opened_a_step_with(step, attempt.phase, release.build_id)
-        if nested is None:
+    def authorize_unless_held(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
+        """Authorize, unless an earlier attempt whose callback ran holds the step (``held_by``): its code would
+        repeat the effect. The attempt is then fenced and the run stays blocked."""
+        held = self.held_by(step, attempt.phase, release.build_id)
+        if held is None:
             return self.authorize(step, attempt, task, release)
-        self.settle(
-            attempt,
-            AttemptStatus.FENCED,
-            detail=f"not run: build {release.build_id} still opens a step inside this callback",
-        )
+        self.settle(attempt, AttemptStatus.FENCED, detail=f"not run: held by generation {held[0].generation}")
         if attempt.phase is Phase.FORWARD:
             step.status = StepStatus.PENDING
         else:
             step.compensation_status = CompensationStatus.PENDING
-        conflict = nested_step_conflict(nested.error)
-        assert conflict is not None
-        return self.definition_conflict(conflict, holds=nested)
+        return self.definition_conflict(held[1], holds=held[0])
 
-    def opened_a_step_with(self, step: StepState, phase: Phase, build_id: str | None) -> Attempt | None:
-        """The step's last attempt that ran, if its callback opened a step (decisions 23) with ``build_id`` and no
-        operator has resolved it since: running the callback again with that build would nest again."""
+    def held_by(self, step: StepState, phase: Phase, build_id: str | None) -> tuple[Attempt, HeldConflict] | None:
+        """The step's last attempt that ran, if the engine could not take its outcome and must not run its callback
+        again by itself (until an operator resolves it): its callback opened a step with ``build_id``, which would
+        nest again (decisions 23), or it returned a result over the limit (decisions 25)."""
         ran = self.last_ran(step, phase)
-        if ran is None or not ran.opened_a_step or ran.resolution is not None:
+        if ran is None or ran.resolution is not None:
             return None
-        return ran if build_id is not None and ran.build_id == build_id else None
+        if self.result_omitted(step, ran):
+            assert step.omitted_result is not None
+            return ran, ResultTooLarge(step_id=step.id, omitted=step.omitted_result)
+        if ran.opened_a_step and build_id is not None and ran.build_id == build_id:
+            conflict = nested_step_conflict(ran.error)
+            assert conflict is not None
+            return ran, conflict
+        return None
+
+    @staticmethod
+    def result_omitted(step: StepState, attempt: Attempt) -> bool:
+        """``attempt`` succeeded with a result over the limit, and the step waits for an operator (decisions 25)."""
+        return (
+            attempt.phase is Phase.FORWARD
+            and attempt.status is AttemptStatus.SUCCEEDED
+            and step.omitted_result is not None
+            and step.status is StepStatus.PENDING
+        )
 
     @staticmethod
     def last_ran(step: StepState, phase: Phase) -> Attempt | None:
@@ -821,12 +852,10 @@ class _Transition:
         if isinstance(response, StepReached):
             plan = response.step
             known = s.step(plan.id)
-            if known is not None and (nested := self.opened_a_step_with(known, Phase.FORWARD, self.build_id)):
-                # the build whose callback opened a step inside it still serves: running it again would
-                # only repeat its effect and nest again (decisions 23); the run stays blocked
-                conflict = nested_step_conflict(nested.error)
-                assert conflict is not None
-                return self.definition_conflict(conflict, holds=nested)
+            if known is not None and (held := self.held_by(known, Phase.FORWARD, self.build_id)):
+                # the callback ran and its outcome could not be taken (it opened a step with this same build, or
+                # returned too much): running it again would repeat its effect; the run stays blocked (23, 25)
+                return self.definition_conflict(held[1], holds=held[0])
             self.clear_definition_blockers()
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
@@ -928,7 +957,12 @@ class _Transition:
         self.commands.append(ScheduleTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.PROBE, at=s.probe_due_at)))
         self.touch()
 
-    def definition_conflict(self, conflict: DefinitionConflict, *, holds: Attempt | None = None) -> None:
+    def definition_conflict(
+        self,
+        conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge,
+        *,
+        holds: Attempt | None = None,
+    ) -> None:
         """What current code got wrong becomes a definition blocker: recoverable, never a failure or a skip.
 
         The same conflict seen again updates its diagnostics only (D7); a different one replaces the
@@ -950,7 +984,9 @@ class _Transition:
             s.blockers.append(found)
         self.schedule_probe()
 
-    def conflict_blocker(self, conflict: DefinitionConflict, holds: Attempt | None) -> Blocker:
+    def conflict_blocker(
+        self, conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge, holds: Attempt | None
+    ) -> Blocker:
         held = {"phase": holds.phase, "generation": holds.generation} if holds is not None else {}
         seen = {"first_seen_at": self.now, "last_seen_at": self.now}
         if isinstance(conflict, DuplicateStepConflict):
@@ -1003,6 +1039,44 @@ class _Transition:
                     f" before step {conflict.step_id!r} (recorded at {target.location if target else '?'}),"
                     " whose compensation is due"
                 ),
+                **held,
+                **seen,
+            )
+        if isinstance(conflict, ResultTooLarge):
+            step = self.s.step(conflict.step_id)
+            omitted = conflict.omitted
+            return Blocker(
+                type=BlockerType.RESULT_TOO_LARGE,
+                step_id=conflict.step_id,
+                first=Occurrence(
+                    step_id=conflict.step_id, location=step.location if step else None, name=step.name if step else None
+                ),
+                size=omitted.size,
+                limit=omitted.limit,
+                message=(
+                    f"step {conflict.step_id!r} ran and returned a result of {omitted.size} bytes serialized; the"
+                    f" limit is {omitted.limit}: it is neither failed nor retried"
+                ),
+                detail=f"sha256 {omitted.sha256}",
+                **held,
+                **seen,
+            )
+        if isinstance(conflict, CompensationTargetNotReached):
+            target = self.s.step(conflict.step_id)
+            build = holds.build_id if holds is not None else None
+            return Blocker(
+                type=BlockerType.COMPENSATION_TARGET_NOT_REACHED,
+                step_id=conflict.step_id,
+                second=Occurrence(
+                    step_id=conflict.step_id,
+                    location=target.location if target else None,
+                    name=target.name if target else None,
+                ),
+                message=(
+                    f"the compensation pass of build {build} ended without reaching step {conflict.step_id!r}"
+                    f" (recorded at {target.location if target else '?'}), whose compensation is due"
+                ),
+                detail=conflict.detail,
                 **held,
                 **seen,
             )
@@ -1093,7 +1167,12 @@ class _Transition:
         self.clear_blockers_for(step, attempt)
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.next = event.next
-        if not isinstance(event.response, ConflictFound | FunctionNotFound):
+        target_not_reached = (
+            event.phase is Phase.COMPENSATION
+            and isinstance(event.response, TargetNotFound)
+            and event.response.reason == "not_reached"
+        )
+        if not isinstance(event.response, ConflictFound | FunctionNotFound) and not target_not_reached:
             self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
         self.apply_outcome(step, attempt, event.response)
 
@@ -1152,16 +1231,6 @@ class _Transition:
             ]
             self.touch()
 
-    def skip_confirmed(self, step: StepState, attempt: Attempt) -> bool:
-        """The compensation pass before this one also found current code ending before the step."""
-        previous = step.attempt(Phase.COMPENSATION, attempt.generation - 1)
-        return previous is not None and (previous.detail or "").startswith(CONFIRMING)
-
-    def completed_by_this_build(self, step: StepState, attempt: Attempt) -> bool:
-        """Did the build serving this compensation attempt also complete the step's forward attempt?"""
-        completed = [a for a in step.attempts if a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED]
-        return bool(completed) and attempt.build_id is not None and completed[-1].build_id == attempt.build_id
-
     def record_step_error(self, step: StepState, error: ErrorInfo) -> None:
         """A step's terminal failure: replayed to the function in every task, so it counts toward the run's
         bytes, and is cut (with a note) when the run's budget is nearly spent."""
@@ -1178,8 +1247,8 @@ class _Transition:
     def forward_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         s = self.s
         if isinstance(response, CallbackSucceeded):
-            if (too_large := self.oversized_result(response.result)) is not None:
-                return self.attempt_failed(step, attempt, too_large)
+            if (omitted := response.omitted or self.omitted(response.result, forward=True)) is not None:
+                return self.forward_result_omitted(step, attempt, omitted)
             self.settle(attempt, AttemptStatus.SUCCEEDED)
             s.run_bytes += value_size(response.result)
             step.status = StepStatus.COMPLETED
@@ -1226,6 +1295,36 @@ class _Transition:
                 return self.definition_conflict(response.conflict)
             return self.function_not_found(response.detail)
         raise IllegalEventError(f"unexpected response {response!r}")
+
+    def omitted(self, result: Any, *, forward: bool) -> OmittedValue | None:
+        """What is recorded instead of a result over the value limit (or, forward, the run's budget), or None."""
+        too_large = self.oversized_result(result) if forward else self.oversized_compensation_result(result)
+        if too_large is None:
+            return None
+        encoded = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
+        limit = self.settings.max_value_bytes
+        if forward and too_large.type == "run_too_large":
+            limit = max(0, self.settings.max_run_bytes - self.s.run_bytes)
+        return OmittedValue(size=len(encoded), sha256=hashlib.sha256(encoded).hexdigest(), limit=limit)
+
+    def forward_result_omitted(self, step: StepState, attempt: Attempt, omitted: OmittedValue) -> None:
+        """The callback ran and returned more than can be recorded (decisions 25): it ran its effect, so it is
+        neither a failure nor retried. Its place in the unwind is kept (it is accepted should the run stop); the
+        run blocks until an operator retries it with consent, supplies its result, or fails it."""
+        self.settle(
+            attempt,
+            AttemptStatus.SUCCEEDED,
+            detail=f"result_too_large: {omitted.size} bytes, over the {omitted.limit}-byte limit; not recorded",
+        )
+        step.omitted_result = omitted
+        step.result = None
+        self.s.completion_seq += 1
+        step.completed_seq = self.s.completion_seq
+        if self.stopping:
+            step.status = StepStatus.COMPLETED  # accepted: it joins the unwind (S5)
+            return self.evaluate_recovery()
+        step.status = StepStatus.PENDING
+        return self.definition_conflict(ResultTooLarge(step_id=step.id, omitted=omitted), holds=attempt)
 
     def callback_opened_a_step(
         self, step: StepState, attempt: Attempt, error: ErrorInfo, conflict: ConcurrentStepConflict
@@ -1289,34 +1388,32 @@ class _Transition:
 
     def compensation_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         if isinstance(response, CallbackSucceeded):
-            if (too_large := self.oversized_compensation_result(response.result)) is not None:
-                return self.attempt_failed(step, attempt, too_large)
-            self.settle(attempt, AttemptStatus.SUCCEEDED)
+            omitted = response.omitted or self.omitted(response.result, forward=False)
+            # a compensator that ran and returned too much still succeeded: its result is kept as a marker (25)
+            detail = f"result_too_large: {omitted.size} bytes; kept as a marker" if omitted is not None else None
+            self.settle(attempt, AttemptStatus.SUCCEEDED, detail=detail)
             step.compensation_status = CompensationStatus.COMPENSATED
-            step.compensation_result = response.result
+            step.compensation_result = response.result if omitted is None else None
+            step.compensation_omitted = omitted
             self.set_unwind_status(step.id, CompensationStatus.COMPENSATED)
             return self.advance_unwind()
         if isinstance(response, TargetNotFound):
-            if response.reason == "not_reached" and self.completed_by_this_build(step, attempt):
-                # The same code that completed the step now ends before it: a pass that went wrong (an early
-                # return on a failed read), not a removed step. A skip is never recorded for that (decisions 17).
-                error = ErrorInfo(
-                    type="target_not_reached",
-                    message=f"{response.detail}, with the build that completed it ({attempt.build_id})",
+            if response.reason == "not_reached":
+                # The pass ended (returned, or a recorded failure propagated) before the step: a guard, an
+                # external read or an early return can do that with any build, so it proves nothing about
+                # current code. The unwind stops here until a release, the probe or an operator moves it on;
+                # a skip is recorded only where the pass reached the step, or the release retired it (24).
+                self.settle(
+                    attempt,
+                    AttemptStatus.FENCED,
+                    detail=f"compensation_target_not_reached: the compensator did not run; {response.detail}",
                 )
-                return self.attempt_failed(
-                    step, attempt, error, detail="target_not_reached: the compensator did not run"
-                )
-            if response.reason == "not_reached" and not self.skip_confirmed(step, attempt):
-                # Other code ends before the step: likely removed, but one pass is not proof (it may have
-                # returned early on a failed read). Ask once more before the skip becomes durable.
-                self.settle(attempt, AttemptStatus.FENCED, detail=f"{CONFIRMING}: {response.detail}")
                 step.compensation_status = CompensationStatus.PENDING
-                policy = self.policy(step, Phase.COMPENSATION)
-                delay = backoff_delay(policy, 1, seed=f"{attempt.operation_id}:{attempt.generation}")
-                self.queue_attempt(step, Phase.COMPENSATION, delay)
-                return None
-            self.settle(attempt, AttemptStatus.SUCCEEDED, detail=f"target_not_found: {response.detail}")
+                return self.definition_conflict(
+                    CompensationTargetNotReached(step_id=step.id, detail=response.detail), holds=attempt
+                )
+            what = "retired by the release" if response.reason == "retired" else "target_not_found"
+            self.settle(attempt, AttemptStatus.SUCCEEDED, detail=f"{what}: {response.detail}")
             step.compensation_status = CompensationStatus.SKIPPED
             self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
             return self.advance_unwind()
@@ -1412,6 +1509,9 @@ class _Transition:
             s.discovery = None  # S4: its report will be discarded
         for found in s.steps:
             current = found.current(Phase.FORWARD)
+            if current is not None and self.result_omitted(found, current):
+                self.edit(found).status = StepStatus.COMPLETED  # accepted: it joins the unwind (decisions 25)
+                continue
             if current is not None and current.opened_a_step and found.status is StepStatus.PENDING:
                 # blocked by a callback that opened a step (decisions 23): it ran and failed, and no retry follows
                 step = self.edit(found)
@@ -1451,8 +1551,24 @@ class _Transition:
         current = step.current(event.phase)
         if attempt is current and self.blocked_compensation(step, attempt):
             return self.resolve_blocked_compensation(step, event)
-        if attempt.opened_a_step and attempt is self.last_ran(step, event.phase):
-            return self.resolve_opened_step(step, attempt, event)
+        if event.action == "skip" and not self._same_resolution(attempt, event, step):
+            return self.reject(
+                "skip_not_allowed",
+                "only a compensation the unwind is blocked on (compensation_target_not_reached, or another definition"
+                " blocker of the unwind) can be skipped; succeed or fail states what an attempt did",
+            )
+        if attempt.resolution is not None and attempt.status is not AttemptStatus.UNKNOWN:
+            if self._same_resolution(attempt, event, step):
+                self.reemit_queued()  # a retried request may follow one whose sends failed after its write
+                return self.ignore("resolution already applied")
+            return self.reject(
+                "generation_settled",
+                f"generation {event.generation} was already resolved by an operator ({attempt.resolution.action})",
+            )
+        if attempt is self.last_ran(step, event.phase) and (
+            attempt.opened_a_step or self.result_omitted(step, attempt)
+        ):
+            return self.resolve_held(step, attempt, event)
         # idempotency: the same resolution repeated
         if attempt.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
             return self.reject(
@@ -1522,26 +1638,27 @@ class _Transition:
             self.queue_attempt(step, Phase.COMPENSATION)
             return None
         resolved = self.new_attempt(step, Phase.COMPENSATION)
+        resolved.resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         if event.action == "succeed":
             self.compensation_outcome(step, resolved, CallbackSucceeded(result=event.result))
+        elif event.action == "skip":  # the operator's decision, counted apart in the summary (decisions 24)
+            self.settle(resolved, AttemptStatus.SUCCEEDED)
+            step.compensation_status = CompensationStatus.SKIPPED
+            self.set_unwind_status(step.id, CompensationStatus.SKIPPED)
+            self.advance_unwind()
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
             self.attempt_failed(step, resolved, error)
         resolved.detail = f"operator {event.action}"
         return None
 
-    def resolve_opened_step(self, step: StepState, attempt: Attempt, event: Resolve) -> None:
-        """An operator moves on a run blocked by a callback that opened a step inside it (decisions 23): retry
-        is consent to run that callback again (with code that may nest again); succeed or fail states the
-        outcome of the callback that ran, recorded as the next generation."""
-        if attempt.resolution is not None:
-            if attempt.resolution.action == event.action:
-                self.reemit_queued()  # a retried request may follow one whose sends failed after its write
-                return self.ignore("resolution already applied")
-            return self.reject(
-                "generation_settled",
-                f"generation {event.generation} was already resolved by an operator ({attempt.resolution.action})",
-            )
+    def resolve_held(self, step: StepState, attempt: Attempt, event: Resolve) -> None:
+        """An operator moves on a run blocked by an attempt whose callback ran but whose outcome the engine could
+        not take: it opened a step inside it (decisions 23), or returned too much (25). Retry is consent to run the
+        callback again; succeed or fail states the outcome of the callback that ran, recorded as the next
+        generation."""
+        if event.action == "skip":
+            return self.reject("skip_not_allowed", "only a blocked compensation can be skipped")
         if event.phase is Phase.FORWARD and self.stopping:
             if event.action == "retry":
                 return self.reject("retry_after_stop", "a stop intent exists: no new forward attempt is allowed")
@@ -1559,6 +1676,8 @@ class _Transition:
         self.clear_definition_blockers()
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         attempt.resolution = resolution
+        if step.omitted_result is not None and event.phase is Phase.FORWARD:
+            step.omitted_result, step.completed_seq = None, None  # what comes next decides the step's outcome
         self.touch()
         if event.action == "retry":
             if event.phase is Phase.FORWARD:
@@ -1585,8 +1704,19 @@ class _Transition:
             if following is None:
                 return False
             if event.action == "retry":
-                return following.detail not in ("operator succeed", "operator fail")
+                return following.resolution is None
             attempt = following
+        if event.action == "skip":
+            return attempt.resolution is not None and attempt.resolution.action == "skip"
+        if attempt.resolution is not None and attempt.status is not AttemptStatus.FENCED:
+            if attempt.resolution.action != event.action:
+                return False
+            if event.action == "succeed":
+                following = step.attempt(attempt.phase, attempt.generation + 1)
+                settled = following if following is not None and following.resolution == attempt.resolution else None
+                recorded = step.result if attempt.phase is Phase.FORWARD else step.compensation_result
+                return (settled or attempt).status is AttemptStatus.SUCCEEDED and recorded == event.result
+            return True
         if attempt.detail is None or not attempt.detail.startswith("operator"):
             return False
         if event.action == "retry":

@@ -159,7 +159,8 @@ class Resolve:
     step_id: str
     phase: Phase
     generation: int
-    action: Literal["succeed", "fail", "retry"]
+    action: Literal["succeed", "fail", "retry", "skip"]
+    """``skip`` only for a compensation the unwind is blocked on because no pass reached it (decisions 24)."""
     result: Any = None
     error: ErrorInfo | None = None
     reason: str | None = None

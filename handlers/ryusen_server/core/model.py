@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from ryusen._internal.wire import ErrorInfo, Phase, RetryPolicyWire, TaskKind, nested_step_conflict
+from ryusen._internal.wire import ErrorInfo, OmittedValue, Phase, RetryPolicyWire, TaskKind, nested_step_conflict
 
 
 class RunPhase(StrEnum):
@@ -96,6 +96,8 @@ class BlockerType(StrEnum):
     DUPLICATE_STEP_ID = "duplicate_step_id"
     CONCURRENT_STEP = "concurrent_step"
     NEW_STEP_BEFORE_TARGET = "new_step_before_target"
+    COMPENSATION_TARGET_NOT_REACHED = "compensation_target_not_reached"
+    RESULT_TOO_LARGE = "result_too_large"
     OUTPUT_TOO_LARGE = "output_too_large"
     OUTPUT_NOT_JSON = "output_not_json"
     INVALID_STEP = "invalid_step"
@@ -109,6 +111,8 @@ DEFINITION_BLOCKERS = frozenset(
         BlockerType.DUPLICATE_STEP_ID,
         BlockerType.CONCURRENT_STEP,
         BlockerType.NEW_STEP_BEFORE_TARGET,
+        BlockerType.COMPENSATION_TARGET_NOT_REACHED,
+        BlockerType.RESULT_TOO_LARGE,
         BlockerType.OUTPUT_TOO_LARGE,
         BlockerType.OUTPUT_NOT_JSON,
         BlockerType.INVALID_STEP,
@@ -200,6 +204,10 @@ class StepState(_State):
     compensation_status: CompensationStatus = CompensationStatus.NONE
     compensation_result: Any = None
     compensation_error: ErrorInfo | None = None
+    omitted_result: OmittedValue | None = None
+    """The forward callback ran and returned more than the limit: what was not recorded (decisions 25)."""
+    compensation_omitted: OmittedValue | None = None
+    """The compensator succeeded and returned more than the limit: kept as this marker, not the value."""
     attempts: list[Attempt] = Field(default_factory=list)
 
     def own_copy(self) -> StepState:
@@ -289,6 +297,9 @@ class Blocker(_State):
     second: Occurrence | None = None
     message: str
     detail: str | None = None
+    size: int | None = None
+    limit: int | None = None
+    """result_too_large: the result's serialized size, and the limit it is over."""
     count: int = 1
     first_seen_at: datetime
     last_seen_at: datetime

@@ -48,6 +48,20 @@ REMEDIES = {
         " so the compensator cannot be reached. Sync a release that reaches the target first (or no longer"
         " calls the new step): the unwind goes on. If you undid the effect yourself, resolve the compensation."
     ),
+    BlockerType.COMPENSATION_TARGET_NOT_REACHED: (
+        "The compensation pass ended (an early return, a guard on an external read, a recorded failure) before"
+        " reaching the step whose compensation is due, so its compensator did not run, and nothing is skipped on"
+        " that evidence. Make the pass reach the step (or retire its id: @app.function(retired_steps=[...])) and"
+        " sync the app: the unwind goes on; if what the guard read has changed back, rediscover. If you undid"
+        " the effect yourself, resolve the compensation: succeed, fail, or skip, with a reason."
+    ),
+    BlockerType.RESULT_TOO_LARGE: (
+        "The step's callback ran and returned more than the value limit, so its result could not be recorded."
+        " It ran its effect: it is neither failed nor retried. Sync a release that returns less (keep large data"
+        " elsewhere and return a reference), then retry the attempt (consent to run it again); or resolve it:"
+        " succeed with the result it should have recorded, or fail it. If the run stops, the step is undone"
+        " like any accepted step, and its compensator receives an OmittedResult."
+    ),
     BlockerType.OUTPUT_TOO_LARGE: (
         "The function's return value is over the value limit. Sync a release that returns less (keep large data"
         " elsewhere and return a reference): the run wakes and completes. Its steps are not compensated."
@@ -98,11 +112,26 @@ def summary(state: RunState) -> str:
         text = _OUTCOME_WORDS[state.outcome]
         if state.phase is RunPhase.SETTLING:
             text += ", settling"
+        elif state.recovery is Recovery.COMPENSATED and (skipped := operator_skips(state)):
+            text += f", compensated, {skipped} skipped by the operator"  # never "fully" (decisions 24)
         elif state.recovery is not None:
             text += ", " + _RECOVERY_WORDS[state.recovery]
     if state.blockers:
         text += " (blocked: " + "; ".join(b.message for b in state.blockers) + ")"
     return text
+
+
+def operator_skips(state: RunState) -> int:
+    """Unwind entries an operator skipped (their compensator never ran): counted apart in the summary."""
+    count = 0
+    for entry in state.unwind:
+        if entry.status is not CompensationStatus.SKIPPED:
+            continue
+        step = state.step(entry.step_id)
+        last = step.current(Phase.COMPENSATION) if step is not None else None
+        if last is not None and last.resolution is not None and last.resolution.action == "skip":
+            count += 1
+    return count
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -145,10 +174,12 @@ def step_view(step: StepState, *, in_unwind: bool = False) -> dict[str, Any]:
         "result": step.result,
         "error": step.error.model_dump() if step.error else None,
         "completed_seq": step.completed_seq,
+        "omitted_result": step.omitted_result.model_dump() if step.omitted_result else None,
         "compensation": {
             "status": compensation.value,
             "result": step.compensation_result,
             "error": step.compensation_error.model_dump() if step.compensation_error else None,
+            "omitted_result": step.compensation_omitted.model_dump() if step.compensation_omitted else None,
         },
         "attempts": [attempt_view(a) for a in step.attempts],
     }

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,7 +48,7 @@ from .signing import (
     url_path,
     verify,
 )
-from .step import AsyncStep, CallbackInterruptedError, Step, _fresh, _Replay
+from .step import AsyncStep, CallbackInterruptedError, OmittedResult, Step, _fresh, _Replay
 from .wire import (
     FEATURES_HEADER,
     MAX_ID_LENGTH,
@@ -81,6 +81,9 @@ class RegisteredFunction:
     fn: Callable[..., Any]
     timeout: timedelta | None
     is_async: bool
+    retired_steps: frozenset[str] = frozenset()
+    """Step ids this release has removed on purpose: a compensation pass that does not reach one of them
+    records a skip (decisions 24) instead of blocking the unwind."""
 
 
 INSECURE_ENV = "RYUSEN_INSECURE_LOCAL"
@@ -206,12 +209,20 @@ class Ryusen:
         return dict(self._functions)
 
     def function(
-        self, function_id: str, *, timeout: timedelta | None = None
+        self, function_id: str, *, timeout: timedelta | None = None, retired_steps: Iterable[str] = ()
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a workflow function ``fn(input, step)`` under ``function_id``.
 
         ``timeout`` is the run timeout every run of this function inherits.
+
+        ``retired_steps`` names step ids this code no longer calls, on purpose: when a run's unwind reaches
+        a completed step with a retired id, its compensation is skipped. Without it, a compensation pass that
+        ends before its step (an early return, a guard on an external read) blocks the unwind until a release,
+        the probe or an operator moves it on: a pass that did not reach the step proves nothing about it.
         """
+        retired = frozenset(retired_steps)
+        if isinstance(retired_steps, str) or not all(isinstance(r, str) and r for r in retired):
+            raise DefinitionError(f"function {function_id!r}: retired_steps must be a list of step ids")
         if not function_id or not isinstance(function_id, str) or len(function_id) > MAX_ID_LENGTH:
             raise DefinitionError(f"function id must be a string of 1 to {MAX_ID_LENGTH} characters")
         if timeout is not None and not timedelta(0) < timeout <= timedelta(seconds=MAX_RUN_TIMEOUT_S):
@@ -220,7 +231,9 @@ class Ryusen:
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             if function_id in self._functions:
                 raise DefinitionError(f"function id {function_id!r} is registered twice in app {self.app_id!r}")
-            self._functions[function_id] = RegisteredFunction(function_id, fn, timeout, inspect.iscoroutinefunction(fn))
+            self._functions[function_id] = RegisteredFunction(
+                function_id, fn, timeout, inspect.iscoroutinefunction(fn), retired
+            )
             return fn
 
         return register
@@ -285,7 +298,7 @@ class Ryusen:
         if len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
-        outcome = self._pass(registered, request, _replay(request))
+        outcome = self._pass(registered, request, _replay(request, registered))
         return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
 
     def _execute_kept(
@@ -394,7 +407,7 @@ class Ryusen:
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
             return await asyncio.to_thread(self.execute, request, sent)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
-        outcome = await self._pass_async(registered, request, _replay(request))
+        outcome = await self._pass_async(registered, request, _replay(request, registered))
         following: Any = None
         discovery = _discovery_after(request, outcome, pristine)
         budget = _continuation_budget(request, self.clock()) if discovery is not None else 0.0
@@ -712,8 +725,14 @@ def _run_coroutine(coro: Any) -> TaskResponse:
         return pool.submit(asyncio.run, coro).result()  # type: ignore[no-any-return]
 
 
-def _replay(request: TaskRequest) -> _Replay:
-    return _Replay(request.kind, request.memo, request.step_id, request.operation, request.forward_result)
+def _replay(request: TaskRequest, registered: RegisteredFunction | None = None) -> _Replay:
+    forward_result: Any = request.forward_result
+    if (omitted := request.forward_result_omitted) is not None:
+        forward_result = OmittedResult(size=omitted.size, sha256=omitted.sha256, limit=omitted.limit)
+    replay = _Replay(request.kind, request.memo, request.step_id, request.operation, forward_result)
+    if registered is not None:
+        replay.retired_steps = registered.retired_steps
+    return replay
 
 
 CONTINUATION_MAX_S = 5.0

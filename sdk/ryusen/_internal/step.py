@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import inspect
 import json
 import os
@@ -66,6 +67,7 @@ from .wire import (
     MemoEntry,
     NewStepBeforeTarget,
     Occurrence,
+    OmittedValue,
     OperationInfo,
     OutputNotJson,
     OutputTooLarge,
@@ -118,6 +120,21 @@ class RetryPolicy:
             max_delay_s=self.max_delay.total_seconds(),
             on_unknown=self.on_unknown,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class OmittedResult:
+    """What a compensator receives in place of a forward result that was over the value limit (so it was not
+    recorded): its serialized ``size`` in bytes, the ``sha256`` of its compact JSON, and the ``limit``.
+
+    >>> def refund(charge: object) -> None:
+    ...     if isinstance(charge, OmittedResult):
+    ...         ...  # find the charge by ryusen.operation()'s idempotency key instead
+    """
+
+    size: int
+    sha256: str
+    limit: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +363,8 @@ class _Replay:
         self.target_without_compensator: str | None = None
         """Compensation: current code reached the target and declared no compensator (its location)."""
         self.recorded_failures: list[StepFailed] = []
+        self.retired_steps: frozenset[str] = frozenset()
+        """The function's retired step ids (``@app.function(retired_steps=...)``): decisions 24."""
         self.refused_in_callback: list[tuple[ConcurrentStepError, ConcurrentStepConflict]] = []
         """Steps refused while the target callback ran (decisions 23), with what each refusal names."""
         self.callback_done = threading.Event()
@@ -635,6 +654,11 @@ class _Replay:
 
     def _succeeded(self, value: Any) -> CallbackSucceeded | CallbackFailed:
         checked, problem = check_value(value, "result")
+        if problem is not None and problem.type == "result_too_large":
+            # the callback ran its effect: report that it succeeded, with what was too big to record (25)
+            encoded = _encode(value)
+            digest = hashlib.sha256(encoded).hexdigest()
+            return CallbackSucceeded(omitted=OmittedValue(size=len(encoded), sha256=digest, limit=MAX_VALUE_BYTES))
         if problem is not None:
             return CallbackFailed(error=problem)
         return CallbackSucceeded(result=checked)
@@ -682,13 +706,22 @@ class _Replay:
                 return FunctionFailed(error=error_info(raised))
             return _completed(output)
         if raised is None:
-            return TargetNotFound(detail=f"current code completes without reaching step {self.target!r}")
+            return self._not_reached(f"current code completes without reaching step {self.target!r}")
         if (failure := self._recorded_failure_in(raised)) is not None:
-            return TargetNotFound(
-                detail=f"current code ends with the recorded failure of step {failure.step_id!r}"
+            return self._not_reached(
+                f"current code ends with the recorded failure of step {failure.step_id!r}"
                 f" before reaching step {self.target!r}"
             )
         return ReplayFailed(error=error_info(raised))
+
+    def _not_reached(self, detail: str) -> TargetNotFound:
+        """A compensation pass that ended without meeting its target: where it ended, and whether the function
+        retired the target (only then may the server skip it: decisions 24)."""
+        last = next(reversed(self.seen.items()), None)
+        detail += f" (the pass ended after step {last[0]!r} at {last[1].location})" if last else " (it met no step)"
+        if self.target in self.retired_steps:
+            return TargetNotFound(detail=f"{detail}; the function retires step {self.target!r}", reason="retired")
+        return TargetNotFound(detail=detail)
 
     def _recorded_failure_in(self, raised: BaseException) -> StepFailed | None:
         """A recorded ``StepFailed`` this pass raised, if ``raised`` is it, wraps it (``raise ... from``, or
@@ -864,4 +897,4 @@ def _close(obj: Any) -> None:
         close()
 
 
-__all__ = ["AsyncStep", "Operation", "Phase", "RetryPolicy", "Step", "Suspend", "operation"]
+__all__ = ["AsyncStep", "OmittedResult", "Operation", "Phase", "RetryPolicy", "Step", "Suspend", "operation"]

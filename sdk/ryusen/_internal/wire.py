@@ -21,7 +21,7 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from .signing import Scope
 
@@ -30,12 +30,13 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache", "signing_v2")
+SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
 ``signing_v2``: messages are signed as decisions 21 says (``signing.py``): per-app keys with key ids, the
 scope of each message signed, answers bound to their request, replays refused. A server sends nothing to a
-release that does not announce it."""
+release that does not announce it.
+``omitted_results``: a compensation request may carry ``forward_result_omitted`` (decisions 25)."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -189,6 +190,15 @@ class ErrorInfo(_Wire):
         return ErrorInfo(type=self.type[:256], message=self.message[:kept] + note, data=None, retryable=self.retryable)
 
 
+class OmittedValue(_Wire):
+    """A value a callback returned that was over the limit, so it was not recorded (decisions 25): its size and
+    the SHA-256 of its compact JSON, so that it can still be told apart and checked against a copy."""
+
+    size: int = Field(ge=0)
+    sha256: str = Field(min_length=64, max_length=64)
+    limit: int = Field(ge=0)
+
+
 class OperationInfo(_Wire):
     id: str
     phase: Phase
@@ -322,6 +332,9 @@ class TaskRequest(_Wire):
     step_id: str | None = None
     operation: OperationInfo | None = None
     forward_result: Any = None
+    forward_result_omitted: OmittedValue | None = None
+    """``omitted_results``: the forward result was over the limit and not recorded; the compensator receives
+    an ``OmittedResult`` with its size and digest in place of the value (decisions 25)."""
     result_url: str | None = None
     """Where to submit a result that could not be returned in the response (decisions 6.15)."""
     respond_by: float | None = None
@@ -395,7 +408,7 @@ def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     )
 
 
-FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base")
+FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base", "forward_result_omitted")
 """Request fields an SDK understands only if it announced their feature: sent only when set."""
 
 
@@ -443,6 +456,17 @@ DiscoveryResponse = Annotated[
 class CallbackSucceeded(_Wire):
     type: Literal["succeeded"] = "succeeded"
     result: Any = None
+    omitted: OmittedValue | None = None
+    """The callback returned a value over the limit (``result`` is then null): it ran, so the step is neither
+    failed nor retried; the server blocks the run (decisions 25). Left out of the JSON when unset, so a server
+    that predates it still reads every other success."""
+
+    @model_serializer(mode="wrap")
+    def _without_unset_omitted(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("omitted") is None:
+            data.pop("omitted", None)
+        return data
 
 
 class CallbackFailed(_Wire):
@@ -460,8 +484,10 @@ class TargetNotFound(_Wire):
 
     type: Literal["target_not_found"] = "target_not_found"
     detail: DiagnosticText = ""
-    reason: Literal["not_reached", "no_compensator"] = "not_reached"
-    """``no_compensator``: current code reaches the compensation target and declares no compensator."""
+    reason: Literal["not_reached", "no_compensator", "retired"] = "not_reached"
+    """``no_compensator``: current code reaches the compensation target and declares no compensator.
+    ``retired``: the pass did not reach the target, and the function declares its id retired (decisions 24).
+    ``not_reached``: the pass ended without reaching the target, which proves nothing about it."""
 
 
 class ReplayFailed(_Wire):

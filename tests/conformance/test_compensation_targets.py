@@ -1,0 +1,116 @@
+"""C10: a compensation pass that ends without reaching its target proves nothing (decision 24).
+
+A guard that reads the outside world (``if the order is cancelled: return``) ends a replay before the step
+whose compensation is due, whatever the build. That must never become a durable skip: the unwind blocks
+with ``compensation_target_not_reached`` until a release, the probe or an operator moves it on. Only a
+pass that reaches the target and finds no compensator, or a release that retired the step, skips it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from ryusen import Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+
+
+def fulfilment(
+    refunds: list[Any], orders: dict[str, str], *, build: str, retired: tuple[str, ...] = (), guard: bool = True
+) -> Ryusen:
+    app = Ryusen("orders", build_id=build)
+
+    @app.function("fulfil", retired_steps=retired)
+    def fulfil(order: Any, step: Step) -> Any:
+        if guard and orders[order["id"]] == "cancelled":  # an external read, outside step.run
+            return {"skipped": "order cancelled"}
+        charge = step.run("charge", lambda: {"charge_id": "ch_1"}, compensate=lambda c: refunds.append(c))
+        step.run("ship", lambda: {"parcel": "p1"})
+        return charge
+
+    return app
+
+
+def cancelled_mid_run(env: WorkflowEnvironment, orders: dict[str, str]) -> str:
+    run_id = env.start("fulfil", {"id": "o1"})
+    env.drive(until=lambda: any(s["id"] == "charge" and s["status"] == "completed" for s in env.get(run_id).steps))
+    orders["o1"] = "cancelled"  # the shop marks the order cancelled, then cancels the run
+    env.cancel(run_id)
+    return run_id
+
+
+@pytest.mark.rfd("C10")
+def test_a_pass_that_ends_before_the_target_blocks_the_unwind_instead_of_skipping() -> None:
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    env.sync(fulfilment(refunds, orders, build="b2"))  # a routine deploy of the same code
+    run = env.wait(run_id)
+
+    assert refunds == []
+    assert run.phase == "compensating" and run.recovery == "compensating"  # never "fully compensated"
+    [blocker] = run.blockers
+    assert blocker["type"] == "compensation_target_not_reached" and blocker["step_id"] == "charge"
+    assert "without reaching step 'charge'" in blocker["detail"] and "b2" in blocker["message"]
+    assert run.step("charge")["compensation"]["status"] == "pending"
+    assert [u["status"] for u in run["unwind"]] == ["pending"]
+
+    # the probe asks current code again: still blocked, diagnostics updated, still nothing recorded as a skip
+    env.advance(timedelta(hours=2))
+    run = env.wait(run_id)
+    assert run.blockers[0]["count"] >= 2 and run.step("charge")["compensation"]["status"] == "pending"
+
+    # the external state changes back (or a release fixes the guard): the next pass reaches the refund
+    orders["o1"] = "open"
+    env.rediscover(run_id)
+    run = env.wait(run_id)
+    assert refunds == [{"charge_id": "ch_1"}] and run.summary == "cancelled, fully compensated"
+
+
+@pytest.mark.rfd("C10")
+def test_the_same_build_that_completed_the_step_also_blocks_rather_than_fails() -> None:
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    run = env.wait(run_id)
+    assert refunds == [] and run.phase == "compensating"
+    assert [b["type"] for b in run.blockers] == ["compensation_target_not_reached"]
+    assert all(a["status"] != "failed" for a in run.attempts("charge", "compensation"))
+
+
+@pytest.mark.rfd("C10")
+def test_an_operator_skip_is_recorded_with_its_reason_and_counted_apart() -> None:
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    run = env.wait(run_id)
+    generation = run.attempts("charge", "compensation")[-1]["generation"]
+    env.resolve(run_id, "charge", phase="compensation", generation=generation, action="skip", reason="refunded by hand")
+    run = env.wait(run_id)
+    assert refunds == [] and run.phase == "finished" and run.recovery == "compensated"
+    assert run.summary == "cancelled, compensated, 1 skipped by the operator"
+    assert run.step("charge")["compensation"]["status"] == "skipped"
+    resolution = run.attempts("charge", "compensation")[-1]["resolution"]
+    assert resolution["action"] == "skip" and resolution["reason"] == "refunded by hand"
+    # repeating the same resolution is idempotent; a different one is refused
+    env.resolve(run_id, "charge", phase="compensation", generation=generation, action="skip")
+    assert env.get(run_id).summary == "cancelled, compensated, 1 skipped by the operator"
+
+
+@pytest.mark.rfd("C10", "C2")
+def test_a_retired_step_is_skipped_without_a_blocker_and_a_missing_compensator_still_is() -> None:
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    env.wait(run_id)
+    env.sync(fulfilment(refunds, orders, build="b2", retired=("charge",)))  # the release retires the step
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and refunds == []
+    assert run.step("charge")["compensation"]["status"] == "skipped"
+    assert "retired" in run.attempts("charge", "compensation")[-1]["detail"]
