@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import uuid
@@ -53,6 +54,22 @@ def test_retries_then_handled_failure_over_http(stack: DevStack) -> None:
     assert stack.invocations(f"{t2}:flaky") == 2
     assert stack.invocations(f"{t2}:undo-flaky") == 0
     assert handled["steps"][0]["status"] == "failed" and handled["unwind"] == []
+
+
+def test_sub_second_retry_delays_are_not_rounded_up_to_whole_seconds_over_http(stack: DevStack) -> None:
+    """The policy asks 0.05-0.1 s, 0.1-0.2 s, then 0.2-0.4 s before the retries (issue 23: SQS's whole-second
+    DelaySeconds made them 2, 2 and 2 s on ``ryusen dev``). Asserted on the recorded attempt times."""
+    t = tag()
+    run = stack.wait_finished(stack.start("handled", {"tag": t, "attempts": 4, "failures": 3})["id"])
+    attempts = run["steps"][0]["attempts"]
+    assert [a["status"] for a in attempts] == ["failed", "failed", "failed", "succeeded"]
+    for failed, retry in itertools.pairwise(attempts):
+        settled, due = datetime.fromisoformat(failed["settled_at"]), datetime.fromisoformat(retry["not_before"])
+        started = datetime.fromisoformat(retry["authorized_at"])
+        assert timedelta(0) < due - settled <= timedelta(seconds=0.4)  # the policy's delay, as decided
+        assert started >= due  # never early
+        gap = started - settled
+        assert gap < timedelta(seconds=1.0), f"retry #{retry['generation']} began {gap} after the failure"
 
 
 @pytest.mark.rfd("C1", "C3", "F7")
