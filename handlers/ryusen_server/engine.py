@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -97,25 +97,72 @@ from .ports import (
 log = logging.getLogger("ryusen.engine")
 
 MAX_RACES = 50
-RESPONSE_GRACE_S = 2.0
-"""How long past the ``respond_by`` it gave the SDK a dispatcher still listens for the HTTP answer."""
+RESPONSE_GRACE_FRACTION = 0.1
+RESPONSE_GRACE_MIN_S = 0.5
+RESPONSE_GRACE_MAX_S = 2.0
 DISPATCH_MARGIN_S = 10.0
 """What a dispatcher keeps of its time budget to record an answer after it arrives."""
-MIN_DISPATCH_BUDGET_S = DISPATCH_MARGIN_S + RESPONSE_GRACE_S + 3.0
+MIN_DISPATCH_BUDGET_S = DISPATCH_MARGIN_S + RESPONSE_GRACE_MAX_S + 3.0
 """A dispatcher with less time left than this does not start a task (the message comes back)."""
 
 
-def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> tuple[datetime, datetime]:
-    """An authorized task's lease expiry, and when its endpoint must have answered (the attempt's timeout)."""
+def response_grace_s(timeout_s: float) -> float:
+    """How long past an attempt's timeout (the ``respond_by`` it gave the SDK) a dispatcher still listens for
+    the HTTP answer: a tenth of the timeout, at least 0.5 s and at most 2 s.
+
+    The grace covers an answer already on its way when the timeout is reached (its transfer, and the clocks
+    of the server and the app disagreeing a little); an answer that comes later is the SDK's late result. It
+    is proportional so that a short timeout means what it says (a 3 s step is Unknown after 3.5 s, not 5 s),
+    and capped so that a long one is not stretched either.
+
+    >>> [response_grace_s(t) for t in (1, 3, 12, 300)]
+    [0.5, 0.5, 1.2, 2.0]
+    """
+    return round(min(RESPONSE_GRACE_MAX_S, max(RESPONSE_GRACE_MIN_S, RESPONSE_GRACE_FRACTION * timeout_s)), 3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Window:
+    """An authorized task's lease expiry, when its endpoint must have answered (``respond_by``), and the
+    timeout that set it: its length and what declared it (for an Unknown's detail)."""
+
+    lease_at: datetime
+    respond_by: datetime
+    timeout_s: float
+    timeout_name: str
+
+    @property
+    def grace_s(self) -> float:
+        return response_grace_s(self.timeout_s)
+
+    def no_response(self) -> str:
+        """The detail of an attempt that had no answer within its window."""
+        return f"no response within {self.timeout_name} of {self.timeout_s:g}s (+{self.grace_s:g}s grace)"
+
+
+def _window(state: RunState, task: TaskRef, settings: EngineSettings) -> _Window:
+    default = "the server's attempt timeout"
     if task.kind is TaskKind.DISCOVER:
         d = state.discovery
         assert d is not None and d.authorized_at is not None and d.lease_expires_at is not None
-        return d.lease_expires_at, d.authorized_at + timedelta(seconds=settings.attempt_timeout_s)
+        timeout_s = settings.attempt_timeout_s
+        respond_by = d.authorized_at + timedelta(seconds=timeout_s)
+        return _Window(lease_at=d.lease_expires_at, respond_by=respond_by, timeout_s=timeout_s, timeout_name=default)
     assert task.step_id is not None and task.phase is not None and task.generation is not None
     step = state.step(task.step_id)
     attempt = step.attempt(task.phase, task.generation) if step else None
-    assert attempt is not None and attempt.lease_expires_at is not None and attempt.respond_by is not None
-    return attempt.lease_expires_at, attempt.respond_by
+    assert step is not None and attempt is not None
+    assert attempt.lease_expires_at is not None and attempt.respond_by is not None
+    assert attempt.authorized_at is not None
+    forward = task.phase is Phase.FORWARD
+    declared = step.timeout_s if forward else step.compensate_timeout_s
+    name = default if declared is None else "the step's timeout" if forward else "the step's compensate_timeout"
+    return _Window(
+        lease_at=attempt.lease_expires_at,
+        respond_by=attempt.respond_by,
+        timeout_s=(attempt.respond_by - attempt.authorized_at).total_seconds(),  # what authorize() gave it
+        timeout_name=name,
+    )
 
 
 NOTHING_RAN_ANYWHERE = frozenset(
@@ -626,7 +673,8 @@ class Engine:
         chain_until: float | None = None,
     ) -> Delivered | tuple[Decision, Release | None]:
         now = self.clock()
-        lease_at, respond_by = _window(state, task, self.settings.engine)
+        window = _window(state, task, self.settings.engine)
+        lease_at, respond_by = window.lease_at, window.respond_by
         if on_authorized is not None:
             try:
                 on_authorized(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
@@ -636,7 +684,7 @@ class Engine:
                 )
         listen_until, cut = respond_by, False
         if deadline is not None:  # what is left of the budget now, after the reads and the write
-            left = deadline - time.monotonic() - DISPATCH_MARGIN_S - RESPONSE_GRACE_S
+            left = deadline - time.monotonic() - DISPATCH_MARGIN_S - window.grace_s
             latest = now + timedelta(seconds=max(1.0, left))
             if latest < respond_by:
                 listen_until, cut = latest, True
@@ -656,19 +704,21 @@ class Engine:
             result: Any = InvokeResult(kind="unreachable", detail=detail)
             sent = None
         else:
-            result, sent = self._post(release, request, keys, listen_until)
+            result, sent = self._post(release, request, keys, listen_until, window.grace_s)
         if base is not None and sent is not None and self._memo_missed(result, request, sent):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
             whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
-            result, sent = self._post(release, whole_request, keys, listen_until)
+            result, sent = self._post(release, whole_request, keys, listen_until, window.grace_s)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
             return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
+        if result.kind == "timed_out":
+            result = replace(result, detail=window.no_response())  # the declared timeout, not the socket's
         chaining = self.may_chain(deadline, chain_until)
         newest: Release | None = None
         if chaining or request.continue_after:
@@ -694,10 +744,10 @@ class Engine:
         return decision, chain
 
     def _post(
-        self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime
+        self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime, grace_s: float
     ) -> tuple[Any, Sent | None]:
-        """POST one request, signed with the app's key for its scope, and listen until ``listen_until`` (and the
-        grace) for the answer: it, and what the answer must be signed for (None: nothing is signed)."""
+        """POST one request, signed with the app's key for its scope, and listen until ``listen_until`` and
+        ``grace_s`` more for the answer: it, and what the answer must be signed for (None: nothing is signed)."""
         body = encode_request(request)  # a field the release's SDK did not announce is left out
         headers = {"content-type": "application/json"}
         sent: Sent | None = None
@@ -706,7 +756,7 @@ class Engine:
             header = sign(keys[0], scope, body, now=time.time(), nonce=secrets.token_hex(16))
             headers[SIGNATURE_HEADER] = header
             sent = Sent(scope=scope, header=header, signature=parse(header), body=body, keys=tuple(keys))
-        timeout_s = max(1.0, (listen_until - self.clock()).total_seconds()) + RESPONSE_GRACE_S
+        timeout_s = max(0.0, (listen_until - self.clock()).total_seconds()) + grace_s
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
         return result, sent
 

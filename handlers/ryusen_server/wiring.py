@@ -22,7 +22,7 @@ from botocore.config import Config
 from ryusen._internal.signing import CHALLENGE_HEADER, SIGNATURE_HEADER, Scope, SignatureError, url_path, verify
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
-from .aws.queue import SqsQueue
+from .aws.queue import DelayHold, SqsQueue
 from .aws.store import DynamoStore
 from .aws.timers import SchedulerTimers
 from .engine import Engine, ServerSettings
@@ -95,12 +95,16 @@ def aws_engine(
     policy: EndpointPolicy | None = None,
     *,
     deployed: bool = False,
+    hold: DelayHold | None = None,
 ) -> AwsEngine:
     """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only).
 
     ``deployed`` (the Lambda handlers): there is no unsigned mode; without a signing key (its secret, or
     ``RYUSEN_MASTER_KEY``) the engine refuses to start rather than send unsigned tasks and accept unsigned
-    results."""
+    results.
+
+    ``hold``: where the queue keeps delayed sends instead of SQS's whole-second ``DelaySeconds`` (``ryusen
+    dev``: its queue is in-process, so a delay is honoured to the millisecond)."""
     counter = counter or RequestCounter()
     policy = policy or EndpointPolicy.from_env(os.environ)
     sqs = client("sqs", resources)
@@ -128,7 +132,7 @@ def aws_engine(
             counter,
             retention_s=resources.retention_days * 86_400 if resources.retention_days is not None else None,
         ),
-        queue=SqsQueue(sqs, resources.queue_url, timers, counter),
+        queue=SqsQueue(sqs, resources.queue_url, timers, counter, hold=hold),
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy),
         settings=settings,

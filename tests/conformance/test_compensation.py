@@ -250,6 +250,29 @@ def test_compensation_has_its_own_attempt_timeout() -> None:
     assert window(compensation) == timedelta(minutes=2)
 
 
+@pytest.mark.rfd("C4")
+def test_a_compensator_without_compensate_timeout_has_the_servers_attempt_timeout_not_the_steps() -> None:
+    """``timeout`` bounds the forward attempt only: the compensator's default is the server's attempt timeout."""
+    app = Ryusen("timeouts")
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        step.run("a", lambda: 1, compensate=lambda r: "undone", timeout=timedelta(seconds=5))
+        raise RuntimeError("fail")
+
+    settings = EngineSettings(attempt_timeout_s=42)
+    run = WorkflowEnvironment(app, settings=settings).run("wf")
+    forward, compensation = run.step("a")["attempts"]
+    assert compensation["phase"] == "compensation" and compensation["status"] == "succeeded"
+
+    def window(a: dict[str, Any]) -> timedelta:
+        expires = datetime.fromisoformat(a["lease_expires_at"]) - datetime.fromisoformat(a["authorized_at"])
+        return expires - timedelta(seconds=settings.lease_grace_s)
+
+    assert window(forward) == timedelta(seconds=5)
+    assert window(compensation) == timedelta(seconds=42)
+
+
 @pytest.mark.rfd("C1", "C6")
 def test_the_same_saga_on_the_dynamodb_store_in_moto() -> None:
     log: list[tuple[str, Any]] = []

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,22 @@ def test_retries_then_handled_failure_over_http(stack: DevStack) -> None:
     assert stack.invocations(f"{t2}:flaky") == 2
     assert stack.invocations(f"{t2}:undo-flaky") == 0
     assert handled["steps"][0]["status"] == "failed" and handled["unwind"] == []
+
+
+def test_sub_second_retry_delays_are_not_rounded_up_to_whole_seconds_over_http(stack: DevStack) -> None:
+    """The policy asks 0.05-0.1 s, 0.1-0.2 s, then 0.2-0.4 s before the retries (issue 23: SQS's whole-second
+    DelaySeconds made them 2, 2 and 2 s on ``ryusen dev``). Asserted on the recorded attempt times."""
+    t = tag()
+    run = stack.wait_finished(stack.start("handled", {"tag": t, "attempts": 4, "failures": 3})["id"])
+    attempts = run["steps"][0]["attempts"]
+    assert [a["status"] for a in attempts] == ["failed", "failed", "failed", "succeeded"]
+    for failed, retry in itertools.pairwise(attempts):
+        settled, due = datetime.fromisoformat(failed["settled_at"]), datetime.fromisoformat(retry["not_before"])
+        started = datetime.fromisoformat(retry["authorized_at"])
+        assert timedelta(0) < due - settled <= timedelta(seconds=0.4)  # the policy's delay, as decided
+        assert started >= due  # never early
+        gap = started - settled
+        assert gap < timedelta(seconds=1.0), f"retry #{retry['generation']} began {gap} after the failure"
 
 
 @pytest.mark.rfd("C1", "C3", "F7")
@@ -147,14 +165,20 @@ def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 @pytest.mark.rfd("U1", "U2", "O1")
 def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_result_lands(stack: DevStack) -> None:
     t = tag()
-    # the dispatcher listens for the attempt's timeout (1 s) plus a 2 s grace; the callback takes 5 s
+    # the dispatcher listens for the step's timeout (1 s) plus a grace of a tenth of it, at least 0.5 s (it
+    # was 2 s past any timeout); the callback takes 5 s
     run_id = stack.start("slow", {"tag": t, "sleep_s": 5, "timeout_s": 1})["id"]
     unknown = wait_for(
         lambda: (r := stack.run(run_id))["blockers"] and r, what="the attempt to become Unknown", timeout=60
     )
     slow_step = next(s for s in unknown["steps"] if s["id"] == "slow")
-    assert slow_step["status"] == "unknown" and unknown["blockers"][0]["type"] == "unknown_outcome"
-    assert "no response within 3s" in slow_step["attempts"][0]["detail"]
+    [blocker] = unknown["blockers"]
+    assert slow_step["status"] == "unknown" and blocker["type"] == "unknown_outcome"
+    [unknown_attempt] = slow_step["attempts"]
+    assert unknown_attempt["detail"] == "no response within the step's timeout of 1s (+0.5s grace)"
+    # recorded times: Unknown no sooner than the timeout, and within the timeout, the grace and 1 s of slack
+    waited = datetime.fromisoformat(blocker["first_seen_at"]) - datetime.fromisoformat(unknown_attempt["authorized_at"])
+    assert timedelta(seconds=1) <= waited < timedelta(seconds=1 + 0.5 + 1)
     # the SDK finishes the callback and submits the signed result to the server's result endpoint
     run = stack.wait_finished(run_id, timeout=60)
     assert run["outcome"] == "completed" and run["output"]["slept"] == 5

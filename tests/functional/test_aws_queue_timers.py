@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -23,6 +23,7 @@ from moto import mock_aws
 from ryusen_server.aws.queue import SqsMessage, SqsQueue, create_queues
 from ryusen_server.aws.timers import SchedulerTimers, create_schedule_group, schedule_name
 from ryusen_server.core.model import TaskRef, TimerKind, TimerRef
+from ryusen_server.local.delays import LocalDelays
 from ryusen_server.ports import RequestCounter
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -128,6 +129,50 @@ def test_a_short_delay_uses_sqs_delay_seconds_rounded_up(stack: Stack) -> None:
     [message] = poll(stack.queue.receive)
     assert message.task == task
     assert stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"] == []
+
+
+def test_with_a_hold_a_sub_second_delay_is_kept_there_and_sent_undelayed_when_due(stack: Stack) -> None:
+    """``ryusen dev``: a delay SQS would round up to whole seconds is held in-process to the millisecond."""
+    held: list[tuple[float, Callable[[], None]]] = []
+    queue = SqsQueue(stack.sqs, stack.queue_url, stack.timers, stack.counter, hold=lambda d, f: held.append((d, f)))
+    task = TaskRef(run_id="run_1", kind="discover", seq=2)
+    queue.send(task, delay_s=0.2)
+    queue.send(forward(generation=3), delay_s=1800.5)  # past SQS's limit: still the Scheduler's
+    [(delay_s, send)] = held
+    assert delay_s == 0.2 and queue.receive() == []  # nothing on SQS until the hold sends it
+    assert len(stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]) == 1
+    send()
+    assert stack.attribute(stack.queue_url, "ApproximateNumberOfMessagesDelayed") == 0
+    [message] = queue.receive()  # at once: no DelaySeconds
+    assert message.task == task
+
+
+def test_local_delays_send_each_when_due_in_due_order_and_retry_a_failed_send() -> None:
+    delays = LocalDelays()
+    sent: list[tuple[str, float]] = []
+    failures = [RuntimeError("moto answered 500")]
+    started = time.monotonic()
+
+    def send(name: str) -> Callable[[], None]:
+        def go() -> None:
+            if name == "flaky" and failures:
+                raise failures.pop()
+            sent.append((name, time.monotonic() - started))
+
+        return go
+
+    try:
+        delays.call_later(0.3, send("late"))
+        delays.call_later(0.1, send("early"))
+        delays.call_later(0.0, send("flaky"))
+        deadline = time.monotonic() + 15
+        while len(sent) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        delays.stop()
+    assert [name for name, _ in sent] == ["early", "late", "flaky"]  # flaky failed once, then went 0.5 s later
+    assert sent[0][1] >= 0.1 and sent[1][1] >= 0.3 and sent[2][1] >= 0.5  # never early
+    assert delays.pending() == 0 and not failures
 
 
 def test_a_delay_past_sqs_limit_becomes_a_schedule_that_delivers_the_same_task(stack: Stack) -> None:

@@ -1,8 +1,12 @@
 """The dispatch queue on SQS (a standard queue with a dead-letter queue).
 
 Theory of operation. A task is one message whose body is the TaskRef JSON.
-``send`` delays it with SQS's per-message ``DelaySeconds`` (rounded up, so it
-is never early); SQS caps that at 900 s, so a longer delay is parked as a
+``send`` delays it with SQS's per-message ``DelaySeconds``, which counts whole
+seconds: a delay is rounded up (never early), so on AWS a retry the policy
+wants in 0.15 s waits 1 s. Given a ``hold`` (``ryusen dev``, whose queue lives
+in its own process), a delay is kept there instead, to the millisecond, and
+the message is sent when it is due. SQS caps DelaySeconds at 900 s, so a
+longer delay is parked as a
 one-time EventBridge Scheduler schedule whose target is this queue and whose
 input is the same body: the task arrives on the queue when it is due, as if
 it had been sent then. The queue also carries the Scheduler's timer messages
@@ -50,6 +54,10 @@ VISIBILITY_TIMEOUT_S = 360
 RETENTION_S = 1_209_600
 """14 days, SQS's maximum: a message may be an attempt's lease timer for a long time."""
 
+DelayHold = Callable[[float, Callable[[], None]], None]
+"""Where a delayed send can be kept instead of SQS's whole-second ``DelaySeconds``: ``hold(delay_s, send)``
+calls ``send`` once ``delay_s`` has passed (``ryusen dev``'s ``LocalDelays.call_later``)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SqsMessage:
@@ -81,15 +89,21 @@ class SqsQueue:
         counter: RequestCounter | None = None,
         *,
         clock: Callable[[], datetime] | None = None,
+        hold: DelayHold | None = None,
     ) -> None:
+        """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``)."""
         self._client = sqs_client
         self.queue_url = queue_url
         self._scheduler = scheduler
         self.counter = counter or RequestCounter()
         self._clock = clock or (lambda: datetime.now(UTC))
+        self._hold = hold
 
     def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
         body = task.model_dump_json()
+        if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
+            self._hold(delay_s, lambda: self._send_message(body, 0))  # due to the millisecond, not the second
+            return
         delay = max(0, math.ceil(delay_s))
         if delay > MAX_DELAY_S:
             if self._scheduler is not None:
@@ -99,6 +113,9 @@ class SqsQueue:
             # without a scheduler the task still must not be lost: it arrives early instead
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
             delay = MAX_DELAY_S
+        self._send_message(body, delay)
+
+    def _send_message(self, body: str, delay: int) -> None:
         self.counter.add("sqs.send", len(body))
         self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
 

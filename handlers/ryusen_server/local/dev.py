@@ -7,8 +7,10 @@ each request into an API Gateway event. A dispatch loop receives from the
 queue and hands each message to the same ``process_body`` the dispatch Lambda
 runs. moto never fires schedules, so a timer loop reads due schedules and
 sends their input to the dispatch queue, as EventBridge Scheduler's SQS target
-would. Each APP runs in its own process (``serve_app``) on its own port, is
-synced as a release, and is restarted and synced again when its file changes.
+would. A delayed task is held in this process until it is due (``delays.py``),
+so that sub-second retry delays are not rounded up to SQS's whole seconds.
+Each APP runs in its own process (``serve_app``) on its own port, is synced as
+a release, and is restarted and synced again when its file changes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -51,6 +54,7 @@ from ..settings import server_settings
 from ..urls import EndpointPolicy
 from ..wiring import AwsEngine, AwsResources, aws_engine, client
 from . import emulator
+from .delays import LocalDelays
 from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
 from .ui import UI_HTML
@@ -133,6 +137,8 @@ class DevStack:
         self._http: Any = None
         self.wired: AwsEngine | None = None
         self.resources: AwsResources | None = None
+        self._delays: LocalDelays | None = None
+        """Delayed sends, held in this process until due (``local/delays.py``)."""
         self._visibility_s: float | None = None
         """The visibility the dispatch loop receives messages with (the default lease)."""
         self.session_token = secrets.token_urlsafe(32)
@@ -157,7 +163,14 @@ class DevStack:
         settings_env = dict(self.env)
         settings_env["RYUSEN_MASTER_KEY"] = master
         settings_env["RYUSEN_RESULT_URL"] = f"http://127.0.0.1:{self.port}/v1/results"
-        self.wired = aws_engine(self.resources, server_settings(settings_env), self.counter, EndpointPolicy.local())
+        self._delays = LocalDelays()  # sub-second retry delays as asked, not rounded up to SQS's whole seconds
+        self.wired = aws_engine(
+            self.resources,
+            server_settings(settings_env),
+            self.counter,
+            EndpointPolicy.local(),
+            hold=self._delays.call_later,
+        )
         self._serve_api()
         self._spawn(self._dispatch_loop, "ryusen-dispatch")
         self._spawn(self._timer_loop, "ryusen-timers")
@@ -181,6 +194,8 @@ class DevStack:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._delays is not None:
+            self._delays.stop()
         for proc in self._processes:
             proc.stop()
         if self._http is not None:
@@ -368,7 +383,7 @@ class DevStack:
         def change_visibility(seconds: float) -> None:
             self.counter.add("sqs.change_visibility")
             sqs.change_message_visibility(
-                QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=int(max(1, seconds))
+                QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=_whole_s(seconds)
             )
 
         try:
@@ -385,7 +400,7 @@ class DevStack:
             sqs.change_message_visibility(
                 QueueUrl=queue_url,
                 ReceiptHandle=message["ReceiptHandle"],
-                VisibilityTimeout=int(max(1, min(43200, later))),
+                VisibilityTimeout=_whole_s(later),
             )
 
     def _timer_loop(self) -> None:
@@ -413,6 +428,12 @@ class DevStack:
                 if self._stop.is_set():
                     return
                 log.exception("firing due schedules failed")
+
+
+def _whole_s(seconds: float) -> int:
+    """A visibility timeout for SQS: whole seconds, rounded up (a message never comes back before it is due,
+    only to be put back for the rest), 1 s to 12 hours."""
+    return max(1, min(43_200, math.ceil(seconds)))
 
 
 DISPATCH_WORKERS = 8
