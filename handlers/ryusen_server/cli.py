@@ -846,7 +846,18 @@ def rediscover(api: Api, run_id: str) -> None:
 @click.option(
     "--succeed", "result", callback=parse_json, metavar="JSON", help="Declare the attempt succeeded with this result."
 )
-@click.option("--fail", "message", metavar="MESSAGE", help="Declare the attempt failed.")
+@click.option(
+    "--fail",
+    "message",
+    metavar="MESSAGE",
+    help="Declare the attempt failed: the step's retry policy applies, so a retry may follow (add --final for none).",
+)
+@click.option(
+    "--final",
+    is_flag=True,
+    help="With --fail: no retry follows; the failure is the step's (the function sees StepFailed, or the unwind"
+    " stops partially compensated).",
+)
 @click.option("--retry", is_flag=True, help="Authorize another attempt (only if the callback is safe to run twice).")
 @click.option(
     "--skip",
@@ -865,6 +876,7 @@ def resolve(
     message: str | None,
     retry: bool,
     skip: bool,
+    final: bool,
     reason: str | None,
 ) -> None:
     """Resolve an attempt whose outcome is Unknown, or move on a blocked one.
@@ -880,10 +892,12 @@ def resolve(
             "give exactly one of --succeed JSON, --fail MESSAGE, --retry, --skip"
             + (f" (got {' '.join(chosen)})" if chosen else ""),
         )
+    if final and message is None:
+        _usage(ctx, "--final goes with --fail MESSAGE")
     if succeed:
         body: dict[str, Any] = {"action": "succeed", "result": result}
     elif message is not None:
-        body = {"action": "fail", "error": {"type": "declared_failure", "message": message}}
+        body = {"action": "fail", "error": {"type": "declared_failure", "message": message, "retryable": not final}}
     else:
         body = {"action": "retry" if retry else "skip"}
     if reason is not None:

@@ -157,3 +157,46 @@ def crashes(data: dict[str, Any], step: Step) -> Any:
     tag = data["tag"]
     policy = RetryPolicy(max_attempts=2, initial_delay=timedelta(milliseconds=100), on_unknown="retry")
     return step.run("crash", crash, tag, retry=policy, compensate=undo(tag, "crash"))
+
+
+# ---- decisions 23-26 over HTTP (issue 23) ---------------------------------------------------
+
+
+@app.function("nested")
+def nested(data: dict[str, Any], step: Step) -> Any:
+    """The charge's callback opens a step of its own: refused, and the run blocks (decisions 23)."""
+    tag = data["tag"]
+
+    def charge() -> dict[str, Any]:
+        charged = effect("charge", tag)
+        step.run("email-receipt", effect, "email-receipt", tag)
+        return charged
+
+    return step.run("charge", charge, compensate=undo(tag, "charge"))
+
+
+@app.function("guarded")
+def guarded(data: dict[str, Any], step: Step) -> Any:
+    """A guard on an external read, outside step.run, ends every pass once the order is cancelled (24)."""
+    tag = data["tag"]
+    if times(f"{tag}:order-cancelled"):
+        return {"skipped": "order cancelled"}
+    step.run("charge", effect, "charge", tag, compensate=undo(tag, "charge"))
+    step.run("ship", slow, tag, data["sleep_s"], compensate=undo(tag, "ship"))
+    return "shipped"
+
+
+@app.function("oversized")
+def oversized(data: dict[str, Any], step: Step) -> Any:
+    """The charge ran, and returned more than the value limit (decisions 25)."""
+    tag = data["tag"]
+
+    def refund(charge: Any) -> str:
+        record(f"{tag}:undo-charge:{type(charge).__name__}:{getattr(charge, 'size', '')}")
+        return "refunded"
+
+    def charge() -> dict[str, Any]:
+        return {**effect("charge", tag), "receipt_pdf": "x" * 300_000}
+
+    step.run("charge", charge, compensate=refund)
+    return "paid"

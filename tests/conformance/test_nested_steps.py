@@ -127,3 +127,44 @@ def test_a_cancel_while_blocked_by_a_nested_step_compensates_what_completed() ->
     assert charges == ["b1"]
     assert run.step("charge")["status"] == "failed" and run.step("charge")["error"]["type"] == "concurrent_step"
     assert run.blockers == []
+
+
+# ---- D9: a step id that changes on every pass (decision 29) ------------------------------------------------
+
+
+def quotes(calls: list[str], *, stable: bool, build: str) -> Ryusen:
+    import random
+
+    app = Ryusen("quotes", build_id=build)
+
+    @app.function("quote")
+    def quote(order: Any, step: Step) -> Any:
+        step_id = "quote" if stable else f"quote-{random.randint(0, 10**12)}"
+        price = step.run(step_id, lambda: calls.append(step_id) or 42)
+        return step.run("book", lambda: {"price": price})
+
+    return app
+
+
+@pytest.mark.rfd("D9")
+def test_a_step_id_that_changes_on_every_pass_blocks_the_run_within_a_few_passes() -> None:
+    calls: list[str] = []
+    env = WorkflowEnvironment(quotes(calls, stable=False, build="b1"))
+    run_id = env.start("quote")
+    run = env.wait(run_id)
+
+    assert run.phase == "running" and run.outcome is None and calls == []
+    assert len(run.steps) <= 4  # not 1,000 steps and a too_many_steps failure
+    [blocker] = run.blockers
+    assert blocker["type"] == "unstable_step_id" and "test_nested_steps.py" in blocker["first"]["location"]
+    assert len(blocker["step_ids"]) == 4 and all(i.startswith("quote-") for i in blocker["step_ids"])
+    assert "changes on every pass" in blocker["message"]
+
+    env.advance(timedelta(hours=2))  # each probe tries one more id, and blocks again
+    run = env.wait(run_id)
+    assert run.blockers[0]["type"] == "unstable_step_id" and run.blockers[0]["count"] >= 2
+    assert len(run.steps) <= 10 and calls == []
+
+    env.sync(quotes(calls, stable=True, build="b2"))  # the fix: a stable id
+    run = env.wait(run_id)
+    assert run.summary == "completed" and run.output == {"price": 42} and calls == ["quote"]

@@ -283,3 +283,75 @@ def test_on_unknown_retry_with_no_retry_left_stays_unknown_over_http(stack: DevS
     run = stack.wait_finished(run_id)
     assert run["outcome"] == "completed" and run["output"] == {"checked": True}
     assert stack.invocations(f"{t}:crash") == 2
+
+
+# ---- issue 23 findings 1-4 (decisions 23-26) over HTTP -----------------------------------------------------
+
+
+@pytest.mark.rfd("D8")
+def test_a_step_opened_inside_a_callback_blocks_without_charging_again_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("nested", {"tag": t})["id"]
+    run = wait_for(lambda: (r := stack.run(run_id))["blockers"] and r, what="the nested-step blocker")
+    [blocker] = run["blockers"]
+    assert blocker["type"] == "concurrent_step"
+    assert (blocker["first"]["step_id"], blocker["second"]["step_id"]) == ("charge", "email-receipt")
+    assert run["outcome"] is None and run["steps"][0]["attempts"][0]["error"]["type"] == "concurrent_step"
+    # the probe (every 2-4 s on this stack) asks the same build again: nothing runs twice
+    wait_for(lambda: stack.run(run_id)["blockers"][0]["count"] >= 2, what="a probe of the same build")
+    assert stack.invocations(f"{t}:charge") == 1 and stack.invocations(f"{t}:email-receipt") == 0
+    assert stack.invocations(f"{t}:undo-charge") == 0
+
+
+@pytest.mark.rfd("C10")
+def test_a_guard_that_ends_the_compensation_pass_blocks_instead_of_skipping_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("guarded", {"tag": t, "sleep_s": 1.5})["id"]
+    wait_for(lambda: stack.invocations(f"{t}:slow-start"), what="the shipment to start")
+    with stack.log_file.open("a") as log:
+        log.write(f"{t}:order-cancelled\n")  # the shop marks the order cancelled, then cancels the run
+    assert stack.client.post(f"/v1/runs/{run_id}/cancel").status_code == 202
+    run = wait_for(
+        lambda: (r := stack.run(run_id))["blockers"] and r["phase"] == "compensating" and r,
+        what="the unwind to block",
+    )
+    assert [b["type"] for b in run["blockers"]] == ["compensation_target_not_reached"]
+    assert run["recovery"] == "compensating" and "fully compensated" not in run["summary"]
+    assert stack.invocations(f"{t}:undo-ship") == 0 and stack.invocations(f"{t}:undo-charge") == 0
+    # the guard's read changes back: a rediscover reaches the steps, and both are undone
+    lines = [line for line in stack.log_file.read_text().splitlines() if line != f"{t}:order-cancelled"]
+    stack.log_file.write_text("".join(f"{line}\n" for line in lines))
+    assert stack.client.post(f"/v1/runs/{run_id}/rediscover").status_code == 202
+    run = stack.wait_finished(run_id)
+    assert run["summary"] == "cancelled, fully compensated"
+    assert stack.invocations(f"{t}:undo-ship") == 1 and stack.invocations(f"{t}:undo-charge") == 1
+
+
+@pytest.mark.rfd("F13")
+def test_a_result_over_the_limit_blocks_then_is_undone_with_an_omitted_result_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("oversized", {"tag": t})["id"]
+    run = wait_for(lambda: (r := stack.run(run_id))["blockers"] and r, what="the result_too_large blocker")
+    [blocker] = run["blockers"]
+    assert blocker["type"] == "result_too_large" and blocker["size"] > 300_000
+    assert run["steps"][0]["attempts"][0]["status"] == "succeeded" and run["outcome"] is None
+    assert stack.client.post(f"/v1/runs/{run_id}/cancel").status_code == 202
+    run = stack.wait_finished(run_id)
+    assert run["summary"] == "cancelled, fully compensated"
+    size = run["steps"][0]["omitted_result"]["size"]
+    assert stack.invocations(f"{t}:charge") == 1
+    assert stack.invocations(f"{t}:undo-charge:OmittedResult:{size}") == 1
+
+
+@pytest.mark.rfd("S14")
+def test_no_step_starts_after_the_deadline_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("slow", {"tag": t, "sleep_s": 2.5}, timeout_s=2)["id"]
+    run = stack.wait_finished(run_id)
+    assert run["outcome"] == "timed_out" and run["summary"] == "timed out, fully compensated"
+    assert stack.invocations(f"{t}:after") == 0  # never authorized: the slow step ended after the deadline
+    deadline = datetime.fromisoformat(run["deadline"]["at"])
+    for step in run["steps"]:
+        for attempt in step["attempts"]:
+            if attempt["phase"] == "forward" and attempt["authorized_at"]:
+                assert datetime.fromisoformat(attempt["authorized_at"]) < deadline

@@ -317,6 +317,7 @@ def test_run_sends_only_the_input_when_nothing_else_is_given(server: FakeServer)
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--succeed", "{oops"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--retry", "--fail", "x"],
+        ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--retry", "--final"],
         ["resolve", "run_1", "charge", "--phase", "sideways", "--generation", "1", "--retry"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "0", "--retry"],
         ["runs", "--phase", "done"],
@@ -471,9 +472,21 @@ def test_rediscover_posts(server: FakeServer) -> None:
         (["--succeed", "null"], {"action": "succeed", "result": None}),
         (
             ["--fail", "the bank never saw it"],
-            {"action": "fail", "error": {"type": "declared_failure", "message": "the bank never saw it"}},
+            {
+                "action": "fail",
+                "error": {"type": "declared_failure", "message": "the bank never saw it", "retryable": True},
+            },
+        ),
+        (
+            ["--fail", "card blocked", "--final", "--reason", "the bank confirmed"],
+            {
+                "action": "fail",
+                "error": {"type": "declared_failure", "message": "card blocked", "retryable": False},
+                "reason": "the bank confirmed",
+            },
         ),
         (["--retry"], {"action": "retry"}),
+        (["--skip", "--reason", "refunded by hand"], {"action": "skip", "reason": "refunded by hand"}),
     ],
 )
 def test_resolve_posts_the_action(server: FakeServer, action: list[str], body: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from ryusen._internal.wire import (
     AttemptResponse,
@@ -132,6 +132,14 @@ class ResultTooLarge:
     omitted: OmittedValue
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnstableStepId:
+    """Passes keep announcing new step ids at one location and abandoning them (decisions 29)."""
+
+    step_ids: tuple[str, ...]
+    location: str | None
+
+
 HeldConflict = ConcurrentStepConflict | ResultTooLarge
 """Why an attempt whose callback ran holds its step: the engine cannot take its outcome and must not run it
 again by itself (decisions 23, 25)."""
@@ -183,6 +191,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
     if state is None:
         raise IllegalEventError(f"{type(event).__name__} needs an existing run")
     t = _Transition(state.working_copy(), now, settings)
+    if not (isinstance(event, StopRequested) and event.kind == "timeout"):
+        t.enforce_deadline()  # decisions 26: before anything this event would authorize or complete
     if isinstance(event, TaskDelivered):
         t.delivery_id = event.delivery_id
         t.task_delivered(event.task, event.release)
@@ -229,6 +239,8 @@ class _Transition:
         """The build whose pass reported what ``discovered`` is deciding (a discovery's, or a continuation's)."""
         self._owned: set[int] = set()
         """The steps this decision copied (or created): only those may be changed."""
+        self.stopped_here = False
+        """This decision recorded the stop intent for a deadline that had passed (``enforce_deadline``)."""
 
     @property
     def s(self) -> RunState:
@@ -236,6 +248,8 @@ class _Transition:
         return self._state
 
     def decision(self, *, original: RunState) -> Decision:
+        if self.rejection is not None:  # a refused request changes nothing (a deadline it found is found again)
+            return Decision(state=original, rejection=self.rejection, note=self.note)
         if not self.changed:
             return Decision(state=original, commands=tuple(self.commands), rejection=self.rejection, note=self.note)
         self.s.version = original.version + 1
@@ -790,6 +804,7 @@ class _Transition:
         retry_left = self.failures(step, attempt.phase) + 1 < policy.max_attempts
         self.settle(attempt, AttemptStatus.UNKNOWN, detail=detail)
         attempt.settled_at = None  # Unknown is not a settlement: a late result or an operator settles it
+        attempt.unknown_at, attempt.unknown_reason = self.now, detail  # kept whatever settles it (decisions 28)
         if attempt.phase is Phase.FORWARD:
             step.status = StepStatus.UNKNOWN
         else:
@@ -856,7 +871,11 @@ class _Transition:
                 # the callback ran and its outcome could not be taken (it opened a step with this same build, or
                 # returned too much): running it again would repeat its effect; the run stays blocked (23, 25)
                 return self.definition_conflict(held[1], holds=held[0])
-            self.clear_definition_blockers()
+            verdict = self.unstable_step_id(plan) if known is None else None
+            if isinstance(verdict, UnstableStepId):
+                return self.definition_conflict(verdict)
+            if verdict != "trial":  # a trial keeps its blocker until a step completes (or it blocks again)
+                self.clear_definition_blockers()
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
@@ -894,6 +913,43 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    def unstable_step_id(self, plan: StepPlan) -> UnstableStepId | Literal["trial"] | None:
+        """A new step id where the last steps the run added, at the same location, were each abandoned before
+        any attempt ran (its pass met yet another new id first): an id that changes on every pass, such as one
+        made from a random number or the clock (decisions 29). Blocks before the run burns its step budget.
+
+        After a wake of the blocked run (a release, the probe, an operator), one new id is let through as a
+        ``"trial"``, so that a fix is tried: the blocker stays, naming it, until a step completes; if the trial's
+        id is abandoned too, the next new id blocks again (the same conflict, counted)."""
+        s = self.s
+        last = s.steps[-1] if s.steps else None
+        blocker = next((b for b in s.blockers if b.type is BlockerType.UNSTABLE_STEP_ID), None)
+        if blocker is not None:
+            tried = blocker.step_ids[-1] if blocker.step_ids else None
+            if last is None or last.id != tried or not self.abandoned(last, plan.location):
+                blocker.step_ids = [*(blocker.step_ids or []), plan.id][-10:]
+                self.touch()
+                return "trial"
+            return UnstableStepId(step_ids=(*blocker.step_ids[-3:], plan.id), location=plan.location)
+        n = self.settings.unstable_after
+        recent = s.steps[-n:]
+        if len(recent) < n or not all(self.abandoned(step, plan.location) for step in recent):
+            return None
+        return UnstableStepId(step_ids=(*(step.id for step in recent), plan.id), location=plan.location)
+
+    @staticmethod
+    def abandoned(step: StepState, location: str | None) -> bool:
+        """A step announced at ``location`` whose every attempt was fenced because its pass did not reach it."""
+        return (
+            step.status is StepStatus.PENDING
+            and step.location == location
+            and bool(step.attempts)
+            and all(
+                a.status is AttemptStatus.FENCED and (a.detail or "").startswith("target_not_found")
+                for a in step.attempts
+            )
+        )
 
     def timeout_over_maximum(self, plan: StepPlan) -> InvalidStep | None:
         """A step whose declared attempt timeout the deployment cannot hold (never clamped)."""
@@ -959,7 +1015,7 @@ class _Transition:
 
     def definition_conflict(
         self,
-        conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge,
+        conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge | UnstableStepId,
         *,
         holds: Attempt | None = None,
     ) -> None:
@@ -976,6 +1032,7 @@ class _Transition:
                 blocker.count += 1
                 blocker.last_seen_at = self.now
                 blocker.message, blocker.detail = found.message, found.detail
+                blocker.size, blocker.limit, blocker.step_ids = found.size, found.limit, found.step_ids
                 blocker.first, blocker.duplicate, blocker.second = found.first, found.duplicate, found.second
                 blocker.phase, blocker.generation = found.phase, found.generation
                 break
@@ -985,7 +1042,9 @@ class _Transition:
         self.schedule_probe()
 
     def conflict_blocker(
-        self, conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge, holds: Attempt | None
+        self,
+        conflict: DefinitionConflict | CompensationTargetNotReached | ResultTooLarge | UnstableStepId,
+        holds: Attempt | None,
     ) -> Blocker:
         held = {"phase": holds.phase, "generation": holds.generation} if holds is not None else {}
         seen = {"first_seen_at": self.now, "last_seen_at": self.now}
@@ -1040,6 +1099,18 @@ class _Transition:
                     " whose compensation is due"
                 ),
                 **held,
+                **seen,
+            )
+        if isinstance(conflict, UnstableStepId):
+            ids = list(conflict.step_ids)
+            return Blocker(
+                type=BlockerType.UNSTABLE_STEP_ID,
+                first=Occurrence(location=conflict.location),
+                step_ids=ids,
+                message=(
+                    f"the step id at {conflict.location} changes on every pass ({', '.join(map(repr, ids[-3:]))}"
+                    " ...): each pass abandons the id the last one announced, so no step there can complete"
+                ),
                 **seen,
             )
         if isinstance(conflict, ResultTooLarge):
@@ -1167,11 +1238,8 @@ class _Transition:
         self.clear_blockers_for(step, attempt)
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
         self.next = event.next
-        target_not_reached = (
-            event.phase is Phase.COMPENSATION
-            and isinstance(event.response, TargetNotFound)
-            and event.response.reason == "not_reached"
-        )
+        # a pass that did not reach its target got past nothing: the blockers stand (decisions 24, 29)
+        target_not_reached = isinstance(event.response, TargetNotFound) and event.response.reason == "not_reached"
         if not isinstance(event.response, ConflictFound | FunctionNotFound) and not target_not_reached:
             self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
         self.apply_outcome(step, attempt, event.response)
@@ -1484,11 +1552,22 @@ class _Transition:
 
     # ---- stop intent --------------------------------------------------------------
 
+    def enforce_deadline(self) -> None:
+        """The deadline holds at authorization (decisions 26): once it has passed, whatever event comes first
+        (a task's message, a callback's answer, a completing pass, an operator) records the stop intent before
+        it is decided, so no forward work is authorized at or after the deadline and a pass that completes the
+        run after it ends ``timed_out``. The deadline's timer only makes sure an idle run learns of it."""
+        s = self.s
+        if s.deadline_at is not None and s.outcome is None and self.now >= s.deadline_at:
+            self.stop(StopRequested(kind="timeout", reason="the deadline had passed when the run next moved"))
+            self.stopped_here = True
+
     def stop(self, event: StopRequested) -> None:
         s = self.s
         kind = StopKind.CANCEL if event.kind == "cancel" else StopKind.TIMEOUT
         if s.stop_intent is not None:
-            self.reemit_queued()  # a retried cancel may follow one whose sends failed after its write
+            if not self.stopped_here:
+                self.reemit_queued()  # a retried cancel may follow one whose sends failed after its write
             return self.ignore("the stop intent is already recorded")
         if s.phase is RunPhase.FINISHED or s.outcome is not None:
             if event.kind == "cancel":
@@ -1591,6 +1670,7 @@ class _Transition:
                 return self.reject("run_finished", "the run is finished")
             self.clear_blockers_for(step, attempt)
             self.settle(attempt, AttemptStatus.RETRY_AUTHORIZED, detail="operator retry")
+            attempt.resolution = Resolution(action="retry", at=self.now, reason=event.reason, by=event.by)
             if event.phase is Phase.FORWARD:
                 step.status = StepStatus.PENDING
             else:
@@ -1607,12 +1687,14 @@ class _Transition:
             if too_large is not None:
                 return self.reject(too_large.type, too_large.message)
         self.clear_blockers_for(step, attempt)
+        resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         if event.action == "succeed":
             self.apply_outcome(step, attempt, CallbackSucceeded(result=event.result))
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
             self.attempt_failed(step, attempt, error)
         attempt.detail = f"operator {event.action}"
+        attempt.resolution = resolution
 
     def blocked_compensation(self, step: StepState, attempt: Attempt) -> bool:
         """This compensation attempt did not run because current code cannot reach its target (decisions 17)."""

@@ -48,6 +48,9 @@ class EngineSettings:
     """Each JSON value: run input, step result, error, run output (decisions 6.11)."""
     max_run_bytes: int = 4 * 1024 * 1024
     """The run input and its accepted step results together: what every task request replays."""
+    unstable_after: int = 3
+    """Steps announced at one location and abandoned without an outcome, one after another (a random or
+    time-based id), before a pass that announces one more there is blocked with ``unstable_step_id``."""
     max_steps: int = 1000
     """Distinct step ids one run may reach; discovery reaching one more fails the run (``too_many_steps``)."""
     endpoint_failing_after: int = 5

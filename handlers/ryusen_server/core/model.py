@@ -98,6 +98,7 @@ class BlockerType(StrEnum):
     NEW_STEP_BEFORE_TARGET = "new_step_before_target"
     COMPENSATION_TARGET_NOT_REACHED = "compensation_target_not_reached"
     RESULT_TOO_LARGE = "result_too_large"
+    UNSTABLE_STEP_ID = "unstable_step_id"
     OUTPUT_TOO_LARGE = "output_too_large"
     OUTPUT_NOT_JSON = "output_not_json"
     INVALID_STEP = "invalid_step"
@@ -113,6 +114,7 @@ DEFINITION_BLOCKERS = frozenset(
         BlockerType.NEW_STEP_BEFORE_TARGET,
         BlockerType.COMPENSATION_TARGET_NOT_REACHED,
         BlockerType.RESULT_TOO_LARGE,
+        BlockerType.UNSTABLE_STEP_ID,
         BlockerType.OUTPUT_TOO_LARGE,
         BlockerType.OUTPUT_NOT_JSON,
         BlockerType.INVALID_STEP,
@@ -181,6 +183,10 @@ class Attempt(_State):
     """Stale submissions past the kept number: counted, not recorded."""
     resolution: Resolution | None = None
     """An operator's resolution of this attempt, if one settled it or moved past it."""
+    unknown_at: datetime | None = None
+    unknown_reason: str | None = None
+    """When and why the attempt's outcome became Unknown: kept after a late result or an operator settles it
+    (decisions 28), so the history shows it was not known for a while."""
 
     @property
     def opened_a_step(self) -> bool:
@@ -300,6 +306,8 @@ class Blocker(_State):
     size: int | None = None
     limit: int | None = None
     """result_too_large: the result's serialized size, and the limit it is over."""
+    step_ids: list[str] | None = None
+    """unstable_step_id: the ids that passes announced at one location and then abandoned, and the newest."""
     count: int = 1
     first_seen_at: datetime
     last_seen_at: datetime

@@ -62,6 +62,11 @@ REMEDIES = {
         " succeed with the result it should have recorded, or fail it. If the run stops, the step is undone"
         " like any accepted step, and its compensator receives an OmittedResult."
     ),
+    BlockerType.UNSTABLE_STEP_ID: (
+        "A step id is made from something that changes on every pass (a random number, the clock, a fresh uuid),"
+        " so every pass looks for a step the last one never ran. Make the id stable (derive it from the run's input"
+        " or a recorded step result; put a random value in a step of its own) and sync the app: the run wakes."
+    ),
     BlockerType.OUTPUT_TOO_LARGE: (
         "The function's return value is over the value limit. Sync a release that returns less (keep large data"
         " elsewhere and return a reference): the run wakes and completes. Its steps are not compensated."
@@ -157,6 +162,7 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
         "stale_submissions": [s.model_dump(mode="json") for s in attempt.stale_submissions],
         "stale_submissions_dropped": attempt.stale_submissions_dropped,
         "resolution": attempt.resolution.model_dump(mode="json") if attempt.resolution else None,
+        "unknown": ({"at": _iso(attempt.unknown_at), "reason": attempt.unknown_reason} if attempt.unknown_at else None),
     }
 
 
