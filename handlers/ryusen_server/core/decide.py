@@ -931,7 +931,7 @@ class _Transition:
                 blocker.step_ids = [*(blocker.step_ids or []), plan.id][-10:]
                 self.touch()
                 return "trial"
-            return UnstableStepId(step_ids=(*blocker.step_ids[-3:], plan.id), location=plan.location)
+            return UnstableStepId(step_ids=(*(blocker.step_ids or [])[-3:], plan.id), location=plan.location)
         n = self.settings.unstable_after
         recent = s.steps[-n:]
         if len(recent) < n or not all(self.abandoned(step, plan.location) for step in recent):
