@@ -15,11 +15,19 @@ exception, so code around the steps cannot change it (decisions 16):
 * forward: the target step's callback outcome, once the callback was entered,
   whatever the code around it does afterwards (a ``finally`` that raises, an
   ``except BaseException`` that returns);
-* compensate: the target's compensator outcome; ``target_not_found`` only when
-  the function ends without meeting the target or any unrecorded step (the
-  step is gone from current code); ``new_step_before_target`` when an
-  unrecorded step comes first; ``replay_failed`` when code outside
-  ``step.run`` raises first (decisions 17).
+* compensate: the target's compensator outcome; ``target_not_found`` with
+  reason ``no_compensator`` when current code reaches the target and declares
+  none, ``retired`` when the function ends without meeting it and retires its
+  id, and ``not_reached`` (where the pass ended) when it ends without meeting
+  it otherwise, which the server takes as proving nothing (decisions 24);
+  ``new_step_before_target`` when an unrecorded step comes first;
+  ``replay_failed`` when code outside ``step.run`` raises first (17).
+
+A ``step.run`` refused while the target callback runs (opened inside it, or
+from a thread it started) is remembered: if its ``ConcurrentStepError``
+escapes the callback, the attempt reports ``concurrent_step`` with both steps
+instead of an ordinary failure (decisions 23). A callback result over the
+limit is reported as a success with what was omitted (decisions 25).
 
 The step at which the pass stopped stays *open*: another ``step.run`` from a
 different thread or asyncio task, or from inside the running callback, is two

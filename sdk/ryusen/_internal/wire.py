@@ -477,9 +477,9 @@ class CallbackFailed(_Wire):
 class TargetNotFound(_Wire):
     """The target callback was not entered in this pass (decisions 16), and current code does not call it.
 
-    Forward: the pass ended, or met another new step, before the target. Compensation: the function
-    ended without meeting the target or any step with no recorded outcome, or the target declares no
-    compensator; the engine records a durable skip.
+    Forward: the pass ended, or met another new step, before the target. Compensation: the target declares
+    no compensator (a durable skip), or the function ended without meeting the target (a skip only if it
+    retires the target's id; otherwise the unwind blocks: decisions 24).
     """
 
     type: Literal["target_not_found"] = "target_not_found"
