@@ -40,10 +40,11 @@ def shop(charges: list[str], refunds: list[Any], *, nest: bool, build: str) -> R
 
 
 @pytest.mark.rfd("D8")
-def test_a_step_opened_inside_a_callback_blocks_the_run_without_running_the_callback_again() -> None:
+@pytest.mark.parametrize("kept_passes", [False, True])
+def test_a_step_opened_inside_a_callback_blocks_the_run_without_running_the_callback_again(kept_passes: bool) -> None:
     charges: list[str] = []
     refunds: list[Any] = []
-    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"), kept_passes=kept_passes)
     run_id = env.start("fulfil")
     run = env.wait(run_id)
 
@@ -127,6 +128,44 @@ def test_a_cancel_while_blocked_by_a_nested_step_compensates_what_completed() ->
     assert charges == ["b1"]
     assert run.step("charge")["status"] == "failed" and run.step("charge")["error"]["type"] == "concurrent_step"
     assert run.blockers == []
+
+
+@pytest.mark.rfd("D8")
+def test_an_async_callback_that_awaits_a_step_and_a_thread_that_opens_one_block_alike() -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ryusen import AsyncStep
+
+    charges: list[str] = []
+    app = Ryusen("async-shop")
+
+    @app.function("fulfil")
+    async def fulfil(order: Any, step: AsyncStep) -> Any:
+        async def charge() -> dict[str, str]:
+            charges.append("async")
+            await asyncio.sleep(0)
+            await step.run("email-receipt", lambda: "sent")  # refused inside the callback
+            return {"charge_id": "ch_1"}
+
+        return await step.run("charge", charge)
+
+    @app.function("threaded")
+    def threaded(order: Any, step: Step) -> Any:
+        def charge() -> dict[str, str]:
+            charges.append("thread")
+            with ThreadPoolExecutor(1) as pool:  # a step opened from a thread the callback started
+                pool.submit(step.run, "email-receipt", lambda: "sent").result()
+            return {"charge_id": "ch_2"}
+
+        return step.run("charge", charge)
+
+    env = WorkflowEnvironment(app)
+    for function_id in ("fulfil", "threaded"):
+        run = env.run(function_id)
+        assert [b["type"] for b in run.blockers] == ["concurrent_step"], function_id
+        assert run.attempts("charge")[0]["error"]["type"] == "concurrent_step"
+    assert charges == ["async", "thread"]
 
 
 # ---- D9: a step id that changes on every pass (decision 29) ------------------------------------------------
