@@ -212,7 +212,7 @@ def test_a_release_without_the_function_blocks_runs_instead_of_failing_them() ->
     assert run.attempts("b")[-1]["release_id"] == "r3"
 
 
-@pytest.mark.rfd("D1", "S10")
+@pytest.mark.rfd("D1")
 def test_cancelling_a_run_blocked_by_a_duplicate_id_clears_the_blocker() -> None:
     calls: Counter[str] = Counter()
     env = WorkflowEnvironment(release_a(calls))

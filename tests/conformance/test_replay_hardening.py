@@ -128,7 +128,7 @@ def test_an_early_return_in_a_compensation_pass_of_the_same_code_blocks_until_a_
 # ---- F3: asyncio.TaskGroup ----------------------------------------------------------------------
 
 
-@pytest.mark.rfd("F2", "D1")
+@pytest.mark.rfd("F2")
 def test_steps_inside_a_task_group() -> None:
     calls: Counter[str] = Counter()
     app = Ryusen("tg")
@@ -392,7 +392,6 @@ def test_a_callback_failure_that_cannot_be_printed_or_a_result_too_deep_is_a_fai
 # ---- F10: an endpoint whose revisions disagree ---------------------------------------------------------
 
 
-@pytest.mark.rfd("R1")
 def test_target_not_found_again_and_again_backs_off() -> None:
     import itertools
 
@@ -592,7 +591,7 @@ def test_a_callback_that_finishes_just_as_the_function_gives_up_on_it_is_reporte
     assert tally == Counter({"succeeded": 8})
 
 
-@pytest.mark.rfd("F2", "D1")
+@pytest.mark.rfd("F2")
 def test_steps_gathered_inside_a_callback_are_refused_not_hung() -> None:
     from ryusen import ConcurrentStepError
 
@@ -615,7 +614,6 @@ def test_steps_gathered_inside_a_callback_are_refused_not_hung() -> None:
     assert run.output == -1 and seen
 
 
-@pytest.mark.rfd("F10")
 def test_a_sync_workflow_served_by_asgi_runs_off_the_event_loop() -> None:
     app = Ryusen("asgi-sync", insecure=True)  # called directly, unsigned
 
