@@ -120,7 +120,7 @@ def test_missing_compensator_is_a_durable_skip() -> None:
     assert log == []
 
 
-@pytest.mark.rfd("C2", "C8", "C7")
+@pytest.mark.rfd("C2", "C8")
 def test_current_code_decides_the_compensator_and_committed_recovery_is_never_reopened() -> None:
     calls: Counter[str] = Counter()
 
@@ -148,12 +148,99 @@ def test_current_code_decides_the_compensator_and_committed_recovery_is_never_re
     run = env.wait(run_id)
     assert calls == Counter({"undo-a@r2": 1})  # C8: current code decided; the bit is diagnostic only
     assert [u["status"] for u in run["unwind"]] == ["skipped", "compensated"]
-    # C7: a later release does not reopen committed recovery
-    version = env.engine.get_run(run_id).version
-    env.sync(build(False, "r3"))
+
+
+def unwind_statuses(env: WorkflowEnvironment, run_id: str) -> list[tuple[str, str]]:
+    return [(u["step_id"], u["status"]) for u in env.get(run_id)["unwind"]]
+
+
+@pytest.mark.rfd("C7")
+def test_a_release_landing_mid_unwind_never_reopens_a_committed_compensation() -> None:
+    """Releases land while the unwind is under way: after a compensation success (c) and a durable skip (b)
+    committed, one release blocks the next compensation (a) and another repairs it. The wake that the repair
+    brings resumes the walk at ``a``: neither the success nor the skip is reopened, though the newest code
+    now has a compensator for ``b`` and a different one for ``c``."""
+    calls: Counter[str] = Counter()
+
+    def build(release: str, *, compensate_b: bool = False, new_first_step: bool = False) -> Ryusen:
+        app = Ryusen("evolve", release_id=release, build_id=release)
+
+        def undo(name: str) -> Any:
+            return lambda result: calls.update([f"undo-{name}@{release}"])
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            if new_first_step:  # a step current code reaches before the one whose compensation is due
+                step.run("audit", lambda: "logged")
+            step.run("a", lambda: "A", compensate=undo("a"))
+            step.run("b", lambda: "B", compensate=undo("b") if compensate_b else None)
+            step.run("c", lambda: "C", compensate=undo("c"))
+            raise RuntimeError("later failure")
+
+        return app
+
+    env = WorkflowEnvironment(build("r1"))
+    run_id = env.start("wf")
+    env.drive(until=lambda: ("b", "skipped") in unwind_statuses(env, run_id))
+    # committed by r1: c's compensation succeeded, b's was skipped (r1 declares no compensator for b)
+    assert unwind_statuses(env, run_id) == [("c", "compensated"), ("b", "skipped"), ("a", "pending")]
+    committed = {sid: env.get(run_id).attempts(sid, "compensation") for sid in ("b", "c")}
+    assert calls == Counter({"undo-c@r1": 1})
+
+    # a release lands mid-unwind; its code reaches a new step before "a": the unwind blocks at "a"
+    env.sync(build("r2", new_first_step=True))
+    run = env.wait(run_id)
+    assert run.phase == "compensating" and [b["type"] for b in run.blockers] == ["new_step_before_target"]
+    assert run.blockers[0]["step_id"] == "a"
+
+    # the next release repairs it, and has compensators for every step: its sync wakes the blocked unwind
+    env.sync(build("r3", compensate_b=True))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated"
+    assert unwind_statuses(env, run_id) == [("c", "compensated"), ("b", "skipped"), ("a", "compensated")]
+    assert calls == Counter({"undo-c@r1": 1, "undo-a@r3": 1})  # b's and c's new compensators never ran
+    for sid, attempts in committed.items():
+        assert run.attempts(sid, "compensation") == attempts, f"{sid}'s committed compensation was reopened"
+    assert run.step("b")["compensation"]["status"] == "skipped"
+    assert run.step("c")["compensation"]["status"] == "compensated"
+
+
+@pytest.mark.rfd("C7")
+def test_a_release_landing_while_the_last_compensation_attempt_fails_does_not_reopen_the_failure() -> None:
+    """The release lands while the compensation's last allowed attempt is running; the failure it reports
+    commits, and neither that release nor a later one with a working compensator reopens it."""
+    calls: Counter[str] = Counter()
+    env: WorkflowEnvironment
+
+    def build(release: str, *, refund_works: bool) -> Ryusen:
+        app = Ryusen("evolve", release_id=release, build_id=release)
+
+        def refund(result: Any) -> Any:
+            calls.update([f"refund@{release}"])
+            if not refund_works:
+                if release == "r1":  # the deploy lands while this attempt is in flight
+                    env.sync(build("r2", refund_works=True))
+                raise OSError("refund API down")
+            return "refunded"
+
+        @app.function("wf")
+        def wf(data: Any, step: Step) -> Any:
+            step.run("charge", lambda: "ch_1", compensate=refund, compensate_retry=RetryPolicy(max_attempts=1))
+            raise RuntimeError("later failure")
+
+        return app
+
+    env = WorkflowEnvironment(build("r1", refund_works=False))
+    run = env.run("wf")
+    assert calls == Counter({"refund@r1": 1})
+    assert run.summary == "failed, partially compensated"
+    assert unwind_statuses(env, run.id) == [("charge", "failed")]
+    version = env.engine.get_run(run.id).version
+    env.sync(build("r3", refund_works=True))
     env.drive()
-    assert env.engine.get_run(run_id).version == version
-    assert calls == Counter({"undo-a@r2": 1})
+    assert env.engine.get_run(run.id).version == version
+    assert calls == Counter({"refund@r1": 1})
+    assert env.get(run.id).step("charge")["compensation"]["status"] == "failed"
 
 
 @pytest.mark.rfd("C6")
@@ -208,20 +295,27 @@ def test_failed_step_is_never_compensated_only_accepted_successes() -> None:
     assert [u["step_id"] for u in run["unwind"]] == ["ok"]
 
 
-@pytest.mark.rfd("C9")
-def test_empty_unwind_is_not_required_and_never_compensating() -> None:
+@pytest.mark.rfd("S10")
+def test_an_empty_unwind_is_not_required_and_never_compensating_a_nonempty_one_compensates() -> None:
     app = Ryusen("empty")
 
     @app.function("wf")
     def wf(data: Any, step: Step) -> Any:
-        raise ValueError("fails before any step")
+        if data["steps"]:
+            step.run("reserve", lambda: "r1", compensate=lambda r: None)
+        raise ValueError("fails")
 
     env = WorkflowEnvironment(app)
-    phases: list[str] = []
-    env.engine.hooks.append(lambda k, p: phases.append(p[1].state.phase.value) if k == "decided" else None)
-    run = env.run("wf")
-    assert run.recovery == "not_required" and run.summary == "failed, compensation not required"
-    assert "compensating" not in phases
+    phases: dict[str, list[str]] = {}
+    env.engine.hooks.append(
+        lambda k, p: phases.setdefault(p[1].state.id, []).append(p[1].state.phase.value) if k == "decided" else None
+    )
+    empty = env.run("wf", {"steps": False})
+    assert empty.recovery == "not_required" and empty.summary == "failed, compensation not required"
+    assert empty["unwind"] == [] and "compensating" not in phases[empty.id]
+    nonempty = env.run("wf", {"steps": True})
+    assert nonempty.summary == "failed, fully compensated"
+    assert [u["step_id"] for u in nonempty["unwind"]] == ["reserve"] and "compensating" in phases[nonempty.id]
 
 
 @pytest.mark.rfd("C4")
@@ -273,7 +367,7 @@ def test_a_compensator_without_compensate_timeout_has_the_servers_attempt_timeou
     assert window(compensation) == timedelta(seconds=42)
 
 
-@pytest.mark.rfd("C1", "C6")
+@pytest.mark.rfd("C1")
 def test_the_same_saga_on_the_dynamodb_store_in_moto() -> None:
     log: list[tuple[str, Any]] = []
     with WorkflowEnvironment(saga(log), store="moto") as env:

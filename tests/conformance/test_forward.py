@@ -341,7 +341,6 @@ def test_oversized_values_are_refused_not_truncated() -> None:
     assert run.output is None
 
 
-@pytest.mark.rfd("F10")
 def test_async_workflow_runs_with_sync_and_async_callbacks_even_inside_an_event_loop() -> None:
     import asyncio
 

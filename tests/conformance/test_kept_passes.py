@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
 
 import ryusen._internal.app as sdk_app
 from ryusen import Ryusen, Step
 from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest
 from ryusen.testing import DiscoveryDivergenceError, WorkflowEnvironment
+from tests.stack import wait_for
 
 KEPT = pytest.mark.parametrize("kept_passes", [False, True], ids=["replay every task", "kept passes"])
 
@@ -450,13 +453,11 @@ def test_a_callback_that_waits_on_what_its_request_holds_is_answered_as_unknown_
     """The request's thread holds a lock the callback needs (a middleware's), and the callback runs on the
     pass thread: the request stops waiting a while after the server stopped listening (``respond_by``, plus
     ``KEPT_GIVE_UP_AFTER_S``, shortened here); once it lets the lock go, the callback finishes, its outcome
-    goes to the late-result path, and the pass ends (its ``finally`` runs). Nothing hangs (the first
-    review's reproduction hung forever)."""
+    goes to the late-result path, the server records it, and the pass ends (its ``finally`` runs). Nothing
+    hangs (the first review's reproduction hung forever)."""
     guard = threading.Lock()
     app = Ryusen("held", insecure=True)
-    late: list[Any] = []
     finished = threading.Event()
-    monkeypatch.setattr(app, "_submit_late", lambda request, response: late.append(response.attempt))
     monkeypatch.setattr(sdk_app, "KEPT_GIVE_UP_AFTER_S", 0.2)
 
     @app.function("f")
@@ -471,16 +472,18 @@ def test_a_callback_that_waits_on_what_its_request_holds_is_answered_as_unknown_
         finally:
             finished.set()
 
-    request = chained_request().model_copy(update={"respond_by": time.time() + 0.3})
-    with guard, pytest.raises(sdk_app.CallbackInterruptedError, match="after the server stopped listening"):
-        app.execute(request, request)
-    assert finished.wait(5)
-    for _ in range(100):  # the late result goes on a thread of its own
-        if late:
-            break
-        time.sleep(0.05)
-    assert [a.type for a in late] == ["succeeded"] and late[0].result == 10
-    assert len(app.kept_passes) == 0
+    server = ResultServer(app)
+    try:
+        request = server.authorized("a", respond_by=time.time() + 0.3)
+        with guard, pytest.raises(sdk_app.CallbackInterruptedError, match="after the server stopped listening"):
+            app.execute(request, request)
+        assert finished.wait(30)
+        recorded = server.recorded("a")  # the late result goes on a thread of its own, to the server
+        assert recorded["status"] == "completed" and recorded["result"] == 10
+        assert [a["status"] for a in recorded["attempts"]] == ["succeeded"]
+        assert len(app.kept_passes) == 0
+    finally:
+        server.close()
 
 
 def test_a_pass_still_kept_when_the_process_exits_runs_its_finally(tmp_path: Path) -> None:
@@ -518,24 +521,90 @@ def chained_request(step_id: str = "a") -> TaskRequest:
     )
 
 
+class ResultServer:
+    """The server's side of a late result: an engine (in a ``WorkflowEnvironment``) that holds a run whose
+    attempt is authorized, behind a real result URL the SDK posts to, as a deployment's is."""
+
+    def __init__(self, app: Ryusen) -> None:
+        self.env = WorkflowEnvironment(app, signing=False)  # the app is insecure: it sends late results unsigned
+        self.refused: list[str] = []
+        self.server = make_server("127.0.0.1", 0, self.wsgi, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/results"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wsgi(self, environ: dict[str, Any], start_response: Any) -> Any:
+        request = Request(environ)
+        try:
+            self.env.engine.submit_late_result(request.get_data(), dict(request.headers))
+        except Exception as exc:  # noqa: BLE001 - whatever the engine refused, the test reads it
+            self.refused.append(repr(exc))
+            return Response("refused", status=409)(environ, start_response)
+        return Response("{}", status=200)(environ, start_response)
+
+    def authorized(self, step_id: str, *, respond_by: float) -> TaskRequest:
+        """Start a run of ``f`` and authorize its attempt at ``step_id`` (the dispatcher dies before sending it):
+        the request that attempt's dispatcher would send, with ``respond_by``."""
+        env = self.env
+        env.faults.crash_before_invoke(step_id)
+        self.run_id = env.start("f", {})
+        env.drive(until=lambda: any(a["status"] == "authorized" for a in self.attempts(step_id)))
+        [attempt] = self.attempts(step_id)
+        return chained_request(step_id).model_copy(
+            update={
+                "run_id": self.run_id,
+                "operation": OperationInfo(id=attempt["operation_id"], phase=Phase.FORWARD, generation=1),
+                "result_url": self.url,
+                "respond_by": respond_by,
+            }
+        )
+
+    def attempts(self, step_id: str) -> list[dict[str, Any]]:
+        run = self.env.get(self.run_id)
+        return run.attempts(step_id) if any(s["id"] == step_id for s in run.steps) else []
+
+    def recorded(self, step_id: str) -> dict[str, Any]:
+        """The step as the server recorded it, once its attempt settled (polled, with a generous limit)."""
+        settled = wait_for(
+            lambda: self.refused or [a for a in self.attempts(step_id) if a["status"] not in ("queued", "authorized")],
+            timeout=30,
+            what=f"the server to record the late result of {step_id}",
+        )
+        assert not self.refused, self.refused
+        assert len(settled) == 1, settled
+        return self.env.get(self.run_id).step(step_id)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.env.close()
+
+
 def test_slow_code_after_a_step_spends_the_continuation_budget_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass still going when the budget after its callback ends is not kept, and the answer goes without a
     next step (the server runs the discovery as a task): no second replay with a budget of its own."""
     monkeypatch.setattr(sdk_app, "CONTINUATION_MAX_S", 0.2)
     app = Ryusen("slow", insecure=True)
     tops: list[int] = []
+    ran: list[str] = []
+    answered = threading.Event()
+    finished = threading.Event()
 
     @app.function("f")
     def f(data: Any, step: Step) -> Any:
         tops.append(1)
-        a = step.run("a", lambda: 1)
-        time.sleep(0.6)
-        return [a, step.run("b", lambda: 2)]
+        try:
+            a = step.run("a", lambda: ran.append("a") or 1)
+            answered.wait(30)  # slow code after the step: it lasts until the request has been answered
+            return [a, step.run("b", lambda: ran.append("b") or 2)]
+        finally:
+            finished.set()
 
     request = chained_request()
     response = app.execute(request, request)
+    answered.set()
     assert response.attempt is not None and response.attempt.type == "succeeded" and response.next is None
     assert len(app.kept_passes) == 0 and len(tops) == 1  # no replay from the top after the budget
+    assert finished.wait(30), "the pass did not end"
+    assert ran == ["a"] and len(tops) == 1  # the pass that outlasted its budget ran nothing more
     app.kept_passes.clear(wait_s=5)
 
 
@@ -569,28 +638,34 @@ def test_a_callback_still_runs_and_goes_late_when_its_request_gave_up_before_it_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Slow code before the step outlasts the request's patience: as without a kept pass, the callback still
-    runs (its attempt is authorized) and its outcome is submitted late, so the attempt settles instead of
-    turning Unknown (the third review found it answered 500 and ran nothing)."""
+    runs (its attempt is authorized) and its outcome is submitted late, so the attempt settles, as the server
+    records, instead of turning Unknown (the third review found it answered 500 and ran nothing)."""
     app = Ryusen("slow-setup", insecure=True)
-    late: list[Any] = []
     ran: list[str] = []
-    monkeypatch.setattr(app, "_submit_late", lambda request, response: late.append(response.attempt))
+    slow, gave_up = threading.Event(), threading.Event()
     monkeypatch.setattr(sdk_app, "KEPT_GIVE_UP_AFTER_S", 0.1)
 
     @app.function("f")
     def f(data: Any, step: Step) -> Any:
-        time.sleep(0.4)
+        if slow.is_set():  # slow code before the step, in the attempt's pass: until the request has given up
+            gave_up.wait(30)
         return step.run("a", lambda: ran.append("a") or 10) + step.run("b", lambda: 1)
 
-    request = chained_request().model_copy(update={"respond_by": time.time() + 0.1})
-    with pytest.raises(sdk_app.CallbackInterruptedError):
-        app.execute(request, request)
-    app.kept_passes.clear(wait_s=5)
-    for _ in range(100):
-        if late:
-            break
-        time.sleep(0.05)
-    assert ran == ["a"] and [a.type for a in late] == ["succeeded"] and len(app.kept_passes) == 0
+    server = ResultServer(app)
+    try:
+        request = server.authorized("a", respond_by=time.time() + 0.1)
+        slow.set()
+        with pytest.raises(sdk_app.CallbackInterruptedError):
+            app.execute(request, request)
+        gave_up.set()
+        recorded = server.recorded("a")
+        assert ran == ["a"]
+        assert recorded["status"] == "completed" and recorded["result"] == 10
+        assert [a["status"] for a in recorded["attempts"]] == ["succeeded"]
+        app.kept_passes.clear(wait_s=5)
+        assert len(app.kept_passes) == 0
+    finally:
+        server.close()
 
 
 def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ryusen import Ryusen, Step
-from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign
+from ryusen._internal.signing import SIGNATURE_HEADER, answer_binding, app_key, sign, verify
 from ryusen._internal.wire import LateResult, TaskKind, TaskRequest, late_result_scope, task_scope
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.api import build_api
@@ -88,11 +88,38 @@ def signed_env(app: Ryusen) -> WorkflowEnvironment:
 
 @pytest.mark.rfd("O2")
 def test_signed_round_trip_through_the_engine() -> None:
+    """Every request the engine sent the endpoint is signed with the app's key for its scope, and every
+    answer is signed as the answer to exactly that request."""
     ran: list[str] = []
     env = signed_env(signed_app(ran))
+    real = env.invoker.apps["inproc://secure"]
+    exchanges: list[tuple[dict[str, str], bytes, Any]] = []
+
+    def recording(method: str, headers: dict[str, str], body: bytes) -> Any:
+        response = real(method, headers, body)
+        exchanges.append((headers, body, response))
+        return response
+
+    env.invoker.apps["inproc://secure"] = recording
     run = env.run("wf")
     assert run.outcome == "completed" and run.output == "ok"
     assert ran.count("callback") == 1
+    kinds = [TaskRequest.model_validate_json(body).kind for _, body, _ in exchanges]
+    assert TaskKind.DISCOVER in kinds and TaskKind.FORWARD in kinds
+    for headers, body, response in exchanges:
+        scope = task_scope(TaskRequest.model_validate_json(body), path="/", app_id="secure")
+        header = headers[SIGNATURE_HEADER]
+        request_signature, _ = verify([KEY], scope, body, header, now=time.time())
+        answer = {k.lower(): v for k, v in response.headers.items()}[SIGNATURE_HEADER.lower()]
+        verify(
+            [KEY],
+            scope.answer(),
+            response.body,
+            answer,
+            now=time.time(),
+            answers=answer_binding(header, body),
+            nonce=request_signature.nonce,
+        )
 
 
 @pytest.mark.rfd("O2")

@@ -80,7 +80,7 @@ def test_lease_expiry_makes_the_attempt_unknown() -> None:
     assert calls["charge"] == 0  # it never ran, but Ryusen cannot know that
 
 
-@pytest.mark.rfd("U2", "U7")
+@pytest.mark.rfd("U2")
 def test_late_result_resolves_unknown_and_later_ones_are_stale() -> None:
     calls: Counter[str] = Counter()
     env = WorkflowEnvironment(payments(calls))
@@ -190,8 +190,8 @@ def test_explicit_retry_fences_g_and_creates_g_plus_one_with_the_same_operation_
     assert after.attempts("charge")[0]["stale_submissions"][0]["reason"] == "a newer generation exists"
 
 
-@pytest.mark.rfd("U6")
-def test_retry_is_refused_when_the_run_is_finished() -> None:
+@pytest.mark.rfd("U5")
+def test_retry_of_a_settled_generation_is_refused_when_the_run_is_finished() -> None:
     calls: Counter[str] = Counter()
     env = WorkflowEnvironment(payments(calls))
     run = env.run("pay", {"amount": 5})
@@ -200,7 +200,57 @@ def test_retry_is_refused_when_the_run_is_finished() -> None:
     assert refused.value.details["code"] == "generation_settled"
 
 
-@pytest.mark.rfd("U9", "S8")
+@pytest.mark.rfd("U6")
+def test_explicit_retry_only_while_forward_execution_or_compensation_is_active() -> None:
+    """An Unknown forward attempt may be retried while the run goes forward, and an Unknown compensation while
+    the unwind runs; between the two (a stop intent written, the unwind not begun) no retry is allowed. Each
+    allowed retry is one write: G settles ``retry_authorized`` (a result for it is then stale) and G+1
+    exists, queued, with G's operation id."""
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(payments(calls))
+
+    def retry(run_id: str, phase: str) -> None:
+        version = env.engine.get_run(run_id).version
+        env.resolve(run_id, "charge", phase=phase, generation=1, action="retry")
+        state = env.engine.get_run(run_id)
+        assert state.version == version + 1  # one write
+        [g, g_plus_one] = env.get(run_id).attempts("charge", phase)
+        assert (g["generation"], g["status"]) == (1, "retry_authorized")
+        assert (g_plus_one["generation"], g_plus_one["status"]) == (2, "queued")
+        assert g_plus_one["operation_id"] == g["operation_id"]
+
+    # forward execution active: allowed
+    env.faults.lose_result("charge")
+    going = env.start("pay", {"amount": 5})
+    env.drive()
+    assert env.get(going).phase == "running"
+    retry(going, "forward")
+    assert env.wait(going).outcome == "completed" and calls["charge"] == 2
+
+    # a stop intent, the unwind not begun: forward is over and compensation has not started
+    env.faults.lose_result("charge")
+    stopped = env.start("pay", {"amount": 5})
+    env.drive()
+    env.cancel(stopped)
+    assert env.get(stopped).phase == "settling"
+    with pytest.raises(ConflictError) as refused:
+        env.resolve(stopped, "charge", generation=1, action="retry")
+    assert refused.value.details["code"] == "retry_after_stop"
+    assert [a["status"] for a in env.get(stopped).attempts("charge")] == ["unknown"]
+
+    # compensation active: allowed
+    env.faults.lose_result("charge", phase="compensation")
+    unwinding = env.start("pay", {"amount": 5, "fail": True})
+    env.drive()
+    assert env.get(unwinding).phase == "compensating"
+    refunds = calls["refund"]
+    retry(unwinding, "compensation")
+    run = env.wait(unwinding)
+    assert run.summary == "failed, fully compensated" and calls["refund"] == refunds + 1
+    assert [a["status"] for a in run.attempts("charge", "compensation")] == ["retry_authorized", "succeeded"]
+
+
+@pytest.mark.rfd("U9")
 def test_forward_retry_after_a_stop_is_refused() -> None:
     calls: Counter[str] = Counter()
     env = WorkflowEnvironment(payments(calls))
