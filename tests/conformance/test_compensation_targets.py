@@ -114,3 +114,45 @@ def test_a_retired_step_is_skipped_without_a_blocker_and_a_missing_compensator_s
     assert run.summary == "cancelled, fully compensated" and refunds == []
     assert run.step("charge")["compensation"]["status"] == "skipped"
     assert "retired" in run.attempts("charge", "compensation")[-1]["detail"]
+
+
+# ---- found by the attack review of decisions 23-29 ---------------------------------------------------------
+
+
+@pytest.mark.rfd("C10")
+def test_a_renamed_step_whose_old_id_is_retired_is_skipped() -> None:
+    def release(renamed: bool) -> Ryusen:
+        app = Ryusen("orders", build_id=f"renamed-{renamed}")
+
+        @app.function("fulfil", retired_steps=("charge",) if renamed else ())
+        def fulfil(order: Any, step: Step) -> Any:
+            step.run("charge-v2" if renamed else "charge", lambda: {"charge_id": "ch_1"})
+            step.run("ship", lambda: {"parcel": "p1"})
+            return "shipped"
+
+        return app
+
+    env = WorkflowEnvironment(release(renamed=False))
+    run_id = env.start("fulfil", {"id": "o1"})
+    env.drive(until=lambda: any(s["id"] == "charge" and s["status"] == "completed" for s in env.get(run_id).steps))
+    env.sync(release(renamed=True))
+    env.cancel(run_id)
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and run.blockers == []
+    assert run.step("charge")["compensation"]["status"] == "skipped"
+
+
+@pytest.mark.rfd("C10", "U11")
+def test_an_operator_retry_of_a_blocked_compensation_keeps_its_reason() -> None:
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    run = env.wait(run_id)
+    generation = run.attempts("charge", "compensation")[-1]["generation"]
+    orders["o1"] = "open"
+    env.resolve(run_id, "charge", phase="compensation", generation=generation, action="retry", reason="RET-42")
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and refunds == [{"charge_id": "ch_1"}]
+    resolution = run.attempts("charge", "compensation")[generation - 1]["resolution"]
+    assert resolution["action"] == "retry" and resolution["reason"] == "RET-42"

@@ -199,11 +199,68 @@ def test_a_step_id_that_changes_on_every_pass_blocks_the_run_within_a_few_passes
     assert len(blocker["step_ids"]) == 4 and all(i.startswith("quote-") for i in blocker["step_ids"])
     assert "changes on every pass" in blocker["message"]
 
-    env.advance(timedelta(hours=2))  # each probe tries one more id, and blocks again
+    steps = len(run.steps)
+    for _ in range(30):  # a month of probes and rediscovers: each asks current code, none adds a step
+        env.advance(timedelta(days=1))
+        env.wait(run_id)
+    env.rediscover(run_id)
     run = env.wait(run_id)
-    assert run.blockers[0]["type"] == "unstable_step_id" and run.blockers[0]["count"] >= 2
-    assert len(run.steps) <= 10 and calls == []
+    assert run.blockers[0]["type"] == "unstable_step_id" and run.blockers[0]["count"] >= 10
+    assert len(run.steps) == steps and run.outcome is None and calls == []
 
     env.sync(quotes(calls, stable=True, build="b2"))  # the fix: a stable id
     run = env.wait(run_id)
     assert run.summary == "completed" and run.output == {"price": 42} and calls == ["quote"]
+
+
+# ---- found by the attack review of decisions 23-29 ---------------------------------------------------------
+
+
+@pytest.mark.rfd("D8", "C5")
+@pytest.mark.parametrize("kept_passes", [False, True])
+def test_a_compensator_that_opens_a_step_runs_at_most_once_per_build(kept_passes: bool) -> None:
+    refunds: list[str] = []
+
+    def release(build: str, *, nest: bool = True) -> Ryusen:
+        app = Ryusen("shop", build_id=build)
+
+        @app.function("fulfil")
+        def fulfil(order: Any, step: Step) -> Any:
+            def refund(charge: Any) -> None:
+                refunds.append(build)
+                if nest:
+                    step.run("email-refund", lambda: "sent")  # refused inside the compensator
+
+            step.run("charge", lambda: {"id": "ch_1"}, compensate=refund)
+            raise RuntimeError("fraud check failed")
+
+        return app
+
+    env = WorkflowEnvironment(release("b1"), kept_passes=kept_passes)
+    run_id = env.start("fulfil")
+    run = env.wait(run_id)
+    assert refunds == ["b1"] and [b["type"] for b in run.blockers] == ["concurrent_step"]
+    for _ in range(5):  # probes and an operator's rediscover, with the same build: nothing runs again
+        env.advance(timedelta(hours=1))
+        env.wait(run_id)
+    env.rediscover(run_id)
+    run = env.wait(run_id)
+    assert refunds == ["b1"] and run.phase == "compensating" and run.blockers[0]["count"] >= 3
+    env.sync(release("b2", nest=False))  # the fix runs the compensator once more
+    run = env.wait(run_id)
+    assert refunds == ["b1", "b2"] and run.summary == "failed, fully compensated"
+
+
+@pytest.mark.rfd("D8")
+def test_going_back_to_a_build_that_nested_does_not_run_the_callback_again() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.sync(shop(charges, refunds, nest=True, build="b2"))
+    env.wait(run_id)
+    app = shop(charges, refunds, nest=True, build="b1")
+    env.sync(app, release_id="b1-again")  # a rollback to the first build
+    env.wait(run_id)
+    assert charges == ["b1", "b2"]  # b1 already showed it nests

@@ -125,3 +125,55 @@ def test_a_compensator_that_returned_too_much_is_a_success_with_a_visible_marker
     assert compensation["status"] == "compensated" and compensation["result"] is None
     assert compensation["omitted_result"]["size"] > 300_000
     assert [a["status"] for a in run.attempts("charge", "compensation")] == ["succeeded"]
+
+
+# ---- found by the attack review of decisions 23-29 ---------------------------------------------------------
+
+
+@pytest.mark.rfd("F13", "F7")
+def test_a_run_that_fails_while_blocked_by_an_oversized_result_undoes_that_step() -> None:
+    refunds: list[Any] = []
+    charges: list[int] = []
+    withdrawn = {"now": False}
+    app = Ryusen("shop")
+
+    @app.function("fulfil")
+    def fulfil(order: Any, step: Step) -> Any:
+        step.run("reserve", lambda: "r", compensate=lambda r: refunds.append(("release", r)))
+        if withdrawn["now"]:  # an external read: the order was withdrawn meanwhile
+            raise RuntimeError("order withdrawn")
+        step.run(
+            "charge",
+            lambda: charges.append(1) or {"id": "ch_1", "pdf": BIG},
+            compensate=lambda c: refunds.append(("refund", type(c).__name__)),
+        )
+        return "ok"
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    withdrawn["now"] = True
+    env.advance(timedelta(minutes=5))  # the probe's pass fails before it reaches the charge
+    run = env.wait(run_id)
+    # the held step stays the run's blocker: only an operator (or a stop) moves it on
+    assert run.outcome is None and [b["type"] for b in run.blockers] == ["result_too_large"]
+    withdrawn["now"] = False  # (a compensation pass that raised before the charge would be a failed attempt)
+    env.cancel(run_id)
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and charges == [1]
+    assert refunds == [("refund", "OmittedResult"), ("release", "r")]
+
+
+@pytest.mark.rfd("F13", "S3")
+def test_a_stop_after_an_operator_retry_still_undoes_the_charge_that_ran() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(payments(charges, refunds, build="b1"))
+    run_id = env.start("pay")
+    env.wait(run_id)
+    env.resolve(run_id, "charge", generation=1, action="retry")
+    env.cancel(run_id)  # before generation 2 is delivered: it is fenced, generation 1's charge still stands
+    run = env.wait(run_id)
+    assert charges == ["b1"] and run.summary == "cancelled, fully compensated"
+    assert [what for what, _ in refunds] == ["refund", "release"]
+    assert isinstance(refunds[0][1], OmittedResult)

@@ -549,7 +549,7 @@ class _Transition:
     def authorize_unless_held(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
         """Authorize, unless an earlier attempt whose callback ran holds the step (``held_by``): its code would
         repeat the effect. The attempt is then fenced and the run stays blocked."""
-        held = self.held_by(step, attempt.phase, release.build_id)
+        held = self.held_by(step, attempt.phase, release.build_id, before=attempt.generation)
         if held is None:
             return self.authorize(step, attempt, task, release)
         self.settle(attempt, AttemptStatus.FENCED, detail=f"not run: held by generation {held[0].generation}")
@@ -559,20 +559,39 @@ class _Transition:
             step.compensation_status = CompensationStatus.PENDING
         return self.definition_conflict(held[1], holds=held[0])
 
-    def held_by(self, step: StepState, phase: Phase, build_id: str | None) -> tuple[Attempt, HeldConflict] | None:
-        """The step's last attempt that ran, if the engine could not take its outcome and must not run its callback
-        again by itself (until an operator resolves it): its callback opened a step with ``build_id``, which would
-        nest again (decisions 23), or it returned a result over the limit (decisions 25)."""
-        ran = self.last_ran(step, phase)
-        if ran is None or ran.resolution is not None:
-            return None
-        if self.result_omitted(step, ran):
+    def held_by(
+        self, step: StepState, phase: Phase, build_id: str | None, *, before: int | None = None
+    ) -> tuple[Attempt, HeldConflict] | None:
+        """An attempt of (step, phase) that ran (before generation ``before``, if given), whose outcome the engine
+        could not take, so that it must not run the callback again by itself until an operator resolves it: the
+        last one returned a result over the limit (decisions 25), or one whose callback opened a step ran with
+        ``build_id``, which would nest again (decisions 23: once per build, also after a rollback)."""
+        ran = self.last_ran(step, phase, before=before)
+        if ran is not None and ran.resolution is None and self.result_omitted(step, ran):
             assert step.omitted_result is not None
             return ran, ResultTooLarge(step_id=step.id, omitted=step.omitted_result)
-        if ran.opened_a_step and build_id is not None and ran.build_id == build_id:
-            conflict = nested_step_conflict(ran.error)
-            assert conflict is not None
-            return ran, conflict
+        if build_id is None:
+            return None
+        for attempt in reversed(step.attempts):
+            if (
+                attempt.phase is phase
+                and (before is None or attempt.generation < before)
+                and attempt.opened_a_step
+                and attempt.resolution is None
+                and attempt.build_id == build_id
+            ):
+                conflict = nested_step_conflict(attempt.error)
+                assert conflict is not None
+                return attempt, conflict
+        return None
+
+    def held_by_oversized_result(self) -> tuple[Attempt, HeldConflict] | None:
+        """The attempt whose oversized result holds the run (its blocker names the step), if any."""
+        for blocker in self.s.blockers:
+            if blocker.type is BlockerType.RESULT_TOO_LARGE and blocker.step_id is not None:
+                step = self.s.step(blocker.step_id)
+                if step is not None and (held := self.held_by(step, Phase.FORWARD, None)) is not None:
+                    return held
         return None
 
     @staticmethod
@@ -586,10 +605,14 @@ class _Transition:
         )
 
     @staticmethod
-    def last_ran(step: StepState, phase: Phase) -> Attempt | None:
-        """The latest attempt of (step, phase) that was not fenced before it ran."""
+    def last_ran(step: StepState, phase: Phase, *, before: int | None = None) -> Attempt | None:
+        """The latest attempt of (step, phase) (before generation ``before``) that was not fenced before it ran."""
         for attempt in reversed(step.attempts):
-            if attempt.phase is phase and attempt.status is not AttemptStatus.FENCED:
+            if (
+                attempt.phase is phase
+                and (before is None or attempt.generation < before)
+                and attempt.status is not AttemptStatus.FENCED
+            ):
                 return attempt
         return None
 
@@ -864,6 +887,10 @@ class _Transition:
         """What a discovery pass (or the continuation after a callback) found, with current code."""
         s = self.s
         s.discoveries += 1
+        if (held := self.held_by_oversized_result()) is not None:
+            # a callback ran and returned too much: whatever current code does now (reaches another step,
+            # completes, fails), only an operator or a stop moves the run on (decisions 25)
+            return self.definition_conflict(held[1], holds=held[0])
         if isinstance(response, StepReached):
             plan = response.step
             known = s.step(plan.id)
@@ -874,8 +901,9 @@ class _Transition:
             verdict = self.unstable_step_id(plan) if known is None else None
             if isinstance(verdict, UnstableStepId):
                 return self.definition_conflict(verdict)
-            if verdict != "trial":  # a trial keeps its blocker until a step completes (or it blocks again)
-                self.clear_definition_blockers()
+            if verdict == "confirming":
+                return None
+            self.clear_definition_blockers()
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
@@ -914,24 +942,27 @@ class _Transition:
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
 
-    def unstable_step_id(self, plan: StepPlan) -> UnstableStepId | Literal["trial"] | None:
+    def unstable_step_id(self, plan: StepPlan) -> UnstableStepId | Literal["confirming"] | None:
         """A new step id where the last steps the run added, at the same location, were each abandoned before
         any attempt ran (its pass met yet another new id first): an id that changes on every pass, such as one
         made from a random number or the clock (decisions 29). Blocks before the run burns its step budget.
 
-        After a wake of the blocked run (a release, the probe, an operator), one new id is let through as a
-        ``"trial"``, so that a fix is tried: the blocker stays, naming it, until a step completes; if the trial's
-        id is abandoned too, the next new id blocks again (the same conflict, counted)."""
+        While blocked, a wake's pass (a release, the probe, an operator) that announces a new id adds no step:
+        the id becomes the blocker's candidate and another pass is asked for (``"confirming"``). The same id
+        again is stable (None: the step is recorded and runs); another id blocks again, counted (D7)."""
         s = self.s
-        last = s.steps[-1] if s.steps else None
         blocker = next((b for b in s.blockers if b.type is BlockerType.UNSTABLE_STEP_ID), None)
         if blocker is not None:
-            tried = blocker.step_ids[-1] if blocker.step_ids else None
-            if last is None or last.id != tried or not self.abandoned(last, plan.location):
-                blocker.step_ids = [*(blocker.step_ids or []), plan.id][-10:]
-                self.touch()
-                return "trial"
-            return UnstableStepId(step_ids=(*(blocker.step_ids or [])[-3:], plan.id), location=plan.location)
+            candidate, blocker.candidate_step_id = blocker.candidate_step_id, None
+            self.touch()
+            if candidate is None:
+                blocker.candidate_step_id = plan.id
+                self.queue_discovery()
+                return "confirming"
+            if candidate == plan.id:
+                return None
+            earlier = (blocker.step_ids or [])[-3:]
+            return UnstableStepId(step_ids=(*earlier, candidate, plan.id), location=plan.location)
         n = self.settings.unstable_after
         recent = s.steps[-n:]
         if len(recent) < n or not all(self.abandoned(step, plan.location) for step in recent):
@@ -1321,6 +1352,7 @@ class _Transition:
             s.run_bytes += value_size(response.result)
             step.status = StepStatus.COMPLETED
             step.result = response.result
+            step.omitted_result = None  # a later generation's success replaces an oversized one
             step.error = None
             s.completion_seq += 1
             step.completed_seq = s.completion_seq
@@ -1521,6 +1553,11 @@ class _Transition:
             s.phase = RunPhase.SETTLING
             return None
         s.discovery = None
+        for found in s.steps:
+            if found.omitted_result is not None and found.status is not StepStatus.COMPLETED:
+                # its callback ran and succeeded with a result too large to record (decisions 25): accepted, so
+                # it is undone in its place, also when a retry the operator allowed had not settled
+                self.edit(found).status = StepStatus.COMPLETED
         completed = sorted(
             (step for step in s.steps if step.status is StepStatus.COMPLETED),
             key=lambda st: st.completed_seq or 0,
@@ -1588,9 +1625,6 @@ class _Transition:
             s.discovery = None  # S4: its report will be discarded
         for found in s.steps:
             current = found.current(Phase.FORWARD)
-            if current is not None and self.result_omitted(found, current):
-                self.edit(found).status = StepStatus.COMPLETED  # accepted: it joins the unwind (decisions 25)
-                continue
             if current is not None and current.opened_a_step and found.status is StepStatus.PENDING:
                 # blocked by a callback that opened a step (decisions 23): it ran and failed, and no retry follows
                 step = self.edit(found)
@@ -1717,6 +1751,9 @@ class _Transition:
             return self.reject(too_large.type, too_large.message)
         self.clear_definition_blockers()
         if event.action == "retry":
+            fenced = step.current(Phase.COMPENSATION)
+            assert fenced is not None
+            fenced.resolution = Resolution(action="retry", at=self.now, reason=event.reason, by=event.by)
             self.queue_attempt(step, Phase.COMPENSATION)
             return None
         resolved = self.new_attempt(step, Phase.COMPENSATION)
@@ -1758,8 +1795,8 @@ class _Transition:
         self.clear_definition_blockers()
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         attempt.resolution = resolution
-        if step.omitted_result is not None and event.phase is Phase.FORWARD:
-            step.omitted_result, step.completed_seq = None, None  # what comes next decides the step's outcome
+        if step.omitted_result is not None and event.action == "fail":
+            step.omitted_result, step.completed_seq = None, None  # the operator says it did nothing to undo
         self.touch()
         if event.action == "retry":
             if event.phase is Phase.FORWARD:

@@ -308,6 +308,8 @@ class Blocker(_State):
     """result_too_large: the result's serialized size, and the limit it is over."""
     step_ids: list[str] | None = None
     """unstable_step_id: the ids that passes announced at one location and then abandoned, and the newest."""
+    candidate_step_id: str | None = None
+    """unstable_step_id: the new id a wake's pass announced, which the next pass must announce again."""
     count: int = 1
     first_seen_at: datetime
     last_seen_at: datetime

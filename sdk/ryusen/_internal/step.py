@@ -456,6 +456,10 @@ class _Replay:
                 self._stop(step_id, location, display, plan)
             if step_id != self.target:
                 assert self.target is not None
+                if self.kind is TaskKind.COMPENSATE and self.target in self.retired_steps:
+                    # the release retired the target: a step it no longer reaches is no conflict (decisions 24)
+                    detail = f"current code reaches step {step_id!r} and retires step {self.target!r}"
+                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="retired"))
                 if self.kind is TaskKind.COMPENSATE and self.target_without_compensator is None:
                     met = Occurrence(step_id=step_id, location=location, name=display)
                     conflict = NewStepBeforeTarget(step_id=self.target, first=met)
