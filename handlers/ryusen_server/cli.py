@@ -357,6 +357,9 @@ _OCCURRENCE_LABELS = {  # how a blocker names the two calls it is about
     "duplicate_step_id": (("first", "first call"), ("duplicate", "duplicate call")),
     "concurrent_step": (("first", "open step"), ("second", "then started")),
     "new_step_before_target": (("first", "new step"), ("second", "before target")),
+    "compensation_target_not_reached": (("second", "step to undo"),),
+    "result_too_large": (("first", "step"),),
+    "unstable_step_id": (("first", "step id made"),),
 }
 
 
@@ -463,6 +466,16 @@ class _RunRenderer:
         ]
         if blocker.get("type") == "unknown_outcome" and blocker.get("phase") and blocker.get("generation"):
             return [*lines, "once you know what the attempt did:", *resolve]
+        held = blocker.get("type") in ("result_too_large", "concurrent_step") and blocker.get("generation")
+        if held:  # a callback that ran, whose outcome Ryusen could not take (decisions 23, 25)
+            lines += ["once you know what the callback did (or to run it again, with consent):", *resolve]
+            if blocker.get("type") == "concurrent_step":
+                lines += ["or sync a build that moves the inner step out of the callback"]
+            return lines
+        if blocker.get("type") == "compensation_target_not_reached" and blocker.get("generation"):
+            lines += ["rediscover with current code:", f"  ryusen rediscover {run_id}"]
+            lines += ["or, once you have undone the effect yourself (or there is nothing to undo):", resolve[0]]
+            return [*lines, "    (--succeed RESULT_JSON | --fail MESSAGE | --skip) --reason TEXT"]
         if blocker.get("type") in DEFINITION_BLOCKERS:
             lines += ["rediscover with current code:", f"  ryusen rediscover {run_id}"]
             if blocker.get("type") == "new_step_before_target" and blocker.get("generation"):
@@ -497,6 +510,12 @@ class _RunRenderer:
                 notes.append(f"stale result ignored ({submission.get('reason', 'stale')})")
             if dropped := attempt.get("stale_submissions_dropped"):
                 notes.append(f"{dropped} more stale result(s) ignored, not recorded")
+            if unknown := attempt.get("unknown"):  # decisions 28: it stays in the history
+                notes.append(f"was unknown from {self.time(unknown.get('at'))}: {unknown.get('reason')}")
+            if resolution := attempt.get("resolution"):
+                by = f" by {resolution['by']}" if resolution.get("by") else ""
+                why = f": {resolution['reason']}" if resolution.get("reason") else ""
+                notes.append(f"operator {resolution.get('action')}{by} at {self.time(resolution.get('at'))}{why}")
             release = attempt.get("release_id")
             if release and release != self.last_release:
                 notes.append(f"release {release}")

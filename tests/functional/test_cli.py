@@ -899,3 +899,34 @@ def test_key_derive_prints_the_apps_own_key_which_the_server_derives_too(monkeyp
     monkeypatch.delenv("RYUSEN_MASTER_KEY")
     refused = CliRunner().invoke(cli.cli, ["key", "derive", "shop"])
     assert refused.exit_code != 0 and "no master key" in refused.output
+
+
+def test_show_keeps_an_unknown_and_a_resolution_in_the_history_and_offers_the_skip(server: FakeServer) -> None:
+    """Decisions 24 and 28 in the CLI: when and why an attempt was Unknown, who resolved it and why, and the
+    commands that move a blocked unwind on."""
+    app = Ryusen("history")
+    guard = {"ends_early": False}
+
+    @app.function("pay")
+    def pay(order: Any, step: Step) -> Any:
+        if guard["ends_early"]:
+            return "order withdrawn"
+        step.run("charge", lambda: {"charge_id": "ch_1"}, compensate=lambda c: None)
+        step.run("ship", lambda: "shipped")
+        raise RuntimeError("rejected")
+
+    env = WorkflowEnvironment(app)
+    env.faults.lose_result("ship")
+    run_id = env.start("pay")
+    env.wait(run_id)
+    env.cancel(run_id)  # settling: the unwind waits for the Unknown shipment
+    guard["ends_early"] = True
+    env.resolve(run_id, "ship", generation=1, action="succeed", result="shipped", reason="courier confirmed")
+    env.wait(run_id)
+    view = env.get(run_id).raw
+    assert [b["type"] for b in view["blockers"]] == ["compensation_target_not_reached"]
+    server.on("GET", f"/v1/runs/{run_id}", view)
+    text = " ".join(ryusen("show", run_id).stdout.split())
+    assert "was unknown from" in text and "injected: response lost" in text
+    assert "operator succeed by ryusen.testing" in text and "courier confirmed" in text
+    assert f"ryusen rediscover {run_id}" in text and "--skip" in text
