@@ -128,7 +128,7 @@ def test_a_pass_kept_longer_than_its_idle_time_ends_and_the_step_replays() -> No
     tally = Tally()
     app = chain_app(tally)
     app.kept_passes.idle_s = 0.05
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.faults.before_invoke("s2", lambda: time.sleep(0.3))
         run = run_steps(env, 4)
     assert run.outcome == "completed" and run.output == 6
@@ -143,7 +143,7 @@ def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
     tally = Tally()
     app = chain_app(tally)
     app.kept_passes.capacity = 1
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         first, second = env.start("steps", {"n": 5}), env.start("steps", {"n": 5})
         env.drive(chain=False)
         views = [env.get(first), env.get(second)]
@@ -250,7 +250,7 @@ def test_an_engine_that_no_longer_holds_the_memo_it_sent_gets_a_replay() -> None
     a new token, which is not the one the pass extends, so the pass ends and the step replays."""
     tally = Tally()
     app = chain_app(tally)
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.engine.sent_memos.capacity = 0
         run = run_steps(env, 5)
     assert run.outcome == "completed" and run.output == 10
@@ -270,7 +270,7 @@ def test_a_lost_result_retried_by_an_operator_runs_the_step_again_and_the_rest_o
         finally:
             tally.done()
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.faults.lose_result("b")
         run_id = env.start("abc")
         env.drive(chain=True, stop_when_blocked=run_id)
@@ -294,7 +294,7 @@ def test_an_async_function_is_not_kept() -> None:
     async def two(data: Any, step: Step) -> Any:
         return [await step.run(s, lambda s=s: ran.append(s) or s) for s in ("a", "b")]
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         run = env.run("two")
     assert run.outcome == "completed" and run.output == ["a", "b"] and ran == ["a", "b"]
     assert app.kept_passes.started == 0 and app.kept_passes.resumed == 0
@@ -331,7 +331,7 @@ def memory_app(ran: list[str]) -> Ryusen:
 def test_check_discovery_names_the_step_a_callback_s_memory_decided() -> None:
     ran: list[str] = []
     with (
-        WorkflowEnvironment(memory_app(ran), check_discovery=True) as env,
+        WorkflowEnvironment(memory_app(ran), kept_passes=True, check_discovery=True) as env,
         pytest.raises(DiscoveryDivergenceError) as caught,
     ):
         env.run("book")
@@ -345,7 +345,7 @@ def test_without_the_check_a_choice_made_from_memory_is_revisited_by_the_next_re
     replayed from the recorded results, and that replay, as a cold endpoint does from the start, sees no
     confirmation: notify is a newly encountered step and runs. Every step still runs once."""
     kept: list[str] = []
-    with WorkflowEnvironment(memory_app(kept)) as env:
+    with WorkflowEnvironment(memory_app(kept), kept_passes=True) as env:
         warm = env.run("book")
     cold: list[str] = []
     with WorkflowEnvironment(memory_app(cold), kept_passes=False) as env:
@@ -359,9 +359,9 @@ def test_without_the_check_a_choice_made_from_memory_is_revisited_by_the_next_re
 def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() -> None:
     tally = Tally()
     app = chain_app(tally)
-    with WorkflowEnvironment(app, check_discovery=True) as env:
+    with WorkflowEnvironment(app, kept_passes=True, check_discovery=True) as env:
         run = run_steps(env, 8)
-    assert run.outcome == "completed" and run.output == 28 and app.discovery_divergences == []
+    assert run.outcome == "completed" and run.output == 28 and env.discovery_divergences == []
     assert app.kept_passes.resumed == 7
 
 
@@ -556,7 +556,7 @@ def test_a_failure_only_the_kept_pass_met_is_logged(caplog: pytest.LogCaptureFix
         check_quota()
         return [a, step.run("b", lambda: 2)]
 
-    with caplog.at_level(logging.WARNING, logger="ryusen"), WorkflowEnvironment(app) as env:
+    with caplog.at_level(logging.WARNING, logger="ryusen"), WorkflowEnvironment(app, kept_passes=True) as env:
         run = env.run("f")
     assert run.outcome == "completed" and run.output == [1, 2]
     assert any(
@@ -615,7 +615,7 @@ def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() ->
             seen_by_body.append(marker.get())
         return rows
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         # request 1 is the discovery, request 2 starts the pass at s0
         behind_middleware(env, app, lambda n: span.set("span-of-request-2") if n == 2 else None)
         run = env.run("f")

@@ -33,8 +33,9 @@ What a kept pass changes for the function is only what a replay would have recom
 ``step.run`` runs once per execution instead of once per task, so what it keeps in memory (or what a
 callback left there) is still there at the next step. RFD 1 allows this ("discovery is repeatable
 orchestration"), and it is why a value later steps rely on belongs in a step's result: a replay from the
-top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` can check a
-workflow for this (``WorkflowEnvironment(check_discovery=True)``).
+top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` therefore replays
+every task from the top unless a test asks for kept passes (decisions 27), and with them can compare each
+pass with a replay (``WorkflowEnvironment(kept_passes=True, check_discovery=True)``).
 
 A pass is kept only while it is simple enough to be the same as a replay: every ``step.run`` came from
 the thread the function runs on, and none was refused (``ConcurrentStepError``). A pass that spreads its
