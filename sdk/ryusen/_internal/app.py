@@ -369,6 +369,7 @@ class Ryusen:
         """One pass of a plain function: what the replay reports once the function returned or raised."""
         output: Any = None
         raised: BaseException | None = None
+        replay.function_thread = threading.get_ident()
         try:
             output = registered.fn(request.input, Step(replay))
         except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a pass-ending Suspend too)
@@ -435,6 +436,7 @@ class Ryusen:
     async def _pass_async(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         raised: BaseException | None = None
         output: Any = None
+        replay.function_thread = threading.get_ident()  # the event loop's
         try:
             output = await registered.fn(request.input, AsyncStep(replay))
         except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)

@@ -37,10 +37,10 @@ top (a cold endpoint, another instance) sees only recorded results. ``ryusen.tes
 every task from the top unless a test asks for kept passes (decisions 27), and with them can compare each
 pass with a replay (``WorkflowEnvironment(kept_passes=True, check_discovery=True)``).
 
-A pass is kept only while it is simple enough to be the same as a replay: every ``step.run`` came from
-the thread the function runs on, and none was refused (``ConcurrentStepError``). A pass that spreads its
-steps over threads gets the continuation replayed from the top, as before. Async functions are not kept
-(each request runs them on a loop of its own).
+A pass is kept only while it is simple enough to be the same as a replay: no ``step.run`` was refused
+(``ConcurrentStepError``). A ``step.run`` from a thread that is not the pass's own is always refused, kept
+pass or not (decisions 18, ``tests/conformance/test_steps_from_threads.py``), so a pass never spreads its
+steps over threads. Async functions are not kept (each request runs them on a loop of its own).
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class LivePass:
         self._thread.start()
 
     def _main(self) -> None:
-        self.thread_id = threading.get_ident()  # before the function runs: the replay compares with it
+        # before the function runs: the replay refuses a step from any other thread
+        self.thread_id = self.replay.function_thread = threading.get_ident()
         output: Any = None
         raised: BaseException | None = None
         try:

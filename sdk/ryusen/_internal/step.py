@@ -355,6 +355,9 @@ class _Replay:
         self.keepable = True
         """Every ``step.run`` so far came from the thread the function runs on, and none was refused: only
         such a pass may go on after its callback (anything else gets a replay from the top, as before)."""
+        self.function_thread: int | None = None
+        """The thread the function runs on (set by what runs it): a ``step.run`` from any other thread is
+        refused (decisions 18), whatever the timing."""
 
     # ---- step.run -----------------------------------------------------------------
 
@@ -380,6 +383,8 @@ class _Replay:
                 raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
             if self.stopped_at is not None:
                 return self._after_stop(step_id, location, _display_name(fn, name))
+            if self.function_thread is not None and threading.get_ident() != self.function_thread:
+                self._refuse_from_another_thread(step_id, location, _display_name(fn, name))
             first = self.seen.get(step_id)
             seen = _Seen(location, fn, name)
             display = seen.name if first is not None or step_id == self.target else ""
@@ -482,6 +487,18 @@ class _Replay:
         """The target callback is about to run: from now on this task reports its outcome."""
         self.stopped_at = _Open(step_id, location, name, _context())
         self.entered = True
+
+    def _refuse_from_another_thread(self, step_id: str, location: str | None, name: str) -> NoReturn:
+        """A ``step.run`` from a thread that is not the function's, with no step open: two at once with the
+        function itself, so refused by where it comes from rather than by timing (decisions 18). The pass
+        ends at it with a ``concurrent_step`` conflict: the function's thread meets that end at its next
+        ``step.run``, and another thread's step is refused as a second step after this one."""
+        self.keepable = False
+        refused = Occurrence(step_id=step_id, location=location, name=name)
+        function = Occurrence(name="the workflow function's own thread")
+        self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=function, second=refused))
+        self.stopped_at = _Open(step_id, location, name, (self.function_thread or 0, None))
+        raise ConcurrentStepError(step_id, open_step_id="", from_another_thread=True)
 
     def _after_stop(self, step_id: str, location: str | None, name: str) -> tuple[str, Any]:
         """``step.run`` after the pass stopped: the suspension again, or two steps at once."""
