@@ -796,8 +796,10 @@ class Step:
 class AsyncStep:
     """The ``step`` of an ``async def`` workflow function: ``await step.run(...)``.
 
-    Accepts sync and async callbacks alike. Await each step before starting
-    the next: ``asyncio.gather`` of two steps is refused (:class:`ConcurrentStepError`).
+    Accepts sync and async callbacks alike: a plain (not ``async def``) callback
+    runs on a worker thread, with the context it was called in, so that it does not
+    hold the event loop. Await each step before starting the next: ``asyncio.gather``
+    of two steps is refused (:class:`ConcurrentStepError`).
     """
 
     def __init__(self, replay: _Replay) -> None:
@@ -828,10 +830,41 @@ class AsyncStep:
                 return value  # type: ignore[no-any-return]
             if action == "park":
                 await replay.park()
-            call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
+            compensating = replay.kind is TaskKind.COMPENSATE
+            call = value if compensating else (lambda: value(*args, **kwargs))
+            if not _is_async(compensate if compensating else fn):
+                call = _off_the_loop(call)  # a plain callback must not hold the event loop (other requests')
             await replay.run_callback_async(call)
 
         return run()
+
+
+def _is_async(fn: Any) -> bool:
+    """``fn`` is an ``async def`` (a function, a method, a partial of one, or an object with an async ``__call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _off_the_loop(call: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    """A plain callback of an async function, run on a worker thread of the event loop, so that the loop goes on
+    serving other requests while it blocks; in a copy of the context it is called in (``ryusen.operation()``
+    works there). What it returns, if awaitable (``lambda: fetch(url)``), is awaited on the loop. The callback
+    cannot be stopped once started: if the function stops waiting for it (a timeout around ``step.run``), it
+    still runs to its end and its outcome is the attempt's (decisions 16), as it was when it ran on the loop."""
+
+    async def run() -> Any:
+        finished = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, call)
+        while True:
+            try:
+                result = await asyncio.shield(finished)
+                break
+            except asyncio.CancelledError:
+                if finished.cancelled():  # pragma: no cover - the executor was shut down under it
+                    raise
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    return run
 
 
 def _close(obj: Any) -> None:
