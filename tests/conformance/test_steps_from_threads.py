@@ -59,12 +59,16 @@ def test_a_step_handed_to_another_thread_is_refused_even_when_no_other_step_is_o
     ran: list[str] = []
     refused: list[ConcurrentStepError] = []
 
+    def effect(name: str) -> str:
+        ran.append(name)
+        return f"{name}-done"
+
     @app.function("pay")
     def pay(data: Any, step: Step) -> Any:
-        step.run("reserve", lambda: ran.append("reserve") or "r1")
+        step.run("reserve", effect, "reserve")
         with ThreadPoolExecutor(1) as pool:
             try:
-                return pool.submit(step.run, "charge", lambda: ran.append("charge") or "ch_1").result()
+                return pool.submit(step.run, "charge", effect, "charge").result()
             except ConcurrentStepError as exc:
                 refused.append(exc)
                 raise
