@@ -137,9 +137,10 @@ def test_a_pass_kept_longer_than_its_idle_time_ends_and_the_step_replays() -> No
     assert app.kept_passes.started == 2 and app.kept_passes.resumed == 2
 
 
-def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
-    """Capacity 1 and two runs whose steps interleave (each step goes through the queue): each pass pushes
-    the other run's out, so every attempt replays, and both runs are still right."""
+def test_runs_beyond_the_capacity_replay_instead_of_pushing_a_kept_pass_out() -> None:
+    """Capacity 1 and two runs whose steps interleave (each step goes through the queue): the first run keeps
+    its pass to the end, the second replays from the top until there is room (each pushing the other's out
+    resumed none: test_kept_memory.py), and both runs are right."""
     tally = Tally()
     app = chain_app(tally)
     app.kept_passes.capacity = 1
@@ -151,6 +152,7 @@ def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
     assert [v.outcome for v in views] == ["completed", "completed"] and [v.output for v in views] == [10, 10]
     assert tally.callbacks == Counter({f"s{i}": 2 for i in range(5)})
     assert tally.finallys == tally.tops and left == 0
+    assert app.kept_passes.resumed == 4 and app.kept_passes.started == 2  # the second run's last step has room
 
 
 @KEPT

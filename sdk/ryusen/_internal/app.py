@@ -165,7 +165,7 @@ class Ryusen:
         memory, or with ``RYUSEN_REPLAY_TABLE`` (or ``seen_requests``) a store every instance shares."""
         self.memo_cache = MemoCache()
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
-        self.kept_passes = KeptPasses(kept_passes)
+        self.kept_passes = KeptPasses(kept_passes, memos=self.memo_cache)
         """Executions of chained runs' functions waiting at their next step for its attempt, so that it need not
         replay from the top (``kept.py``): at most ``kept_passes`` (default 256, ``RYUSEN_KEPT_PASSES``; 0: none)."""
 
@@ -293,8 +293,10 @@ class Ryusen:
             and self.kept_passes.capacity > 0
             and (options is None or options.kept_passes)
         ):
-            return self._execute_kept(registered, request, sent, options)
-        if len(self.kept_passes):
+            served = self._execute_kept(registered, request, sent, options)
+            if served is not None:
+                return served
+        elif len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request))
@@ -306,21 +308,25 @@ class Ryusen:
         request: TaskRequest,
         sent: TaskRequest | None,
         options: ServeOptions | None,
-    ) -> TaskResponse:
+    ) -> TaskResponse | None:
         """A chained forward attempt, served by the run's kept pass when it waits at this step, or by a new one
-        (``kept.py``); the pass goes on after a successful callback, and is kept at the next step."""
+        (``kept.py``); the pass goes on after a successful callback, and is kept at the next step. None: no pass
+        waits for it and none may start (the registry's bounds): the attempt replays from the top."""
         kept = self.kept_passes
         live = kept.take(request.run_id)
         if live is not None and (sent is None or not live.resume(request, sent)):
             live.end()
+            kept.not_resumed(request.run_id)
             live = None
         if live is None:
+            if not kept.admits(request):
+                return None
             run_input = _fresh(request.input)  # the pass may change its input; a replay needs it as it arrived
             live = LivePass(registered, request, idle_s=kept.idle_s)
             kept.start(live)
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
-            kept.resumed += 1
+            kept.resumed_by(request.run_id)
         live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
         give_up_s = None
         if request.respond_by is not None:  # well after the server has stopped listening (kept.py)
