@@ -164,7 +164,7 @@ def bench_testing(steps: int, result_bytes: int | None, store: str, *, report_it
         namespace: dict[str, Any] = {}
         exec(compile(APP_SOURCE, "bench_app.py", "exec"), namespace)
         settings = EngineSettings(max_steps=max(steps, 1000))
-        with WorkflowEnvironment(namespace["app"], store=store, settings=settings) as env:
+        with WorkflowEnvironment(namespace["app"], store=store, settings=settings, kept_passes=True) as env:
             env.counter.reset()
             sizes = WriteSizes(env.counter)
             started = time.perf_counter()

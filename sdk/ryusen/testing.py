@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ryusen._internal.app import HandlerResponse, Ryusen
+from ryusen._internal.app import DiscoveryDivergence, HandlerResponse, Ryusen, ServeOptions
 from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign, url_path
 from ryusen._internal.wire import SDK_FEATURES, LateResult, Manifest, Phase, TaskKind, TaskRequest, late_result_scope
 
@@ -206,8 +206,8 @@ class _Crash(BaseException):
 
 
 class DiscoveryDivergenceError(AssertionError):
-    """With ``check_discovery=True``: an execution that went on after a step reached another next step than a
-    discovery from the recorded results does (the message names both, and the run)."""
+    """With ``kept_passes=True, check_discovery=True``: an execution that went on after a step reached another
+    next step than a discovery from the recorded results does (the message names both, and the run)."""
 
 
 class WorkflowEnvironment:
@@ -223,7 +223,7 @@ class WorkflowEnvironment:
         store: str = "memory",
         chain_steps: bool = True,
         signing: bool = True,
-        kept_passes: bool = True,
+        kept_passes: bool = False,
         check_discovery: bool = False,
     ) -> None:
         """``store="moto"`` keeps runs in Ryusen's DynamoDB store on an in-process moto
@@ -235,13 +235,19 @@ class WorkflowEnvironment:
         ``signing=False`` runs unsigned, as insecure local mode does (for a test that rewrites what an
         endpoint answers); by default every task is signed as on a deployment.
 
-        ``kept_passes=False`` turns off the SDK's kept passes for the apps served here (as
-        ``RYUSEN_KEPT_PASSES=0`` does): every task replays the function from the top, as a cold endpoint does.
+        By default every task replays the function from the top, as after a restart, on another endpoint
+        instance or after a transient error: a workflow whose next step needs what a callback left in memory
+        (a token stored on a client made outside ``step.run``) fails here as it does there (decisions 27).
+        ``kept_passes=True`` serves the apps as a warm endpoint process does: one execution of a chained run's
+        function goes on from step to step (a kept pass), so such a workflow passes while nothing replays.
 
-        ``check_discovery=True`` also replays from the top wherever a kept pass goes on to a next step, and
-        raises :class:`DiscoveryDivergenceError` when the two reach different steps: code outside ``step.run``
-        that decides from state a callback left in memory (or a clock, a random value). RFD 1 allows such code;
-        the check is for a workflow whose choices must hold on any endpoint instance."""
+        ``check_discovery=True`` (with ``kept_passes=True``) also replays from the top wherever a kept pass goes
+        on to a next step, and raises :class:`DiscoveryDivergenceError` when the two reach different steps: code
+        outside ``step.run`` that decides from state a callback left in memory (or a clock, a random value).
+        Without kept passes there is nothing to compare: every task already replays from the top.
+
+        These options hold for this environment only: the apps served here are not changed, so an app served by
+        several environments (one after another, or at once) gets each one's options in each."""
         self.clock = VirtualClock(start)
         self.counter = RequestCounter()
         self._mock: Any = None
@@ -280,8 +286,11 @@ class WorkflowEnvironment:
         self.engine.chain_guards.append(lambda: self._chain)
         self._apps: dict[str, Ryusen] = {}
         self._keys: dict[str, list[str]] = {}
-        self._kept_passes = kept_passes
-        self._check_discovery = check_discovery
+        self.discovery_divergences: list[DiscoveryDivergence] = []
+        """What ``check_discovery`` found and ``drive`` has not raised yet."""
+        self._options = ServeOptions(
+            kept_passes=kept_passes, on_divergence=self.discovery_divergences.append if check_discovery else None
+        )
         for app in apps:
             self.sync(app)
 
@@ -321,11 +330,6 @@ class WorkflowEnvironment:
         previous = self._apps.get(url)
         if previous is not None and previous is not app:
             previous.kept_passes.clear()  # the endpoint is replaced: what the old code kept running ends
-        if not self._kept_passes:
-            app.kept_passes.capacity = 0
-            app.kept_passes.clear()
-        if self._check_discovery:
-            app.check_discovery = True
         self._apps[url] = app
         self.invoker.apps[url] = self.endpoint(app)
         manifest = app.manifest()
@@ -334,14 +338,19 @@ class WorkflowEnvironment:
         self.engine.sync_release(app.app_id, url, manifest, frozenset(SDK_FEATURES))
 
     def endpoint(self, app: Ryusen) -> Callable[[str, dict[str, str], bytes], HandlerResponse]:
-        """``app``'s handler as its endpoint would run it: with its own keys, or if it has none, the key this
-        environment's engine derives for it from the master it signs with."""
+        """``app``'s handler as its endpoint would run it, with this environment's options: with its own keys, or
+        if it has none, the key this environment's engine derives for it from the master it signs with."""
+        options = self._options
         if app.signing_keys:
-            return app.handle
+            return lambda method, headers, body: app._serve(
+                method, headers, body, "/", app.signing_keys, options=options
+            )
         master = self.engine.master_keys()
         keys = [app_key(master[0], app.app_id)] if master else []
         self._keys[app.app_id] = keys
-        return lambda method, headers, body: app._serve(method, headers, body, "/", keys, insecure=not keys)
+        return lambda method, headers, body: app._serve(
+            method, headers, body, "/", keys, insecure=not keys, options=options
+        )
 
     def _signed_late_result(self, app_id: str, late: LateResult) -> dict[str, str]:
         """The headers the SDK of app ``app_id`` sends a late result with."""
@@ -495,10 +504,8 @@ class WorkflowEnvironment:
         raise RuntimeError("workflow did not settle within max_transitions")
 
     def _raise_divergences(self) -> None:
-        for app in self._apps.values():
-            if app.discovery_divergences:
-                divergence = app.discovery_divergences.pop(0)
-                raise DiscoveryDivergenceError(divergence.describe())
+        if self.discovery_divergences:
+            raise DiscoveryDivergenceError(self.discovery_divergences.pop(0).describe())
 
     def _waits_for_someone(self, run_id: str) -> bool:
         """The run has a blocker that only a release, an operator or a late result removes (an endpoint

@@ -40,31 +40,39 @@ CHAINING = pytest.mark.parametrize("chain_steps", [False, True], ids=["one task 
 
 
 @CHAINING
-def test_a_step_refused_in_another_thread_during_the_callback_still_runs_later(chain_steps: bool) -> None:
-    """A thread's ``step.run`` is refused while the target callback runs; the function handles that and goes
-    on. The pass after the callback is a fresh replay, which reaches the step and runs it."""
-    app = Ryusen("threads")
+def test_a_step_from_another_thread_is_refused_until_a_release_runs_it_on_the_function_s_thread(
+    chain_steps: bool,
+) -> None:
+    """A thread's ``step.run`` is refused however it overlaps the function's own step (decisions 18), even when
+    the function handles the refusal: the run blocks, no callback runs, and a release that starts the step from
+    the function's own thread wakes it."""
     ran: list[str] = []
 
-    def a() -> int:
-        ran.append("a")
-        time.sleep(0.3)
-        return 1
+    def release(threaded: bool) -> Ryusen:
+        app = Ryusen("threads", release_id=f"threaded-{threaded}", build_id=f"b-{threaded}")
 
-    @app.function("fan")
-    def fan(data: Any, step: Step) -> Any:
-        def best_effort_b() -> Any:
-            time.sleep(0.1)
-            try:
-                return step.run("b", lambda: ran.append("b") or 2)
-            except ConcurrentStepError:
-                return "b-later"
+        @app.function("fan")
+        def fan(data: Any, step: Step) -> Any:
+            def best_effort_b() -> Any:
+                try:
+                    return step.run("b", lambda: ran.append("b") or 2)
+                except ConcurrentStepError:
+                    return "b-later"
 
-        with ThreadPoolExecutor(2) as pool:
-            first, second = pool.submit(step.run, "a", a), pool.submit(best_effort_b)
-            return [first.result(), second.result()]
+            if not threaded:
+                return [step.run("a", lambda: ran.append("a") or 1), best_effort_b()]
+            with ThreadPoolExecutor(2) as pool:
+                second = pool.submit(best_effort_b)
+                return [step.run("a", lambda: ran.append("a") or 1), second.result()]
 
-    run = WorkflowEnvironment(app, chain_steps=chain_steps).run("fan")
+        return app
+
+    env = WorkflowEnvironment(release(threaded=True), chain_steps=chain_steps)
+    run_id = env.start("fan")
+    [blocker] = env.wait(run_id).blockers
+    assert blocker["type"] == "concurrent_step" and blocker["second"]["step_id"] == "b" and ran == []
+    env.sync(release(threaded=False))
+    run = env.wait(run_id)
     assert run.outcome == "completed" and run.output == [1, 2]
     assert [s["id"] for s in run.steps] == ["a", "b"] and Counter(ran) == Counter({"a": 1, "b": 1})
 

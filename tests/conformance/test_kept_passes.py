@@ -131,7 +131,7 @@ def test_a_pass_kept_longer_than_its_idle_time_ends_and_the_step_replays() -> No
     tally = Tally()
     app = chain_app(tally)
     app.kept_passes.idle_s = 0.05
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.faults.before_invoke("s2", lambda: time.sleep(0.3))
         run = run_steps(env, 4)
     assert run.outcome == "completed" and run.output == 6
@@ -140,13 +140,14 @@ def test_a_pass_kept_longer_than_its_idle_time_ends_and_the_step_replays() -> No
     assert app.kept_passes.started == 2 and app.kept_passes.resumed == 2
 
 
-def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
-    """Capacity 1 and two runs whose steps interleave (each step goes through the queue): each pass pushes
-    the other run's out, so every attempt replays, and both runs are still right."""
+def test_runs_beyond_the_capacity_replay_instead_of_pushing_a_kept_pass_out() -> None:
+    """Capacity 1 and two runs whose steps interleave (each step goes through the queue): the first run keeps
+    its pass to the end, the second replays from the top until there is room (each pushing the other's out
+    resumed none: test_kept_memory.py), and both runs are right."""
     tally = Tally()
     app = chain_app(tally)
     app.kept_passes.capacity = 1
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         first, second = env.start("steps", {"n": 5}), env.start("steps", {"n": 5})
         env.drive(chain=False)
         views = [env.get(first), env.get(second)]
@@ -154,6 +155,7 @@ def test_runs_beyond_the_capacity_push_the_oldest_pass_out() -> None:
     assert [v.outcome for v in views] == ["completed", "completed"] and [v.output for v in views] == [10, 10]
     assert tally.callbacks == Counter({f"s{i}": 2 for i in range(5)})
     assert tally.finallys == tally.tops and left == 0
+    assert app.kept_passes.resumed == 4 and app.kept_passes.started == 2  # the second run's last step has room
 
 
 @KEPT
@@ -253,7 +255,7 @@ def test_an_engine_that_no_longer_holds_the_memo_it_sent_gets_a_replay() -> None
     a new token, which is not the one the pass extends, so the pass ends and the step replays."""
     tally = Tally()
     app = chain_app(tally)
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.engine.sent_memos.capacity = 0
         run = run_steps(env, 5)
     assert run.outcome == "completed" and run.output == 10
@@ -273,7 +275,7 @@ def test_a_lost_result_retried_by_an_operator_runs_the_step_again_and_the_rest_o
         finally:
             tally.done()
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         env.faults.lose_result("b")
         run_id = env.start("abc")
         env.drive(chain=True, stop_when_blocked=run_id)
@@ -297,7 +299,7 @@ def test_an_async_function_is_not_kept() -> None:
     async def two(data: Any, step: Step) -> Any:
         return [await step.run(s, lambda s=s: ran.append(s) or s) for s in ("a", "b")]
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         run = env.run("two")
     assert run.outcome == "completed" and run.output == ["a", "b"] and ran == ["a", "b"]
     assert app.kept_passes.started == 0 and app.kept_passes.resumed == 0
@@ -334,7 +336,7 @@ def memory_app(ran: list[str]) -> Ryusen:
 def test_check_discovery_names_the_step_a_callback_s_memory_decided() -> None:
     ran: list[str] = []
     with (
-        WorkflowEnvironment(memory_app(ran), check_discovery=True) as env,
+        WorkflowEnvironment(memory_app(ran), kept_passes=True, check_discovery=True) as env,
         pytest.raises(DiscoveryDivergenceError) as caught,
     ):
         env.run("book")
@@ -348,7 +350,7 @@ def test_without_the_check_a_choice_made_from_memory_is_revisited_by_the_next_re
     replayed from the recorded results, and that replay, as a cold endpoint does from the start, sees no
     confirmation: notify is a newly encountered step and runs. Every step still runs once."""
     kept: list[str] = []
-    with WorkflowEnvironment(memory_app(kept)) as env:
+    with WorkflowEnvironment(memory_app(kept), kept_passes=True) as env:
         warm = env.run("book")
     cold: list[str] = []
     with WorkflowEnvironment(memory_app(cold), kept_passes=False) as env:
@@ -362,9 +364,9 @@ def test_without_the_check_a_choice_made_from_memory_is_revisited_by_the_next_re
 def test_check_discovery_passes_a_workflow_that_decides_from_recorded_results() -> None:
     tally = Tally()
     app = chain_app(tally)
-    with WorkflowEnvironment(app, check_discovery=True) as env:
+    with WorkflowEnvironment(app, kept_passes=True, check_discovery=True) as env:
         run = run_steps(env, 8)
-    assert run.outcome == "completed" and run.output == 28 and app.discovery_divergences == []
+    assert run.outcome == "completed" and run.output == 28 and env.discovery_divergences == []
     assert app.kept_passes.resumed == 7
 
 
@@ -625,7 +627,7 @@ def test_a_failure_only_the_kept_pass_met_is_logged(caplog: pytest.LogCaptureFix
         check_quota()
         return [a, step.run("b", lambda: 2)]
 
-    with caplog.at_level(logging.WARNING, logger="ryusen"), WorkflowEnvironment(app) as env:
+    with caplog.at_level(logging.WARNING, logger="ryusen"), WorkflowEnvironment(app, kept_passes=True) as env:
         run = env.run("f")
     assert run.outcome == "completed" and run.output == [1, 2]
     assert any(
@@ -690,7 +692,7 @@ def test_a_callback_sees_its_own_request_s_context_and_not_an_earlier_one_s() ->
             seen_by_body.append(marker.get())
         return rows
 
-    with WorkflowEnvironment(app) as env:
+    with WorkflowEnvironment(app, kept_passes=True) as env:
         # request 1 is the discovery, request 2 starts the pass at s0
         behind_middleware(env, app, lambda n: span.set("span-of-request-2") if n == 2 else None)
         run = env.run("f")

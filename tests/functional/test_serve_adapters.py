@@ -8,14 +8,16 @@ import base64
 import io
 import json
 import secrets
+import threading
 import time
 from typing import Any
 
 import pytest
 
-from ryusen import Ryusen, Step
+import ryusen
+from ryusen import AsyncStep, Ryusen, Step
 from ryusen._internal.signing import SIGNATURE_HEADER, answer_binding, parse, sign, verify
-from ryusen._internal.wire import TaskKind, TaskRequest, task_scope
+from ryusen._internal.wire import OperationInfo, Phase, TaskKind, TaskRequest, task_scope
 
 KEY = "adapter-key"
 PATH = "/ryusen/tasks"
@@ -179,3 +181,76 @@ def test_a_request_signed_for_another_path_is_refused_by_every_adapter(app: Ryus
         scope = {"type": "http", "method": "POST", "path": PATH, "headers": [(b"x-ryusen-signature", header.encode())]}
         asyncio.run(app.asgi()(scope, receive, send))
         assert sent[0]["status"] == 401
+
+
+# ---- an async workflow's plain callbacks do not hold the event loop ------------------------------------
+
+
+def forward_task(run_id: str, step_id: str) -> tuple[bytes, str]:
+    """A signed forward attempt of ``step_id`` in run ``run_id`` of the ``report`` function."""
+    request = TaskRequest(
+        kind=TaskKind.FORWARD,
+        run_id=run_id,
+        function_id="report",
+        input={"step": step_id},
+        step_id=step_id,
+        operation=OperationInfo(id=f"op-{run_id}", phase=Phase.FORWARD, generation=1),
+    )
+    body = request.model_dump_json().encode()
+    scope = task_scope(request, path=PATH, app_id="reports")
+    return body, sign(KEY, scope, body, now=time.time(), nonce=secrets.token_hex(16))
+
+
+async def post(asgi: Any, body: bytes, header: str) -> dict[str, Any]:
+    """One POST through the ASGI app; the answer's JSON (its status checked)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": PATH, "headers": [(b"x-ryusen-signature", header.encode())]}
+    await asgi(scope, receive, send)
+    assert sent[0]["status"] == 200, sent
+    answer: dict[str, Any] = json.loads(sent[1]["body"])
+    return answer
+
+
+def test_a_plain_callback_of_an_async_workflow_leaves_the_event_loop_to_other_runs() -> None:
+    """Run A's step is a plain (blocking) function; while it runs, run B's request on the same ASGI app must be
+    answered (issue 23: B's quick step waited 4.5 s behind A's). A's callback waits for B's answer, with a
+    generous limit: on a blocked loop that answer cannot come, and A reports that it did not."""
+    app = Ryusen("reports", signing_key=KEY)
+    export_started = threading.Event()
+    ping_answered = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def export() -> str:
+        seen["operation"] = ryusen.operation().id  # the attempt's operation, on the worker thread too
+        export_started.set()
+        seen["ping answered meanwhile"] = ping_answered.wait(10)
+        return "exported"
+
+    async def ping() -> str:
+        return "pong"
+
+    @app.function("report")
+    async def report(data: Any, step: AsyncStep) -> Any:
+        if data["step"] == "export":
+            return await step.run("export", export)
+        return await step.run("ping", lambda: ping())  # a plain callable that returns an awaitable
+
+    async def two_runs() -> tuple[dict[str, Any], dict[str, Any]]:
+        asgi = app.asgi()
+        slow = asyncio.create_task(post(asgi, *forward_task("run-a", "export")))
+        assert await asyncio.to_thread(export_started.wait, 10), "run A's callback never started"
+        quick = await post(asgi, *forward_task("run-b", "ping"))
+        ping_answered.set()
+        return await slow, quick
+
+    slow, quick = asyncio.run(two_runs())
+    assert quick["attempt"] == {"type": "succeeded", "result": "pong"}
+    assert slow["attempt"] == {"type": "succeeded", "result": "exported"}
+    assert seen == {"operation": "op-run-a", "ping answered meanwhile": True}

@@ -101,6 +101,20 @@ class _Answering:
     answers: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions:
+    """How one endpoint serves the app, where it differs from what the app does by itself: ``ryusen.testing``
+    serves an app with its environment's options, so that nothing is set on the app and no option of one
+    environment reaches another (decisions 27)."""
+
+    kept_passes: bool = True
+    """Keep a chained run's pass between its attempts (``kept.py``), within the app's ``kept_passes``; False:
+    every task replays the function from the top, as a cold endpoint does."""
+    on_divergence: Callable[[DiscoveryDivergence], None] | None = None
+    """Check discovery: where a kept pass stops at a step, also run the discovery from the top with the recorded
+    results, answer with what that reaches, and hand each difference here (None: no check)."""
+
+
 @dataclass(frozen=True, slots=True)
 class HandlerResponse:
     status: int
@@ -154,15 +168,9 @@ class Ryusen:
         memory, or with ``RYUSEN_REPLAY_TABLE`` (or ``seen_requests``) a store every instance shares."""
         self.memo_cache = MemoCache()
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
-        self.kept_passes = KeptPasses(kept_passes)
+        self.kept_passes = KeptPasses(kept_passes, memos=self.memo_cache)
         """Executions of chained runs' functions waiting at their next step for its attempt, so that it need not
         replay from the top (``kept.py``): at most ``kept_passes`` (default 256, ``RYUSEN_KEPT_PASSES``; 0: none)."""
-        self.check_discovery = False
-        """Where a kept pass stops at a step, also run the discovery from the top with the recorded results, and
-        answer with what that reaches: a test's check that code outside ``step.run`` decides from recorded
-        results only (``WorkflowEnvironment(check_discovery=True)``). Each difference is added to
-        ``discovery_divergences``."""
-        self.discovery_divergences: list[DiscoveryDivergence] = []
 
     @property
     def signing_keys(self) -> list[str]:
@@ -275,13 +283,16 @@ class Ryusen:
 
     # ---- executing a task --------------------------------------------------
 
-    def execute(self, request: TaskRequest, sent: TaskRequest | None = None) -> TaskResponse:
+    def execute(
+        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+    ) -> TaskResponse:
         """Run one task to its outcome (synchronously; async functions get an event loop).
 
         What the task reports is decided by the replay, never by how the function
         ended: a callback that ran is reported even if the code around it raised
         or returned early (decisions 16). ``sent`` is the request as it arrived (with
-        ``memo_base``, its memo only what changed), which a kept pass must extend.
+        ``memo_base``, its memo only what changed), which a kept pass must extend. ``options``: how this
+        endpoint serves the app (:class:`ServeOptions`; None: as the app does by itself).
         """
         registered = self._functions.get(request.function_id)
         if registered is None:
@@ -293,31 +304,42 @@ class Ryusen:
             and request.continue_after
             and request.memo_token is not None
             and self.kept_passes.capacity > 0
+            and (options is None or options.kept_passes)
         ):
-            return self._execute_kept(registered, request, sent)
-        if len(self.kept_passes):
+            served = self._execute_kept(registered, request, sent, options)
+            if served is not None:
+                return served
+        elif len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request, registered))
         return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
 
     def _execute_kept(
-        self, registered: RegisteredFunction, request: TaskRequest, sent: TaskRequest | None
-    ) -> TaskResponse:
+        self,
+        registered: RegisteredFunction,
+        request: TaskRequest,
+        sent: TaskRequest | None,
+        options: ServeOptions | None,
+    ) -> TaskResponse | None:
         """A chained forward attempt, served by the run's kept pass when it waits at this step, or by a new one
-        (``kept.py``); the pass goes on after a successful callback, and is kept at the next step."""
+        (``kept.py``); the pass goes on after a successful callback, and is kept at the next step. None: no pass
+        waits for it and none may start (the registry's bounds): the attempt replays from the top."""
         kept = self.kept_passes
         live = kept.take(request.run_id)
         if live is not None and (sent is None or not live.resume(request, sent)):
             live.end()
+            kept.not_resumed(request.run_id)
             live = None
         if live is None:
+            if not kept.admits(request):
+                return None
             run_input = _fresh(request.input)  # the pass may change its input; a replay needs it as it arrived
             live = LivePass(registered, request, idle_s=kept.idle_s)
             kept.start(live)
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
-            kept.resumed += 1
+            kept.resumed_by(request.run_id)
         live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
         give_up_s = None
         if request.respond_by is not None:  # well after the server has stopped listening (kept.py)
@@ -329,10 +351,10 @@ class Ryusen:
                 live.end()  # the request is gone (an interrupt): the pass must not wait at a step
             raise
         if waiting_at is not None and live.waiting:
-            if self.check_discovery:
+            if options is not None and options.on_divergence is not None:
                 replayed = self._continuation(registered, request, attempt, run_input)
                 if replayed is not None and _as_json(replayed) != _as_json(waiting_at):
-                    self.discovery_divergences.append(
+                    options.on_divergence(
                         DiscoveryDivergence(request.run_id, request.function_id, request.step_id, waiting_at, replayed)
                     )
                     live.end()
@@ -366,6 +388,7 @@ class Ryusen:
         """One pass of a plain function: what the replay reports once the function returned or raised."""
         output: Any = None
         raised: BaseException | None = None
+        replay.function_thread = threading.get_ident()
         try:
             output = registered.fn(request.input, Step(replay))
         except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a pass-ending Suspend too)
@@ -400,12 +423,14 @@ class Ryusen:
         except BaseException:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
             return None
 
-    async def execute_async(self, request: TaskRequest, sent: TaskRequest | None = None) -> TaskResponse:
+    async def execute_async(
+        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+    ) -> TaskResponse:
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
-            return await asyncio.to_thread(self.execute, request, sent)
+            return await asyncio.to_thread(self.execute, request, sent, options=options)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = await self._pass_async(registered, request, _replay(request, registered))
         following: Any = None
@@ -430,6 +455,7 @@ class Ryusen:
     async def _pass_async(self, registered: RegisteredFunction, request: TaskRequest, replay: _Replay) -> Any:
         raised: BaseException | None = None
         output: Any = None
+        replay.function_thread = threading.get_ident()  # the event loop's
         try:
             output = await registered.fn(request.input, AsyncStep(replay))
         except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
@@ -451,10 +477,19 @@ class Ryusen:
         return self._serve(method, headers, body, path, self.signing_keys)
 
     def _serve(
-        self, method: str, headers: dict[str, str], body: bytes, path: str, keys: list[str], *, insecure: bool = False
+        self,
+        method: str,
+        headers: dict[str, str],
+        body: bytes,
+        path: str,
+        keys: list[str],
+        *,
+        insecure: bool = False,
+        options: ServeOptions | None = None,
     ) -> HandlerResponse:
         """:meth:`handle` with this app's keys ``keys`` (``ryusen.testing`` serves an app that has none of its
-        own with the key its environment derives for it, or in-process and ``insecure``, unsigned)."""
+        own with the key its environment derives for it, or in-process and ``insecure``, unsigned), and with
+        ``options`` (its environment's)."""
         admitted = self._admit(method, headers, body, path, keys, insecure=insecure)
         if isinstance(admitted, HandlerResponse):
             return admitted
@@ -463,7 +498,7 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         try:
-            response = self.execute(request, sent)
+            response = self.execute(request, sent, options=options)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
         self._submit_late(request, response)

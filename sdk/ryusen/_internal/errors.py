@@ -26,24 +26,34 @@ class NoOperationError(RyusenError):
 class ConcurrentStepError(RyusenError):
     """A ``step.run`` was started while another ``step.run`` of the same run was still open.
 
-    Ryusen runs one step at a time: ``asyncio.gather`` of two steps, a step
-    started from a thread, or a step started inside another step's callback is
-    refused, and the run gets a ``concurrent_step`` definition blocker naming
-    both steps (unless the open step's callback already ran, whose outcome is
+    Ryusen runs one step at a time, from the function's own thread: ``asyncio.gather``
+    of two steps, a step started from another thread (a thread pool's, say, even
+    while the function only waits for it), or a step started inside another step's
+    callback is refused, and the run gets a ``concurrent_step`` definition blocker
+    naming both (unless the open step's callback already ran, whose outcome is
     reported first). Await each ``step.run`` before starting the next.
 
     >>> err = ConcurrentStepError("hotel", open_step_id="flight")
     >>> err.code, err.step_id, err.open_step_id
     ('concurrent_step', 'hotel', 'flight')
+
+    ``from_another_thread``: refused because it came from a thread that is not the function's, with no other
+    step open (``open_step_id`` is then empty).
     """
 
     code = "concurrent_step"
 
-    def __init__(self, step_id: str, *, open_step_id: str) -> None:
-        super().__init__(
-            f"step {step_id!r} was started while step {open_step_id!r} is still open;"
-            " Ryusen runs one step at a time: await each step.run before starting the next"
-        )
+    def __init__(self, step_id: str, *, open_step_id: str, from_another_thread: bool = False) -> None:
+        if from_another_thread:
+            super().__init__(
+                f"step {step_id!r} was started from a thread that is not the workflow function's own;"
+                " Ryusen runs one step at a time, from the function's thread: call each step.run there"
+            )
+        else:
+            super().__init__(
+                f"step {step_id!r} was started while step {open_step_id!r} is still open;"
+                " Ryusen runs one step at a time: await each step.run before starting the next"
+            )
         self.step_id = step_id
         self.open_step_id = open_step_id
 

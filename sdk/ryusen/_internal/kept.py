@@ -24,22 +24,30 @@ Temporal's sticky cache keeps a workflow in a worker's memory:
 Anything else ends the kept pass (its waiting ``step.run`` raises the pass-ending ``Suspend``, so the
 function's ``finally`` blocks run) and the task replays from the top as before: a request for another
 step or another kind of task, a memo that is not the one expected (another engine process, a resolution,
-a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` (10 s) or pushed out by
-newer ones (``KEPT_PASSES`` per app). Either way the server records what a pass of current code over the
-same recorded results reports; the two differ only where code outside ``step.run`` decides from something
-that is not a recorded result (below).
+a rediscovery), another endpoint instance, a pass kept longer than ``KEPT_PASS_IDLE_S`` (10 s), a pass that
+no longer fits the bounds. Either way the server records what a pass of current code over the same recorded
+results reports; the two differ only where code outside ``step.run`` decides from something that is not a
+recorded result (below).
+
+What the passes hold is bounded (``KeptPasses``; tests/conformance/test_kept_memory.py): at most
+``KEPT_PASSES`` per app, holding at most ``KEPT_PASS_SHARE`` of the memo cache's budget, counted as the
+memos they are pinned to there (the memo a waiting pass holds is the one its next request extends) and the
+results they reported. A pass kept keeps its place; an attempt with no room for a pass replays from the top,
+and a run whose pass no longer fits, or whose passes are not resumed ``UNKEPT_PASSES`` times in a row, is
+given no other, so that passes never push each other out in turn.
 
 What a kept pass changes for the function is only what a replay would have recomputed: code outside
 ``step.run`` runs once per execution instead of once per task, so what it keeps in memory (or what a
 callback left there) is still there at the next step. RFD 1 allows this ("discovery is repeatable
 orchestration"), and it is why a value later steps rely on belongs in a step's result: a replay from the
-top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` can check a
-workflow for this (``WorkflowEnvironment(check_discovery=True)``).
+top (a cold endpoint, another instance) sees only recorded results. ``ryusen.testing`` therefore replays
+every task from the top unless a test asks for kept passes (decisions 27), and with them can compare each
+pass with a replay (``WorkflowEnvironment(kept_passes=True, check_discovery=True)``).
 
-A pass is kept only while it is simple enough to be the same as a replay: every ``step.run`` came from
-the thread the function runs on, and none was refused (``ConcurrentStepError``). A pass that spreads its
-steps over threads gets the continuation replayed from the top, as before. Async functions are not kept
-(each request runs them on a loop of its own).
+A pass is kept only while it is simple enough to be the same as a replay: no ``step.run`` was refused
+(``ConcurrentStepError``). A ``step.run`` from a thread that is not the pass's own is always refused, kept
+pass or not (decisions 18, ``tests/conformance/test_steps_from_threads.py``), so a pass never spreads its
+steps over threads. Async functions are not kept (each request runs them on a loop of its own).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .memo_cache import MemoCache, footprint
 from .step import CallbackInterruptedError, Step, Suspend, _Replay
 from .wire import CallbackSucceeded, MemoEntry, StepReached, TaskKind, TaskRequest
 
@@ -67,8 +76,16 @@ log = logging.getLogger("ryusen")
 _UNSET = object()
 
 KEPT_PASSES = 256
-"""Kept passes per app, at most (each holds a waiting thread); the least recently used ends first.
-``RYUSEN_KEPT_PASSES`` sets it (0 turns kept passes off)."""
+"""Kept passes per app, at most (each holds a waiting thread). ``RYUSEN_KEPT_PASSES`` sets it (0 turns kept
+passes off)."""
+KEPT_PASS_SHARE = 0.75
+"""What the kept passes may hold, at most, as a share of the memo cache's budget (``MEMO_CACHE_BYTES``): the
+memos they are pinned to there and the results they reported. The rest is for the memos of runs without one."""
+UNKEPT_PASSES = 2
+"""A run whose passes ended this many times in a row without serving its next attempt (another instance
+served it, the server sent the whole memo again) gets no new pass in this process: it replays from the top."""
+UNKEPT_RUNS_REMEMBERED = 4096
+"""Runs whose passes were not kept, remembered at most (the least recently noted is forgotten first)."""
 KEPT_PASS_IDLE_S = 10.0
 """How long a kept pass waits for its run's next attempt before it ends (the engine chains the next
 attempt at once; this covers a hand-over through the queue). Short, because what the function holds
@@ -153,6 +170,8 @@ class LivePass:
         self.thread_id = 0
         self.overran = False
         """The pass was still going when the request's budget after the callback ran out (``answer``)."""
+        self.pinned: str | None = None
+        """The memo token this pass holds pinned in the memo cache while it is kept (``KeptPasses.keep``)."""
 
     # ---- the pass thread -------------------------------------------------------------
 
@@ -160,7 +179,8 @@ class LivePass:
         self._thread.start()
 
     def _main(self) -> None:
-        self.thread_id = threading.get_ident()  # before the function runs: the replay compares with it
+        # before the function runs: the replay refuses a step from any other thread
+        self.thread_id = self.replay.function_thread = threading.get_ident()
         output: Any = None
         raised: BaseException | None = None
         try:
@@ -343,20 +363,66 @@ def _same_entry(a: MemoEntry, b: MemoEntry) -> bool:
 
 
 class KeptPasses:
-    """The passes this app keeps, by run id: at most ``capacity``, the least recently kept ending first."""
+    """The passes this app keeps, by run id, within two bounds: at most ``capacity`` passes (each a waiting
+    thread), holding at most ``max_bytes`` (the memos they are pinned to in ``memos``, the memo cache, and the
+    results they reported).
 
-    def __init__(self, capacity: int | None = None, idle_s: float = KEPT_PASS_IDLE_S) -> None:
+    The bounds are kept by admission, not by pushing passes out: a pass already kept keeps its place until
+    its run's next attempt resumes it or it ends; a chained attempt with no pass waiting starts one only if
+    its memo fits beside the others (and the cache holds it: a pass is resumed only by a request that extends
+    that memo), otherwise it replays from the top, as without kept passes. A pass that no longer fits when
+    it reaches its next step (its run's results grew) ends, and its run is not given another: runs beyond
+    the bounds are replayed, not passed around in turn (a least-recently-used pass is the one whose attempt
+    comes next when more runs interleave than fit, so pushing it out keeps none and starts a thread for
+    every attempt). Likewise a run whose passes end ``UNKEPT_PASSES`` times in a row without serving its next
+    attempt replays from the top.
+    """
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        idle_s: float = KEPT_PASS_IDLE_S,
+        *,
+        memos: MemoCache,
+        max_bytes: int | None = None,
+    ) -> None:
         self.capacity = kept_passes_from_env() if capacity is None else capacity
         self.idle_s = idle_s
+        self.memos = memos
+        self.max_bytes = int(memos.max_bytes * KEPT_PASS_SHARE) if max_bytes is None else max_bytes
         self._passes: OrderedDict[str, LivePass] = OrderedDict()
         self._lock = threading.Lock()
+        self._unkept: OrderedDict[str, int] = OrderedDict()
+        """Runs whose latest passes were not kept or not resumed: how many in a row."""
         self.resumed = 0
         """Requests a kept pass served (figures for tests and benchmarks)."""
         self.started = 0
         """Passes started for a chained attempt: a replay from the top."""
+        self.replayed = 0
+        """Chained attempts that started no pass (the bounds, or a run whose passes were not resumed)."""
         self._running: weakref.WeakSet[LivePass] = weakref.WeakSet()
         """Every pass whose thread may still run (kept or not): what ``clear(wait_s=...)`` waits for."""
         _registries.add(self)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the kept passes hold: their memos and the results they reported (:meth:`MemoCache.pin`)."""
+        return self.memos.pinned_bytes
+
+    def admits(self, request: TaskRequest) -> bool:
+        """Whether a chained attempt that no pass waits for starts one: there is room for another pass and for its
+        memo (which the cache must hold), and the run's passes were not left unkept ``UNKEPT_PASSES`` times."""
+        size = self.memos.hold(request)
+        with self._lock:
+            admitted = (
+                size is not None
+                and self._unkept.get(request.run_id, 0) < UNKEPT_PASSES
+                and len(self._passes) < self.capacity
+                and self.memos.pinned_bytes + size <= self.max_bytes
+            )
+            if not admitted:
+                self.replayed += 1
+        return admitted
 
     def start(self, live: LivePass) -> None:
         """Start ``live``'s thread (a new pass for a chained attempt)."""
@@ -367,43 +433,85 @@ class KeptPasses:
 
     def take(self, run_id: str) -> LivePass | None:
         with self._lock:
-            return self._passes.pop(run_id, None)
+            live = self._passes.pop(run_id, None)
+        if live is not None:
+            self._release(live)
+        return live
 
-    def keep(self, live: LivePass) -> None:
-        if self.capacity <= 0:
-            live.end()
-            return
-        pushed_out: list[LivePass] = []
+    def resumed_by(self, run_id: str) -> None:
+        """The run's kept pass serves its attempt."""
         with self._lock:
-            previous = self._passes.pop(live.run_id, None)
-            if previous is not None and previous is not live:
-                pushed_out.append(previous)
-            self._passes[live.run_id] = live
-            live.on_end = self._forget
-            while len(self._passes) > self.capacity:
-                pushed_out.append(self._passes.popitem(last=False)[1])
-        for old in pushed_out:
-            old.end()
+            self.resumed += 1
+            self._unkept.pop(run_id, None)
+
+    def not_resumed(self, run_id: str) -> None:
+        """The run's kept pass could not serve its attempt (another memo, another step): it ended unused."""
+        with self._lock:
+            self._note_unkept(run_id, 1)
+
+    def keep(self, live: LivePass) -> bool:
+        """Keep ``live``, waiting at its next step, with its memo pinned in the cache, if it fits within the
+        bounds beside the passes already kept; else end it, and give its run no other pass."""
+        expects = live.expects
+        reported = footprint(expects[2]) if expects is not None else 0
+        other = self.take(live.run_id)  # a duplicate delivery's pass for the same run: one is enough
+        if other is not None and other is not live:
+            other.end()
+        kept = False
+        with self._lock:
+            if expects is not None and self.capacity > 0 and len(self._passes) < self.capacity:
+                kept = self.memos.pin(expects[0], reported, within=self.max_bytes)
+            if kept:
+                assert expects is not None
+                live.pinned = expects[0]
+                live.on_end = self._forget
+                self._passes[live.run_id] = live
+            else:
+                self._note_unkept(live.run_id, UNKEPT_PASSES)
+        if not kept:
+            live.end()
+        return kept
 
     def drop(self, run_id: str) -> None:
         """The run's next task is not a chained attempt: its kept pass (if any) ends."""
         live = self.take(run_id)
         if live is not None:
             live.end()
+            self.not_resumed(run_id)
 
     def _forget(self, live: LivePass) -> None:
+        """``live`` ended while kept (it waited longer than ``idle_s``), or after it was taken."""
         with self._lock:
-            if self._passes.get(live.run_id) is live:
+            idle = self._passes.get(live.run_id) is live
+            if idle:
                 del self._passes[live.run_id]
+                self._note_unkept(live.run_id, 1)
+        self._release(live)
+
+    def _release(self, live: LivePass) -> None:
+        """``live`` no longer holds its memo: unpin it."""
+        with self._lock:
+            token, live.pinned = live.pinned, None
+        if token is not None:
+            self.memos.unpin(token)
+
+    def _note_unkept(self, run_id: str, times: int) -> None:
+        """(With the lock held.)"""
+        self._unkept[run_id] = self._unkept.pop(run_id, 0) + times
+        while len(self._unkept) > UNKEPT_RUNS_REMEMBERED:
+            self._unkept.popitem(last=False)
 
     def clear(self, *, wait_s: float = 0.0) -> None:
-        """End every kept pass; with ``wait_s``, also wait up to that long for every pass thread still running
-        (those ended earlier too) to finish, so that the functions' ``finally`` blocks have run."""
+        """End every kept pass (as a process that stops: no run is noted as unkept); with ``wait_s``, also wait
+        up to that long for every pass thread still running (those ended earlier too) to finish, so that the
+        functions' ``finally`` blocks have run."""
         with self._lock:
             passes = list(self._passes.values())
             self._passes.clear()
+            self._unkept.clear()
             running = list(self._running) if wait_s > 0 else []
         for live in passes:
+            self._release(live)
             live.end()
         deadline = time.monotonic() + wait_s
         for live in running:

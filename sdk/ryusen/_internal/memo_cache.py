@@ -8,6 +8,12 @@ the memos it was sent, a few per run and a bounded number in all; one it does no
 a restart, an eviction) is a miss: the endpoint runs nothing and answers ``memo_miss``, and the server
 sends the whole memo again. A miss costs a round trip, never a wrong memo: a token names exactly one
 memo, minted once by one server process, and the count of entries is checked after the change is applied.
+
+A kept pass (``kept.py``) waiting for its run's next attempt holds the memo it was last sent: the same
+entries as the memo kept here under that token, which its next request must extend. While it waits, that
+memo is *pinned* here: not pushed out, and counted with the result the pass reported on top (``pin``), so
+that what the passes hold is within this cache's budget (``max_bytes``) and their next requests always find
+their memo.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ class MemoCache:
         self.max_bytes = max_bytes
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._bytes = 0
+        """What the memos kept take, with what the pins add (``pin``)."""
+        self._pins: dict[str, int] = {}
+        """The tokens whose memo a kept pass holds, and the bytes it holds on top (the result it reported)."""
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -96,12 +105,78 @@ class MemoCache:
                 self._bytes -= previous.size
             self._held[token] = held
             self._bytes += held.size
-            same_run = [t for t, h in self._held.items() if h.run_id == held.run_id]
+            same_run = [t for t, h in self._held.items() if h.run_id == held.run_id and t not in self._pins]
             for stale in same_run[:-MEMOS_PER_RUN]:
                 self._bytes -= self._held.pop(stale).size
-            while len(self._held) > self.entries or self._bytes > self.max_bytes:
-                _, dropped = self._held.popitem(last=False)
-                self._bytes -= dropped.size
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Drop the least recently used memos that no pass holds until the count and the bytes are within bounds
+        (with the lock held)."""
+        if len(self._held) <= self.entries and self._bytes <= self.max_bytes:
+            return
+        for token in list(self._held):
+            if len(self._held) <= self.entries and self._bytes <= self.max_bytes:
+                return
+            if token not in self._pins:
+                self._bytes -= self._held.pop(token).size
+
+    def pin(self, token: str, extra: int, *, within: int) -> bool:
+        """Keep the memo under ``token`` while a kept pass holds it, counted with ``extra`` bytes the pass holds
+        on top, if all pinned memos then take at most ``within`` bytes. False (nothing pinned): this process
+        no longer holds that memo, or it does not fit."""
+        with self._lock:
+            held = self._held.get(token)
+            if held is None or token in self._pins or self._pinned_bytes() + held.size + extra > within:
+                return False
+            self._pins[token] = extra
+            self._bytes += extra
+            self._held.move_to_end(token)
+            self._make_room()
+            return True
+
+    def unpin(self, token: str) -> None:
+        """The pass no longer holds the memo: it may be pushed out again, and what it held on top is not counted."""
+        with self._lock:
+            extra = self._pins.pop(token, None)
+            if extra is not None:
+                self._bytes -= extra
+                self._make_room()
+
+    def _pinned_bytes(self) -> int:
+        return sum(self._held[token].size + extra for token, extra in self._pins.items())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """What the kept passes hold: the memos pinned, and what each holds on top."""
+        with self._lock:
+            return self._pinned_bytes()
+
+    def pinned(self) -> dict[str, dict[str, MemoEntry]]:
+        """The memos pinned, by token."""
+        with self._lock:
+            return {token: dict(self._held[token].memo) for token in self._pins}
+
+    def hold(self, request: TaskRequest) -> int | None:
+        """What the memo of ``request`` (a whole one, as :meth:`resolve` returns it) takes here under its token:
+        kept now if this process has not kept it yet (a request run without :meth:`resolve`). None: it has no
+        token, or it is over the budget."""
+        token = request.memo_token
+        if token is None:
+            return None
+        size = self.size_of(token)
+        if size is None and request.memo_base is None:
+            input_json = pydantic_core.to_json(request.input)
+            held_size = len(input_json) + sum(footprint(e) for e in request.memo.values())
+            self._keep(token, _Held(request.run_id, input_json, dict(request.memo), held_size))
+            size = self.size_of(token)
+        return size
+
+    def size_of(self, token: str) -> int | None:
+        """What the memo kept under ``token`` takes (None: this process does not hold it)."""
+        with self._lock:
+            held = self._held.get(token)
+        return None if held is None else held.size
 
     def held(self, token: str) -> tuple[Any, dict[str, MemoEntry]] | None:
         """The input and memo kept under ``token``, if this process holds it."""
@@ -119,6 +194,7 @@ class MemoCache:
     def clear(self) -> None:
         with self._lock:
             self._held.clear()
+            self._pins.clear()
             self._bytes = 0
 
 

@@ -385,6 +385,9 @@ class _Replay:
         self.keepable = True
         """Every ``step.run`` so far came from the thread the function runs on, and none was refused: only
         such a pass may go on after its callback (anything else gets a replay from the top, as before)."""
+        self.function_thread: int | None = None
+        """The thread the function runs on (set by what runs it): a ``step.run`` from any other thread is
+        refused (decisions 18), whatever the timing."""
 
     # ---- step.run -----------------------------------------------------------------
 
@@ -410,6 +413,8 @@ class _Replay:
                 raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
             if self.stopped_at is not None:
                 return self._after_stop(step_id, location, _display_name(fn, name))
+            if self.function_thread is not None and threading.get_ident() != self.function_thread:
+                self._refuse_from_another_thread(step_id, location, _display_name(fn, name))
             first = self.seen.get(step_id)
             seen = _Seen(location, fn, name)
             display = seen.name if first is not None or step_id == self.target else ""
@@ -516,6 +521,18 @@ class _Replay:
         """The target callback is about to run: from now on this task reports its outcome."""
         self.stopped_at = _Open(step_id, location, name, _context())
         self.entered = True
+
+    def _refuse_from_another_thread(self, step_id: str, location: str | None, name: str) -> NoReturn:
+        """A ``step.run`` from a thread that is not the function's, with no step open: two at once with the
+        function itself, so refused by where it comes from rather than by timing (decisions 18). The pass
+        ends at it with a ``concurrent_step`` conflict: the function's thread meets that end at its next
+        ``step.run``, and another thread's step is refused as a second step after this one."""
+        self.keepable = False
+        refused = Occurrence(step_id=step_id, location=location, name=name)
+        function = Occurrence(name="the workflow function's own thread")
+        self.outcome = ConflictFound(conflict=ConcurrentStepConflict(first=function, second=refused))
+        self.stopped_at = _Open(step_id, location, name, (self.function_thread or 0, None))
+        raise ConcurrentStepError(step_id, open_step_id="", from_another_thread=True)
 
     def _after_stop(self, step_id: str, location: str | None, name: str) -> tuple[str, Any]:
         """``step.run`` after the pass stopped: the suspension again, or two steps at once."""
@@ -865,8 +882,10 @@ class Step:
 class AsyncStep:
     """The ``step`` of an ``async def`` workflow function: ``await step.run(...)``.
 
-    Accepts sync and async callbacks alike. Await each step before starting
-    the next: ``asyncio.gather`` of two steps is refused (:class:`ConcurrentStepError`).
+    Accepts sync and async callbacks alike: a plain (not ``async def``) callback
+    runs on a worker thread, with the context it was called in, so that it does not
+    hold the event loop. Await each step before starting the next: ``asyncio.gather``
+    of two steps is refused (:class:`ConcurrentStepError`).
     """
 
     def __init__(self, replay: _Replay) -> None:
@@ -897,10 +916,41 @@ class AsyncStep:
                 return value  # type: ignore[no-any-return]
             if action == "park":
                 await replay.park()
-            call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
+            compensating = replay.kind is TaskKind.COMPENSATE
+            call = value if compensating else (lambda: value(*args, **kwargs))
+            if not _is_async(compensate if compensating else fn):
+                call = _off_the_loop(call)  # a plain callback must not hold the event loop (other requests')
             await replay.run_callback_async(call)
 
         return run()
+
+
+def _is_async(fn: Any) -> bool:
+    """``fn`` is an ``async def`` (a function, a method, a partial of one, or an object with an async ``__call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _off_the_loop(call: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    """A plain callback of an async function, run on a worker thread of the event loop, so that the loop goes on
+    serving other requests while it blocks; in a copy of the context it is called in (``ryusen.operation()``
+    works there). What it returns, if awaitable (``lambda: fetch(url)``), is awaited on the loop. The callback
+    cannot be stopped once started: if the function stops waiting for it (a timeout around ``step.run``), it
+    still runs to its end and its outcome is the attempt's (decisions 16), as it was when it ran on the loop."""
+
+    async def run() -> Any:
+        finished = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, call)
+        while True:
+            try:
+                result = await asyncio.shield(finished)
+                break
+            except asyncio.CancelledError:
+                if finished.cancelled():  # pragma: no cover - the executor was shut down under it
+                    raise
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    return run
 
 
 def _close(obj: Any) -> None:
