@@ -168,3 +168,47 @@ def test_a_step_id_that_changes_on_every_pass_blocks_the_run_within_a_few_passes
     env.sync(quotes(calls, stable=True, build="b2"))  # the fix: a stable id
     run = env.wait(run_id)
     assert run.summary == "completed" and run.output == {"price": 42} and calls == ["quote"]
+
+
+def refunding_shop(refunds: list[str], *, build: str, nest: bool = True) -> Ryusen:
+    app = Ryusen("shop", build_id=build)
+
+    @app.function("fulfil")
+    def fulfil(order: Any, step: Step) -> Any:
+        def refund(charge: Any) -> dict[str, str]:
+            refunds.append(build)
+            if nest:  # a notification sent as a step of its own, from inside the compensator: refused
+                step.run("email-refund", lambda: "sent")
+            return {"refunded": charge["charge_id"]}
+
+        step.run("charge", lambda: {"charge_id": "ch_1"}, compensate=refund)
+        raise RuntimeError("rejected")
+
+    return app
+
+
+@pytest.mark.rfd("D8")
+def test_a_compensator_that_opens_a_step_runs_again_only_with_another_build() -> None:
+    """Found by the simulator (seed 3 of issue 23's first sweep): the probe that wakes a blocked unwind queued
+    the compensation again, and the hold looked at that queued attempt, not at the one that ran, so the
+    compensator ran again with the build that nests."""
+    refunds: list[str] = []
+    env = WorkflowEnvironment(refunding_shop(refunds, build="b1"))
+    run_id = env.start("fulfil")
+    run = env.wait(run_id)
+    assert refunds == ["b1"] and run.phase == "compensating"
+    assert [b["type"] for b in run.blockers] == ["concurrent_step"]
+
+    env.advance(timedelta(hours=3))  # the probe wakes the unwind: the same build would nest again
+    run = env.wait(run_id)
+    env.rediscover(run_id)
+    run = env.wait(run_id)
+    assert refunds == ["b1"]  # not run again
+    assert [b["type"] for b in run.blockers] == ["concurrent_step"]
+    undo = run.attempts("charge", "compensation")
+    assert undo[0]["status"] == "failed" and undo[0]["error"]["type"] == "concurrent_step"
+    assert len(undo) > 1 and all(a["status"] == "fenced" for a in undo[1:])  # woken, and held each time
+
+    env.sync(refunding_shop(refunds, build="b2", nest=False))  # a release that no longer nests moves it on
+    run = env.wait(run_id)
+    assert refunds == ["b1", "b2"] and run.summary == "failed, fully compensated"

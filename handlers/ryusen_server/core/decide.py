@@ -562,8 +562,16 @@ class _Transition:
     def held_by(self, step: StepState, phase: Phase, build_id: str | None) -> tuple[Attempt, HeldConflict] | None:
         """The step's last attempt that ran, if the engine could not take its outcome and must not run its callback
         again by itself (until an operator resolves it): its callback opened a step with ``build_id``, which would
-        nest again (decisions 23), or it returned a result over the limit (decisions 25)."""
-        ran = self.last_ran(step, phase)
+        nest again (decisions 23), or it returned a result over the limit (decisions 25). An attempt still queued
+        (the one being authorized) has not run: the hold is the attempt before it."""
+        ran = next(
+            (
+                a
+                for a in reversed(step.attempts)
+                if a.phase is phase and a.status not in (AttemptStatus.FENCED, AttemptStatus.QUEUED)
+            ),
+            None,
+        )
         if ran is None or ran.resolution is not None:
             return None
         if self.result_omitted(step, ran):
