@@ -125,3 +125,39 @@ def test_a_compensator_that_returned_too_much_is_a_success_with_a_visible_marker
     assert compensation["status"] == "compensated" and compensation["result"] is None
     assert compensation["omitted_result"]["size"] > 300_000
     assert [a["status"] for a in run.attempts("charge", "compensation")] == ["succeeded"]
+
+
+def rejecting(refunds: list[Any]) -> Ryusen:
+    """A release whose pass rejects the order before it reaches ``charge``: the run fails."""
+    app = Ryusen("payments", build_id="b2")
+
+    @app.function("pay")
+    def pay(order: Any, step: Step) -> Any:
+        step.run("reserve", lambda: "r1", compensate=lambda r: refunds.append(("release", r)))
+        raise RuntimeError("order rejected")
+
+    return app
+
+
+@pytest.mark.rfd("F13")
+def test_a_result_over_the_limit_is_undone_when_the_run_fails_while_it_waits() -> None:
+    """Found by the property test of orchestration faults (issue 23): a release whose pass failed without
+    reaching the step ended the run around a charge that ran, and left it out of the unwind. A failure stops the
+    run as a cancel does: the step joins the unwind, and its compensator receives an OmittedResult."""
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(payments(charges, refunds, build="b1"))
+    run_id = env.start("pay")
+    assert env.wait(run_id).blockers[0]["type"] == "result_too_large"
+
+    env.sync(rejecting(refunds))  # the release wakes the run: its pass fails before the charge
+    env.drive(until=lambda: env.get(run_id).outcome is not None)
+    run = env.get(run_id)
+    assert run.outcome == "failed" and [u["step_id"] for u in run["unwind"]] == ["charge", "reserve"]
+
+    env.sync(payments(charges, refunds, build="b3", big=False))  # code that reaches the charge's compensator
+    run = env.wait(run_id)
+    assert charges == ["b1"] and run.summary == "failed, fully compensated"
+    [(what, omitted), release] = refunds
+    assert what == "refund" and isinstance(omitted, OmittedResult) and omitted.size > 300_000
+    assert release == ("release", "r1")

@@ -1519,6 +1519,12 @@ class _Transition:
             return None
         self.touch()
         s.recovery = Recovery.PENDING
+        for found in s.steps:
+            # decisions 25: a callback that ran and returned too much is accepted once the run stops, however it
+            # stops (a cancel, the deadline, or a pass that fails without reaching it): it joins the unwind
+            current = found.current(Phase.FORWARD)
+            if current is not None and self.result_omitted(found, current):
+                self.edit(found).status = StepStatus.COMPLETED
         unsettled = [
             step
             for step in s.steps
