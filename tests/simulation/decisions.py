@@ -24,6 +24,7 @@ from ryusen._internal.wire import Phase
 from ryusen_server.core.model import (
     Attempt,
     AttemptStatus,
+    Blocker,
     BlockerType,
     CompensationStatus,
     Outcome,
@@ -336,6 +337,15 @@ class Decisions:
                 )
         elif _json(got) != _json(step.result):
             self.fail(f"{run}: {step.id}'s compensator received {got!r:.80}, not the recorded result (C3)")
+
+
+def held_step_id(blocker: Blocker) -> str | None:
+    """The step whose attempt (``blocker.phase``, ``generation``) a blocker holds. For a step opened inside a
+    callback (decisions 23) the blocker's ``step_id`` names the step the callback opened, which the run never
+    recorded, and ``first`` the step whose callback ran: an operator resolves that one."""
+    if blocker.type is BlockerType.CONCURRENT_STEP and blocker.generation is not None and blocker.first is not None:
+        return blocker.first.step_id
+    return blocker.step_id
 
 
 def unheard(attempt: Attempt) -> bool:

@@ -97,7 +97,9 @@ class WorkflowSpec:
         return [s for g in self.groups for s in g.steps]
 
     def step_spec(self, step_id: str) -> StepSpec | None:
-        return next((s for s in self.steps if s.id == step_id), None)
+        """The step this code calls ``step_id`` (an unstable id is its step's id, ``-q`` and a number)."""
+        base = step_id.rsplit("-q", 1)[0]
+        return next((s for s in self.steps if s.id == step_id or (s.unstable and s.id == base)), None)
 
     def describe(self) -> str:
         parts = []

@@ -61,7 +61,7 @@ from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError
 from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
 
 from . import workload
-from .decisions import Answer, Ground
+from .decisions import Answer, Ground, held_step_id
 from .invariants import Checker
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -606,10 +606,10 @@ class Simulation:
         state = self.store.peek(run_id)
         assert state is not None
         named = [
-            (b.step_id, step.attempt(b.phase, b.generation))
+            (step.id, step.attempt(b.phase, b.generation))
             for b in state.blockers
-            if b.step_id is not None and b.phase is not None and b.generation is not None
-            if (step := state.step(b.step_id)) is not None
+            if (held := held_step_id(b)) is not None and b.phase is not None and b.generation is not None
+            if (step := state.step(held)) is not None
         ]
         attempts = [(step_id, a) for step_id, a in named if a is not None]
         if unknown_only:
