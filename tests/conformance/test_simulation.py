@@ -46,6 +46,13 @@ def test_seeds(block: int) -> None:
 
 
 REGRESSION_SEEDS = {
+    3: "a compensator that opened a step inside it ran again with the same build when the probe woke the unwind:"
+    " the hold looked at the queued attempt being authorized, not at the one that ran (issue 23; test_nested_steps.py"
+    " has it alone)",
+    1134: "the simulator's own check of decision 23 took an operator's resolution of a later generation of a"
+    " compensation (which moves the step on: its failure is retried under the policy) for a re-run without consent",
+    1193: "the simulator's own check of decision 25 counted an oversized answer the engine had not yet heard (the"
+    " attempt still authorized) as a success the step should be held on",
     2510: "an operator's retry of an Unknown, after a day-long clock jump, lost its message; the sweeper fired the"
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
     2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"

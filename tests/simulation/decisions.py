@@ -219,7 +219,7 @@ class Decisions:
             for a in step.attempts
             if a.phase is Phase.FORWARD
             and a.resolution is None
-            and not unheard(a)
+            and a.status is AttemptStatus.SUCCEEDED  # the engine heard it (an answer on its way is not yet)
             and self.ground.omitted((state.id, step.id, "forward", a.generation))
         ]
         if not held:
@@ -279,7 +279,9 @@ class Decisions:
         skipped = [
             e.step_id
             for e in state.unwind
-            if e.status is CompensationStatus.SKIPPED and self.ground.operator_skipped(state.id, e.step_id)
+            if e.status is CompensationStatus.SKIPPED
+            and self.ground.operator_skipped(state.id, e.step_id)  # an operator asked (a request may not land)
+            and _skipped_by_operator(state, e.step_id)  # and that is how the skip is recorded (checked above)
         ]
         text = summary(state)
         if skipped and ("fully compensated" in text or f"{len(skipped)} skipped by the operator" not in text):
@@ -312,9 +314,10 @@ class Decisions:
         """A callback (``phase`` forward) or compensator starts, served by ``build``; ``got`` is what the
         compensator received."""
         run = state.id
-        for a in step.attempts:
-            if a.phase.value != phase or a.generation >= generation or a.resolution is not None or unheard(a):
-                continue
+        earlier = [a for a in step.attempts if a.phase.value == phase and a.generation < generation]
+        for i, a in enumerate(earlier):
+            if unheard(a) or any(later.resolution is not None for later in earlier[i:]):
+                continue  # the engine never heard what it did, or an operator moved the step on since
             key = (run, step.id, phase, a.generation)
             if self.ground.nested(key) == build:
                 self.fail(
@@ -346,6 +349,12 @@ def held_step_id(blocker: Blocker) -> str | None:
     if blocker.type is BlockerType.CONCURRENT_STEP and blocker.generation is not None and blocker.first is not None:
         return blocker.first.step_id
     return blocker.step_id
+
+
+def _skipped_by_operator(state: RunState, step_id: str) -> bool:
+    step = state.step(step_id)
+    undo = [a for a in step.attempts if a.phase is Phase.COMPENSATION] if step is not None else []
+    return bool(undo) and undo[-1].resolution is not None and undo[-1].resolution.action == "skip"
 
 
 def unheard(attempt: Attempt) -> bool:
