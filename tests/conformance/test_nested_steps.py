@@ -214,7 +214,6 @@ def test_a_compensator_that_opens_a_step_runs_again_only_with_another_build() ->
     assert refunds == ["b1", "b2"] and run.summary == "failed, fully compensated"
 
 
-@pytest.mark.rfd("D8")
 @pytest.mark.xfail(
     strict=True,
     reason="open (issue 23, found by the interleavings property test): an attempt records the build of the release"
