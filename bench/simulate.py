@@ -4,8 +4,10 @@
     .venv/bin/python bench/simulate.py --seeds 500 --first 20000
     .venv/bin/python bench/simulate.py --seed 349 --trace       # replay one seed and print its whole trace
 
-Prints seeds, scheduling events, runs by how they ended, faults injected by kind, callback executions, and
-violations (each with its seed, and the command that replays it). Figures, not assertions: the CI test
+Prints seeds, scheduling events, runs by how they ended, faults injected by kind, callback executions, how
+often each case of decisions 23-29 came up (callbacks that opened a step, results over the limit, guards that
+ended passes, skips by reason, operator resolutions, blockers, timeouts), and violations (each with its seed,
+and the command that replays it). Figures, not assertions: the CI test
 (tests/conformance/test_simulation.py) asserts on a fixed number of seeds.
 
 Python randomizes string hashing per process; the bench fixes ``PYTHONHASHSEED`` so that a seed replays
@@ -39,6 +41,7 @@ def run_block(seeds: list[int]) -> dict[str, Any]:
     from tests.simulation.world import Simulation
 
     out: dict[str, Any] = {"seeds": 0, "events": 0, "effects": 0, "faults": Counter(), "outcomes": Counter()}
+    out["cases"] = Counter()
     out["violations"] = []
     out["clean"] = 0
     for seed in seeds:
@@ -48,6 +51,7 @@ def run_block(seeds: list[int]) -> dict[str, Any]:
         out["effects"] += report.effects
         out["faults"].update(report.faults)
         out["outcomes"].update(report.outcomes)
+        out["cases"].update(report.cases)
         out["clean"] += report.profile.is_clean
         if report.violations:
             out["violations"].append((seed, report.violations[0]))
@@ -72,6 +76,7 @@ def main() -> int:
         report = Simulation(args.seed).run()
         print(report.trace_text(len(report.trace)) if args.trace else report.trace_text(60))
         print(f"\nseed {args.seed}: {report.events} events, faults {dict(report.faults)}, runs {dict(report.outcomes)}")
+        print(f"decisions 23-29: {dict(report.cases)}")
         print("violations:", *(report.violations or ["none"]), sep="\n  ")
         return 1 if report.violations else 0
     seeds = list(range(args.first, args.first + args.seeds))
@@ -80,6 +85,7 @@ def main() -> int:
     total: dict[str, Any] = {"seeds": 0, "events": 0, "effects": 0, "clean": 0}
     faults: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
+    cases: Counter[str] = Counter()
     violations: list[tuple[int, str]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for result in pool.map(run_block, [b for b in blocks if b]):
@@ -87,6 +93,7 @@ def main() -> int:
                 total[key] += result[key]
             faults.update(result["faults"])
             outcomes.update(result["outcomes"])
+            cases.update(result["cases"])
             violations.extend(result["violations"])
     elapsed = time.monotonic() - started
     print(f"seeds {total['seeds']} ({args.first}..{args.first + args.seeds - 1}), {total['clean']} of them fault-free")
@@ -97,6 +104,9 @@ def main() -> int:
     print("runs by how they ended:")
     for kind, count in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:34s} {count:8,}")
+    print("decisions 23-29, how often each case came up:")
+    for kind, count in sorted(cases.items()):
+        print(f"  {kind:48s} {count:8,}")
     print(f"violations {len(violations)}")
     for seed, text in sorted(violations)[:20]:
         print(f"  seed {seed}: {text.splitlines()[0][:200]}")

@@ -7,6 +7,11 @@ one write accepts it and authorizes the next task, which the same dispatcher inv
 also loses just the continuation, lands a cancel or a new release between an endpoint's answer and the
 write that accepts it, and delivers a duplicate message for a chained task while it is in flight.
 
+Releases may also bring decisions 23 and 25's cases: ``n`` charges and then opens a step inside the charge
+callback, ``x`` ships and returns more than the value limit; an operator may also skip. At every write and
+every callback, the checks of decisions 23-29 (tests/simulation/decisions.py) run against what the endpoint
+answered.
+
 CI runs a fixed budget; explore longer with
     RYUSEN_INTERLEAVINGS=5000 .venv/bin/pytest tests/conformance/test_interleavings.py
 """
@@ -24,34 +29,51 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import ryusen
 from ryusen import RetryPolicy, Ryusen, Step
-from ryusen._internal.wire import MemoEntry, Phase, TaskKind, TaskRequest, TaskResponse
+from ryusen._internal.wire import NESTED_STEP_ERROR, MemoEntry, Phase, TaskKind, TaskRequest, TaskResponse, value_size
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.events import EngineSettings
 from ryusen_server.core.model import Attempt, AttemptStatus, RunState, TaskRef
 from ryusen_server.core.view import memo
 from ryusen_server.invoker import InvokeResult
 from ryusen_server.ports import ConflictError
+from tests.simulation.decisions import Answer, Decisions, Ground
 
 STEPS = ("reserve", "charge", "ship")
 SETTLED = {AttemptStatus.SUCCEEDED, AttemptStatus.FAILED, AttemptStatus.RETRY_AUTHORIZED, AttemptStatus.FENCED}
 EXAMPLES = int(os.environ.get("RYUSEN_INTERLEAVINGS", "200"))
+VALUE_LIMIT = 4096
+"""The engine's value limit here (release ``x`` ships a result over it)."""
+
+Watch = Any
+"""Called as a callback starts: (step id, phase, generation, what a compensator received)."""
 
 
-def build_app(fail_next: Counter[str], executions: Counter[str], variant: str = "a") -> Ryusen:
-    """``variant`` b is the same code as a new build; c adds a step ``gift`` between charge and ship."""
+def build_app(fail_next: Counter[str], executions: Counter[str], variant: str = "a", watch: Watch = None) -> Ryusen:
+    """``variant`` b is the same code as a new build; c adds a step ``gift`` between charge and ship; n opens a
+    step inside the charge callback (decisions 23); x ships and returns more than the limit (decisions 25)."""
     app = Ryusen("interleave", release_id=f"r-{variant}", build_id=f"b-{variant}")
+    opened: list[Step] = []
 
     def effect(name: str) -> dict[str, str]:
         executions[name] += 1
+        if watch is not None:
+            watch(name, "forward", ryusen.operation().generation, None)
         if fail_next[name] > 0:
             fail_next[name] -= 1
             raise ConnectionError(f"{name} flaked")
+        if name == "charge" and variant == "n":
+            opened[-1].run("receipt", lambda: "sent")  # refused; the refusal escapes the callback
+        if name == "ship" and variant == "x":
+            return {"done": name, "label": "x" * (VALUE_LIMIT + 1024)}
         return {"done": name}
 
     def undo(name: str) -> Any:
         def compensate(result: Any) -> Any:
             executions[f"undo-{name}"] += 1
+            if watch is not None:
+                watch(name, "compensation", ryusen.operation().generation, result)
             if fail_next[f"undo-{name}"] > 0:
                 fail_next[f"undo-{name}"] -= 1
                 raise ConnectionError(f"undo {name} flaked")
@@ -61,6 +83,7 @@ def build_app(fail_next: Counter[str], executions: Counter[str], variant: str = 
 
     @app.function("saga")
     def saga(data: Any, step: Step) -> Any:
+        opened.append(step)
         for name in STEPS:
             if name == "ship" and variant == "c":
                 step.run("gift", effect, "gift", compensate=undo("gift"), retry=RetryPolicy(max_attempts=3))
@@ -77,13 +100,32 @@ class Interleavings(RuleBasedStateMachine):
         super().__init__()
         self.fail_next: Counter[str] = Counter()
         self.executions: Counter[str] = Counter()
-        self.apps = [build_app(self.fail_next, self.executions)]
+        self.ground = Ground()
+        self.violations: list[str] = []
+        self.checks = Decisions(self.ground, self.violations.append, unstable_after=EngineSettings().unstable_after)
+        self.serving: TaskRequest | None = None
+        self.apps = [build_app(self.fail_next, self.executions, watch=self.watch)]
         """Every revision the endpoint has served (each keeps its memos)."""
         self.env = WorkflowEnvironment(
             self.apps[0],
-            settings=EngineSettings(attempt_timeout_s=20, lease_grace_s=5, redelivery_initial_s=1),
+            settings=EngineSettings(
+                attempt_timeout_s=20, lease_grace_s=5, redelivery_initial_s=1, max_value_bytes=VALUE_LIMIT
+            ),
             signing=False,  # lose_next_continuation rewrites what the endpoint answered
         )
+        store = self.env.store
+        save, create = store.save, store.create
+
+        def saved(state: RunState, *, expected_version: int) -> None:
+            save(state, expected_version=expected_version)
+            self.checks.committed(state)
+
+        def created(state: RunState) -> None:
+            create(state)
+            self.checks.committed(state)
+
+        store.save = saved  # type: ignore[method-assign]
+        store.create = created  # type: ignore[method-assign]
         self.run_ids = [self.env.start("saga", {"fail": False}), self.env.start("saga", {"fail": True})]
         self.settled: dict[tuple[str, str, str, int], tuple[str, str | None]] = {}
         self.accepted: dict[tuple[str, str], Any] = {}
@@ -119,7 +161,12 @@ class Interleavings(RuleBasedStateMachine):
             key = (request.step_id or "", request.operation.generation)
             if key not in self.authorized_at_stop[request.run_id]:
                 self.after_the_fence.append(f"{request.run_id} {key} invoked, authorized after the stop intent")
-        result = self.invoke(url, body, headers, timeout_s=timeout_s)
+        self.serving = request
+        try:
+            result = self.invoke(url, body, headers, timeout_s=timeout_s)
+        finally:
+            self.serving = None
+        self.record(request, result)
         self.check_held_memos()
         if not forward or result.kind != "response" or result.body is None:
             return result
@@ -141,9 +188,49 @@ class Interleavings(RuleBasedStateMachine):
                 self.cancel_run(request.run_id)
             else:
                 event("a release changed between a callback and its write")
-                self.apps.append(build_app(self.fail_next, self.executions, what))
+                self.apps.append(build_app(self.fail_next, self.executions, what, watch=self.watch))
                 self.env.sync(self.apps[-1])
         return result
+
+    def watch(self, name: str, phase: str, generation: int, received: Any) -> None:
+        """A callback starts: decisions 23 and 25's checks, with the durable state at that moment."""
+        request = self.serving
+        if request is None:  # pragma: no cover - every callback runs inside a request
+            self.violations.append(f"{name} {phase} ran outside a request")
+            return
+        state = self.state(request.run_id)
+        step = state.step(name)
+        if step is None:
+            self.violations.append(f"{request.run_id}: {name} ran, and the run has no such step")
+            return
+        self.checks.effect(state, step, phase, generation, self.apps[-1].build_id, received)
+
+    def record(self, request: TaskRequest, result: InvokeResult) -> None:
+        """What the endpoint answered to an attempt (the latest release serves every request)."""
+        if request.operation is None or request.step_id is None or result.body is None:
+            return
+        if result.kind != "response" or result.status != 200:
+            return
+        outcome = TaskResponse.model_validate_json(result.body).attempt
+        if outcome is None:
+            return
+        error = getattr(outcome, "error", None)
+        omitted = getattr(outcome, "omitted", None) is not None or (
+            outcome.type == "succeeded" and value_size(getattr(outcome, "result", None)) > VALUE_LIMIT
+        )
+        answer = Answer(
+            type=outcome.type,
+            reason=getattr(outcome, "reason", None),
+            omitted=omitted,
+            nested=error is not None and error.type == NESTED_STEP_ERROR,
+            build=self.apps[-1].build_id,
+        )
+        key = (request.run_id, request.step_id, request.operation.phase.value, request.operation.generation)
+        self.ground.answers[key].append(answer)
+        if answer.nested:
+            event("a callback opened a step inside it")
+        if answer.omitted:
+            event("a callback returned more than the limit")
 
     # ---- rules --------------------------------------------------------------------
 
@@ -204,7 +291,7 @@ class Interleavings(RuleBasedStateMachine):
     def lose_next_continuation(self) -> None:
         self.drop_next_continuation = True
 
-    @rule(what=st.sampled_from(["cancel", "a", "b", "c"]))
+    @rule(what=st.sampled_from(["cancel", "a", "b", "c", "n", "x"]))
     def between_answer_and_write(self, what: str) -> None:
         self.after_answer.append(what)
 
@@ -245,7 +332,7 @@ class Interleavings(RuleBasedStateMachine):
         waits = self.waiting()
         self.resolve_one_waiting(*waits[pick % len(waits)], action)
 
-    @rule(pick=st.integers(min_value=0, max_value=50), action=st.sampled_from(["succeed", "fail", "retry"]))
+    @rule(pick=st.integers(min_value=0, max_value=50), action=st.sampled_from(["succeed", "fail", "retry", "skip"]))
     def resolve_any(self, pick: int, action: str) -> None:
         """Any attempt, which the rules may refuse (refused without change)."""
         candidates = [
@@ -315,17 +402,30 @@ class Interleavings(RuleBasedStateMachine):
         RESOLUTIONS[action] += 1
 
     def resolve_now(self, run_id: str, step_id: str, phase: str, generation: int, action: str) -> None:
-        self.env.resolve(
-            run_id,
-            step_id,
-            phase=phase,
-            generation=generation,
-            action=action,
-            result={"operator": True} if action == "succeed" else None,
-            error={"type": "declared_failure", "message": "operator"} if action == "fail" else None,
-        )
+        """An operator's resolution, told to the checks of decisions 23-29 (kept only if it commits)."""
+        key = (run_id, step_id, phase, generation, action)
+        fresh = key not in self.ground.resolved
+        self.ground.resolved.add(key)
+        self.ground.reasons.add(f"interleavings {action}")
+        try:
+            self.env.resolve(
+                run_id,
+                step_id,
+                phase=phase,
+                generation=generation,
+                action=action,
+                result={"operator": True} if action == "succeed" else None,
+                error={"type": "declared_failure", "message": "operator"} if action == "fail" else None,
+                reason=f"interleavings {action}",
+            )
+        except ConflictError:
+            if fresh:
+                self.ground.resolved.discard(key)
+            raise
 
     def teardown(self) -> None:
+        if self.checks.misattributed:
+            event("known, open: a nesting callback ran again, its attempt recorded with another build")
         for run_id in self.run_ids:
             state = self.state(run_id)
             event(f"run ended {state.phase.value}/{state.outcome}/{state.recovery}")
@@ -339,6 +439,7 @@ class Interleavings(RuleBasedStateMachine):
             self.invariants_hold()
 
     def invariants_hold(self) -> None:
+        self.decisions_23_to_29_hold()
         self.no_generation_settles_twice()
         self.accepted_success_is_never_replaced_or_lost()
         self.compensation_waits_for_authorized_effects()
@@ -388,6 +489,11 @@ class Interleavings(RuleBasedStateMachine):
                         assert forward[-1].status not in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN), (
                             f"compensation began while {step.id} forward #{forward[-1].generation} is {forward[-1].status}"
                         )
+
+    @invariant()
+    def decisions_23_to_29_hold(self) -> None:
+        """Checked at every write and every callback (tests/simulation/decisions.py); reported here."""
+        assert not self.violations, self.violations[0]
 
     @invariant()
     def an_endpoint_replays_the_memo_the_engine_sent(self) -> None:

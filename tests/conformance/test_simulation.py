@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from ryusen._internal.wire import CallbackSucceeded
+from ryusen._internal.wire import CallbackSucceeded, ErrorInfo, TargetNotFound
 from ryusen_server.core import decide as decide_module
+from ryusen_server.core import view as view_module
 from ryusen_server.core.events import InvokeTask
 from ryusen_server.core.model import AttemptStatus, CompensationStatus, StepStatus
 from ryusen_server.engine import Engine, SweepReport
@@ -45,6 +46,13 @@ def test_seeds(block: int) -> None:
 
 
 REGRESSION_SEEDS = {
+    3: "a compensator that opened a step inside it ran again with the same build when the probe woke the unwind:"
+    " the hold looked at the queued attempt being authorized, not at the one that ran (issue 23; test_nested_steps.py"
+    " has it alone)",
+    1134: "the simulator's own check of decision 23 took an operator's resolution of a later generation of a"
+    " compensation (which moves the step on: its failure is retried under the policy) for a re-run without consent",
+    1193: "the simulator's own check of decision 25 counted an oversized answer the engine had not yet heard (the"
+    " attempt still authorized) as a success the step should be held on",
     2510: "an operator's retry of an Unknown, after a day-long clock jump, lost its message; the sweeper fired the"
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
     2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"
@@ -157,6 +165,66 @@ def _drop_resolutions(original: Callable[..., Any]) -> Callable[..., Any]:
     return resolve
 
 
+def _nested_step_is_an_ordinary_failure(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 23, as before it): a callback that opened a step is an ordinary failure, retried."""
+
+    def callback_opened_a_step(self: Any, step: Any, attempt: Any, error: Any, conflict: Any) -> Any:
+        ordinary = ErrorInfo(type="ConcurrentStepError", message=error.message)  # retryable, and not held
+        return self.attempt_failed(step, attempt, ordinary)
+
+    return callback_opened_a_step
+
+
+def _hold_the_queued_attempt(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 23, the bug the simulator found): the hold looks at the attempt being authorized (queued,
+    so it never ran) instead of the one that ran, so a probe runs a compensator that nests again, same build."""
+
+    def held_by(self: Any, step: Any, phase: Any, build_id: Any, *, before: Any = None) -> Any:
+        ran = self.last_ran(step, phase)  # the queued attempt itself, when one is being authorized (not ``before``)
+        if ran is None or ran.resolution is not None:
+            return None
+        if self.result_omitted(step, ran):
+            return ran, decide_module.ResultTooLarge(step_id=step.id, omitted=step.omitted_result)
+        if ran.opened_a_step and build_id is not None and ran.build_id == build_id:
+            return ran, decide_module.nested_step_conflict(ran.error)
+        return None
+
+    return held_by
+
+
+def _skip_a_target_not_reached(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 24, as before it): a compensation pass that ended before its target records a skip."""
+
+    def compensation_outcome(self: Any, step: Any, attempt: Any, response: Any) -> Any:
+        if isinstance(response, TargetNotFound) and response.reason == "not_reached":
+            response = response.model_copy(update={"reason": "no_compensator"})
+        return original(self, step, attempt, response)
+
+    return compensation_outcome
+
+
+def _oversized_result_fails(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 25, as before it): a callback that ran and returned too much is a failure."""
+
+    def forward_result_omitted(self: Any, step: Any, attempt: Any, omitted: Any) -> Any:
+        error = ErrorInfo(type="result_too_large", message=f"result is {omitted.size} bytes", retryable=False)
+        return self.attempt_failed(step, attempt, error)
+
+    return forward_result_omitted
+
+
+def _forget_the_unknown(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 28, as before it): a late result or an operator settles an Unknown, and it reads as if
+    it had never been Unknown."""
+
+    def settle(self: Any, attempt: Any, status: Any, **kwargs: Any) -> Any:
+        original(self, attempt, status, **kwargs)
+        if status is not AttemptStatus.UNKNOWN:
+            attempt.unknown_at = attempt.unknown_reason = None
+
+    return settle
+
+
 BROKEN = {
     "compensation is skipped after a stop": (
         "advance_unwind",
@@ -188,6 +256,41 @@ BROKEN = {
         _always_retry_unknowns,
         ("without consent",),
     ),
+    "D23: a callback that opened a step is retried as an ordinary failure": (
+        "callback_opened_a_step",
+        _nested_step_is_an_ordinary_failure,
+        ("opened a step inside the callback",),
+    ),
+    "D23: the hold looks at the queued attempt, not the one that ran": (
+        "held_by",
+        _hold_the_queued_attempt,
+        ("opened a step inside the callback, and no operator resolved it (decisions 23)",),
+    ),
+    "D24: a compensation pass that ended before its target records a skip": (
+        "compensation_outcome",
+        _skip_a_target_not_reached,
+        ("did not reach it with no compensator, the release does not retire it",),
+    ),
+    "D25: a callback that returned too much is recorded failed": (
+        "forward_result_omitted",
+        _oversized_result_fails,
+        ("ran and succeeded (its result over the limit), recorded failed",),
+    ),
+    "D26: the deadline is enforced only when its timer fires": (
+        "enforce_deadline",
+        lambda original: lambda self: None,
+        ("at or after the deadline", "at or after its deadline"),
+    ),
+    "D28: an Unknown settled later forgets it was Unknown": (
+        "settle",
+        _forget_the_unknown,
+        ("was Unknown at",),
+    ),
+    "D29: step ids that change on every pass are never blocked": (
+        "unstable_step_id",
+        lambda original: lambda self, plan: None,
+        ("with no unstable_step_id blocker (decisions 29)",),
+    ),
 }
 
 
@@ -198,6 +301,13 @@ def test_the_simulator_catches_a_broken_core(name: str, monkeypatch: pytest.Monk
     caught = _first_violation(range(300))
     assert caught is not None, f"{name}: 300 seeds found nothing"
     assert any(text in caught for text in expected), caught
+
+
+def test_the_simulator_catches_a_summary_that_hides_an_operator_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken (decision 24): the summary does not count the operator's skips, so it says "fully compensated"."""
+    monkeypatch.setattr(view_module, "operator_skips", lambda state: 0)
+    caught = _first_violation(range(300))
+    assert caught is not None and "the operator skipped" in caught, caught
 
 
 def test_the_simulator_catches_a_missing_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:

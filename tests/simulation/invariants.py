@@ -3,14 +3,17 @@
 :meth:`Checker.committed` runs on every write that commits, with the state written; :meth:`Checker.effect`
 runs as a callback or compensator starts executing, with the request that carries it and the durable state
 at that moment; :meth:`Checker.at_end` compares fault-free runs with what their code says they must end with.
+Decisions 23-29 are checked at the same moments by :class:`.decisions.Decisions`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from ryusen._internal.wire import Phase, TaskRequest
 from ryusen_server.core.model import (
+    Attempt,
     AttemptStatus,
     CompensationStatus,
     Outcome,
@@ -21,6 +24,7 @@ from ryusen_server.core.model import (
 )
 
 from . import workload
+from .decisions import Decisions, omitted_success
 
 if TYPE_CHECKING:
     from .world import Simulation
@@ -52,6 +56,10 @@ class Checker:
         self.version: dict[str, int] = {}
         self.ran: set[Key] = set()
         self.finished: set[str] = set()
+        self.decisions = Decisions(sim.ground, self.fail, unstable_after=sim.settings.unstable_after)
+        self.blockers_seen: Counter[str] = Counter()
+        """Runs that showed each blocker type (figures)."""
+        self._blocked: set[tuple[str, str]] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -88,14 +96,23 @@ class Checker:
                     )
             if any(n > 1 for n in live.values()):
                 self.fail(f"{run}: {step.id} has more than one live attempt in a phase")
-            succeeded = [a for a in step.attempts if a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED]
+            # a success is accepted (the step completed), unless the callback returned too much: then the step
+            # waits for an operator (decisions 25), who may move past that success (retry or fail it)
+            succeeded = [
+                a
+                for a in step.attempts
+                if a.phase is Phase.FORWARD
+                and a.status is AttemptStatus.SUCCEEDED
+                and not _moved_past(a)
+                and not (omitted_success(step, a) and step.status is StepStatus.PENDING)
+            ]
             if succeeded and step.status is not StepStatus.COMPLETED:
                 self.fail(f"{run}: {step.id} #{succeeded[0].generation} succeeded but the step is {step.status.value}")
             if step.status is StepStatus.COMPLETED:
                 winner = next(
                     (
                         a.generation
-                        for a in step.attempts
+                        for a in reversed(step.attempts)
                         if a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED
                     ),
                     None,
@@ -107,19 +124,27 @@ class Checker:
         for (r, step_id), (generation, result) in self.accepted.items():
             if r != run:
                 continue
-            step = state.step(step_id)
-            attempt = step.attempt(Phase.FORWARD, generation) if step is not None else None
+            kept = state.step(step_id)
+            attempt = kept.attempt(Phase.FORWARD, generation) if kept is not None else None
             if (
-                step is None
+                kept is None
                 or attempt is None
                 or attempt.status is not AttemptStatus.SUCCEEDED
-                or _json(step.result) != result
+                or _json(kept.result) != result
             ):
                 self.fail(f"{run}: the accepted result of {step_id} #{generation} was lost or changed")
         self._axes(state)
+        for blocker in state.blockers:
+            if (run, blocker.type.value) not in self._blocked:
+                self._blocked.add((run, blocker.type.value))
+                self.blockers_seen[f"runs blocked by {blocker.type.value}"] += 1
+        if state.outcome is Outcome.TIMED_OUT and (run, "timed out") not in self._blocked:
+            self._blocked.add((run, "timed out"))
+            self.blockers_seen["runs timed out"] += 1
         if state.phase is RunPhase.FINISHED and state.outcome is not Outcome.COMPLETED and run not in self.finished:
             self.finished.add(run)
             self._unwound(state)
+        self.decisions.committed(state)
 
     def _unwound(self, state: RunState) -> None:
         """A run that failed, was cancelled or timed out has finished: every accepted success was compensated
@@ -129,7 +154,10 @@ class Checker:
         accepted = [
             s
             for s in state.steps
-            if any(a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED for a in s.attempts)
+            if any(
+                a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED and not _moved_past(a)
+                for a in s.attempts
+            )
         ]
         if accepted and state.recovery is Recovery.NOT_REQUIRED:
             self.fail(f"{run}: finished {state.recovery.value} with accepted successes {[s.id for s in accepted]}")
@@ -181,7 +209,7 @@ class Checker:
 
     # ---- every callback execution ---------------------------------------------------------------------
 
-    def effect(self, request: TaskRequest, step_id: str, phase: str) -> None:
+    def effect(self, request: TaskRequest, step_id: str, phase: str, build: str | None, received: object) -> None:
         run = request.run_id
         operation = request.operation
         if operation is None or request.step_id != step_id or operation.phase.value != phase:
@@ -207,7 +235,7 @@ class Checker:
         for a in step.attempts:
             if a.phase.value != phase or a.generation >= gen:
                 continue
-            if a.status is AttemptStatus.SUCCEEDED:
+            if a.status is AttemptStatus.SUCCEEDED and not _moved_past(a):
                 self.fail(f"{run}: {step_id} {phase} ran again (#{gen}) after #{a.generation}'s success was accepted")
             elif a.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
                 self.fail(f"{run}: {step_id} {phase} #{gen} ran while #{a.generation} is {a.status.value}")
@@ -218,6 +246,7 @@ class Checker:
                 # an Unknown is run again only with consent: the step's declared on_unknown="retry", or an
                 # operator's retry (retry_authorized); a failure a late result or an operator reported is not Unknown
                 self.fail(f"{run}: {step_id} {phase} #{gen} ran past Unknown #{a.generation} without consent")
+        self.decisions.effect(state, step, phase, gen, build, received)
         if phase == "forward":
             return
         if not any(a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED for a in step.attempts):
@@ -301,6 +330,12 @@ class Checker:
             f"{run} v{state.version} {state.phase.value}/{state.outcome}/{state.recovery} blockers={blockers}"
             f" due={state.work_due_at()} {discovery}; {steps}"
         )
+
+
+def _moved_past(attempt: Attempt) -> bool:
+    """A success an operator moved past: a result over the limit they retried (consent to run the callback
+    again) or declared failed (decisions 25). Its step's outcome is what came after."""
+    return attempt.resolution is not None and attempt.resolution.action in ("retry", "fail")
 
 
 def _json(value: object) -> str:

@@ -7,7 +7,16 @@ where it happens). A step's callback fails its first ``fails`` executions; with 
 ``max_attempts`` it fails for good. Compensators fail their first ``undo_fails`` executions, always fewer than
 their attempts. The function may raise at its end (the run fails after every step succeeded).
 
-A release of the same app may rename, add or remove steps: :func:`variant` derives one from a workflow.
+Beyond that, the code users write that decisions 23-29 are about (issue 23): a callback (or a compensator) that
+opens a step inside it; a guard on external state (the order was cancelled) that returns before a group, which
+ends compensation passes before their target; a callback or compensator that returns more than the value limit
+(over the simulated server's limit, or over the SDK's own 256 KiB); a callback that takes virtual time (so a
+run's deadline falls while it runs); a step id that changes on every pass. None of them is in a fault-free
+seed's workflow.
+
+A release of the same app may rename, add, remove or retire steps, stop or start nesting, return less, make an
+unstable id stable or drop the guard: :func:`variant` derives one from a workflow; :func:`fixed` is the release
+an operator deploys as the remedy of a definition blocker.
 """
 
 from __future__ import annotations
@@ -16,12 +25,18 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from ryusen import RetryPolicy, Ryusen, Step, StepFailed
+from ryusen import OmittedResult, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen._internal.wire import MAX_VALUE_BYTES
 
 APP_ID = "sim"
 FUNCTION_ID = "saga"
+SERVER_VALUE_LIMIT = 16 * 1024
+"""The simulated server's value limit (``EngineSettings.max_value_bytes``): a result over it but under the SDK's
+256 KiB reaches the server, which omits it; one over 256 KiB the SDK omits itself (decisions 25: both paths)."""
+BIG = {"server": SERVER_VALUE_LIMIT + 4096, "sdk": MAX_VALUE_BYTES + 1024}
+"""How many bytes a ``big`` callback's result carries, by the limit it is over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +52,25 @@ class StepSpec:
     """The function catches this step's ``StepFailed`` right where it is raised."""
     on_unknown: Literal["block", "retry"]
     undo_on_unknown: Literal["block", "retry"] = "block"
+    nests: bool = False
+    """The callback opens a step inside it and lets the refusal escape (decisions 23)."""
+    undo_nests: bool = False
+    big: Literal["", "server", "sdk"] = ""
+    """The callback returns more than the limit: the server's, or the SDK's own (decisions 25)."""
+    undo_big: bool = False
+    takes_s: float = 0.0
+    """Virtual time the callback takes: a run's deadline may pass while it runs (decisions 26)."""
+    unstable: bool = False
+    """Its id changes on every pass, as one made from a random number or the clock would (decisions 29)."""
 
     @property
     def succeeds(self) -> bool:
         return self.fails < self.max_attempts
+
+    @property
+    def plain(self) -> bool:
+        """None of decisions 23-29's cases: a fault-free run of it ends as :func:`expected` says."""
+        return not (self.nests or self.undo_nests or self.big or self.undo_big or self.takes_s or self.unstable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,27 +86,42 @@ class WorkflowSpec:
     raise_at_end: bool
     release: int = 0
     """Which release of the app this is (0: the first)."""
+    guard_at: int | None = None
+    """Before this group the function returns early if the run's order is cancelled (an external read): a
+    compensation pass that meets the guard ends before its target (decisions 24)."""
+    retired: tuple[str, ...] = ()
+    """Step ids this release retires (``@app.function(retired_steps=...)``)."""
 
     @property
     def steps(self) -> list[StepSpec]:
         return [s for g in self.groups for s in g.steps]
 
+    def step_spec(self, step_id: str) -> StepSpec | None:
+        """The step this code calls ``step_id`` (an unstable id is its step's id, ``-q`` and a number)."""
+        base = step_id.rsplit("-q", 1)[0]
+        return next((s for s in self.steps if s.id == step_id or (s.unstable and s.id == base)), None)
+
     def describe(self) -> str:
         parts = []
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             inner = " ".join(
                 f"{s.id}{'!' if not s.succeeds else ''}{f'~{s.fails}' if s.fails else ''}"
                 f"{'+undo' if s.compensate else ''}{'(caught)' if s.caught else ''}"
                 f"{'[retry-unknown]' if s.on_unknown == 'retry' else ''}"
+                f"{'[nests]' if s.nests else ''}{'[undo-nests]' if s.undo_nests else ''}"
+                f"{f'[big:{s.big}]' if s.big else ''}{'[undo-big]' if s.undo_big else ''}"
+                f"{f'[{s.takes_s:g}s]' if s.takes_s else ''}{'[unstable-id]' if s.unstable else ''}"
                 for s in g.steps
             )
-            parts.append(f"try{{{inner}}}" if g.caught else inner)
-        return " | ".join(parts) + (" | raise" if self.raise_at_end else "")
+            guard = "guard: " if self.guard_at == gi else ""
+            parts.append(guard + (f"try{{{inner}}}" if g.caught else inner))
+        retired = f" | retires {','.join(self.retired)}" if self.retired else ""
+        return " | ".join(parts) + (" | raise" if self.raise_at_end else "") + retired
 
 
 def generate(rng: random.Random, *, clean: bool = False) -> WorkflowSpec:
-    """A workflow of 1 to 6 steps. ``clean``: every step succeeds first time (a fault-free baseline's shape
-    still varies: compensators, groups)."""
+    """A workflow of 1 to 6 steps. ``clean``: every step succeeds first time, and none has a case of decisions
+    23-29 (a fault-free baseline's shape still varies: compensators, groups)."""
     groups: list[GroupSpec] = []
     n = 0
     for _ in range(rng.randint(1, 4)):
@@ -85,41 +130,93 @@ def generate(rng: random.Random, *, clean: bool = False) -> WorkflowSpec:
             max_attempts = rng.randint(1, 3)
             fails = 0 if clean else rng.choice([0, 0, 0, 1, 2, max_attempts])
             undo_attempts = rng.randint(1, 3)
-            steps.append(
-                StepSpec(
-                    id=f"s{n}",
-                    fails=fails,
-                    max_attempts=max_attempts,
-                    compensate=rng.random() < 0.7,
-                    undo_fails=0 if clean else rng.randint(0, undo_attempts - 1),
-                    undo_attempts=undo_attempts,
-                    caught=rng.random() < 0.25,
-                    on_unknown=rng.choice(["block", "block", "retry"]),
-                    undo_on_unknown=rng.choice(["block", "block", "retry"]),
-                )
+            spec = StepSpec(
+                id=f"s{n}",
+                fails=fails,
+                max_attempts=max_attempts,
+                compensate=rng.random() < 0.7,
+                undo_fails=0 if clean else rng.randint(0, undo_attempts - 1),
+                undo_attempts=undo_attempts,
+                caught=rng.random() < 0.25,
+                on_unknown=rng.choice(["block", "block", "retry"]),
+                undo_on_unknown=rng.choice(["block", "block", "retry"]),
             )
+            steps.append(spec if clean else _with_cases(spec, rng))
             n += 1
         groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3))
-    return WorkflowSpec(tuple(groups), raise_at_end=rng.random() < 0.2)
+    guard_at = rng.randrange(len(groups)) if not clean and rng.random() < 0.4 else None
+    return WorkflowSpec(tuple(groups), raise_at_end=rng.random() < 0.2, guard_at=guard_at)
+
+
+def _with_cases(spec: StepSpec, rng: random.Random) -> StepSpec:
+    """Decisions 23-29's cases, each now and then."""
+    return replace(
+        spec,
+        nests=rng.random() < 0.07,
+        undo_nests=spec.compensate and rng.random() < 0.05,
+        big=rng.choice(["server", "sdk"]) if rng.random() < 0.08 else "",
+        undo_big=spec.compensate and rng.random() < 0.1,
+        takes_s=round(rng.uniform(1, 25), 1) if rng.random() < 0.4 else 0.0,
+        unstable=rng.random() < 0.04,
+    )
+
+
+VARIANTS = ("same", "rename", "add", "remove", "retire", "unnest", "nest", "shrink", "stabilize", "unguard")
 
 
 def variant(spec: WorkflowSpec, rng: random.Random, release: int) -> tuple[WorkflowSpec, str]:
-    """A later release of ``spec``'s app: the same code, or one step renamed, added or removed."""
-    how = rng.choice(["same", "rename", "add", "remove"])
+    """A later release of ``spec``'s app: the same code, or one step renamed, added, removed, or removed and
+    retired; a step that stops (or starts) opening a step inside its callback; callbacks that return less; an
+    unstable step id made stable; the guard dropped."""
+    how = rng.choice(VARIANTS)
     groups = [list(g.steps) for g in spec.groups]
     flat = [(gi, si) for gi, g in enumerate(groups) for si in range(len(g))]
     gi, si = rng.choice(flat)
+    retired = spec.retired
+    guard_at = spec.guard_at
+    chosen = groups[gi][si]
     if how == "rename":
-        groups[gi][si] = replace(groups[gi][si], id=f"{groups[gi][si].id}r{release}")
+        groups[gi][si] = replace(chosen, id=f"{chosen.id}r{release}")
     elif how == "add":
         new = StepSpec(f"n{release}", 0, 2, rng.random() < 0.5, 0, 1, False, "block")
         groups[gi].insert(rng.randint(0, len(groups[gi])), new)
-    elif how == "remove" and len(flat) > 1:
+    elif how in ("remove", "retire") and len(flat) > 1:
         del groups[gi][si]
+        if how == "retire":
+            retired = tuple(sorted({*retired, chosen.id}))
+    elif how == "unnest" and any(s.nests or s.undo_nests for s in spec.steps):
+        groups = [[replace(s, nests=False, undo_nests=False) for s in g] for g in groups]
+    elif how == "nest":
+        groups[gi][si] = replace(chosen, nests=True)
+    elif how == "shrink" and any(s.big or s.undo_big for s in spec.steps):
+        groups = [[replace(s, big="", undo_big=False) for s in g] for g in groups]
+    elif how == "stabilize" and any(s.unstable for s in spec.steps):
+        groups = [[replace(s, unstable=False) for s in g] for g in groups]
+    elif how == "unguard" and guard_at is not None:
+        guard_at = None
     else:
         how = "same"
-    kept = tuple(GroupSpec(tuple(g), spec.groups[i].caught) for i, g in enumerate(groups) if g)
-    return replace(spec, groups=kept, release=release), how
+    kept = [(GroupSpec(tuple(g), spec.groups[i].caught), i) for i, g in enumerate(groups) if g]
+    if guard_at is not None:  # the guard stays before the same group (or the next one left)
+        later = [k for k, (_, i) in enumerate(kept) if i >= guard_at]
+        guard_at = later[0] if later else None
+    return replace(spec, groups=tuple(g for g, _ in kept), release=release, retired=retired, guard_at=guard_at), how
+
+
+def fixed(spec: WorkflowSpec, release: int, ids_seen: set[str]) -> WorkflowSpec:
+    """What an operator deploys as the remedy of a definition blocker: ``spec`` (the first code) with no step
+    opened inside a callback, results within the limit, stable step ids and no guard, retiring every step id
+    an earlier release had that this one does not (renamed or added steps: their compensation passes cannot
+    reach them)."""
+    groups = tuple(
+        GroupSpec(
+            tuple(replace(s, nests=False, undo_nests=False, big="", undo_big=False, unstable=False) for s in g.steps),
+            g.caught,
+        )
+        for g in spec.groups
+    )
+    own = {s.id for g in groups for s in g.steps}
+    return replace(spec, groups=groups, release=release, guard_at=None, retired=tuple(sorted(ids_seen - own)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +266,33 @@ def result_of(step_id: str, data: Any) -> dict[str, Any]:
     return {"step": step_id, "order": data}
 
 
-Effect = Callable[[str, str], int]
-"""The simulator's hook, called by a callback as it runs: (step id, phase) -> how many times this callback
-ran before for this run (the callback fails while that is below its ``fails``)."""
+class Hooks(Protocol):
+    """What a release's code reaches of the simulated world while it runs (the simulator implements it)."""
+
+    def effect(self, step_id: str, phase: str, received: Any = None) -> int:
+        """A callback starts executing: (step id, phase, what a compensator received) -> how many times this
+        callback ran before for this run (the callback fails while that is below its ``fails``)."""
+        ...
+
+    def takes(self, seconds: float) -> None:
+        """The callback takes this long (virtual time passes while it runs)."""
+        ...
+
+    def order_cancelled(self) -> bool:
+        """The guard's external read: is the order of the run this request is about marked cancelled?"""
+        ...
+
+    def fresh_id(self, base: str) -> str:
+        """A step id made from something that changes on every pass (decisions 29)."""
+        ...
 
 
-def build_app(spec: WorkflowSpec, on_effect: Effect, *, master_key: str, seen: Any) -> Ryusen:
+def big_value(kind: str) -> dict[str, str]:
+    """A result over the server's limit (``server``) or over the SDK's own 256 KiB (``sdk``)."""
+    return {"blob": "x" * BIG[kind]}
+
+
+def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -> Ryusen:
     """The app of one release of ``spec``, holding the deployment's master (as ``ryusen dev``'s apps do)."""
     app = Ryusen(
         APP_ID,
@@ -184,43 +302,67 @@ def build_app(spec: WorkflowSpec, on_effect: Effect, *, master_key: str, seen: A
         build_id=f"b{spec.release}",
     )
 
-    def callback(s: StepSpec) -> Callable[[Any], Any]:
+    def callback(step: Step, s: StepSpec, step_id: str) -> Callable[[Any], Any]:
         def run(data: Any) -> Any:
-            before = on_effect(s.id, "forward")
+            before = hooks.effect(step_id, "forward")
+            if s.takes_s:
+                hooks.takes(s.takes_s)
+            if s.nests:  # refused (ConcurrentStepError), and the refusal escapes the callback (decisions 23)
+                step.run(f"{step_id}-receipt", lambda: "sent")
             if before < s.fails:
-                raise ConnectionError(f"{s.id} failed (execution {before + 1})")
+                raise ConnectionError(f"{step_id} failed (execution {before + 1})")
+            if s.big:
+                return big_value(s.big)
             return result_of(s.id, data)
 
         return run
 
-    def compensator(s: StepSpec) -> Callable[[Any], Any] | None:
+    def compensator(step: Step, s: StepSpec, step_id: str) -> Callable[[Any], Any] | None:
         if not s.compensate:
             return None
 
         def undo(result: Any) -> Any:
-            before = on_effect(s.id, "compensation")
+            before = hooks.effect(step_id, "compensation", result)
+            if s.undo_nests:
+                step.run(f"{step_id}-undo-receipt", lambda: "sent")
             if before < s.undo_fails:
-                raise ConnectionError(f"undo {s.id} failed (execution {before + 1})")
-            return {"undone": s.id}
+                raise ConnectionError(f"undo {step_id} failed (execution {before + 1})")
+            if s.undo_big:
+                return big_value("server")
+            return {"undone": s.id, "had": "omitted" if isinstance(result, OmittedResult) else "result"}
 
         return undo
 
     def run_step(step: Step, s: StepSpec, data: Any) -> Any:
+        retry = RetryPolicy(max_attempts=s.max_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.on_unknown)
+        undo_retry = RetryPolicy(
+            max_attempts=s.undo_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.undo_on_unknown
+        )
+        if s.unstable:  # another call site: its own location (decisions 29 counts abandoned ids per location)
+            step_id = hooks.fresh_id(s.id)
+            return step.run(
+                step_id,
+                callback(step, s, step_id),
+                data,
+                compensate=compensator(step, s, step_id),
+                retry=retry,
+                compensate_retry=undo_retry,
+            )
         return step.run(
             s.id,
-            callback(s),
+            callback(step, s, s.id),
             data,
-            compensate=compensator(s),
-            retry=RetryPolicy(max_attempts=s.max_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.on_unknown),
-            compensate_retry=RetryPolicy(
-                max_attempts=s.undo_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.undo_on_unknown
-            ),
+            compensate=compensator(step, s, s.id),
+            retry=retry,
+            compensate_retry=undo_retry,
         )
 
-    @app.function(FUNCTION_ID)
+    @app.function(FUNCTION_ID, retired_steps=spec.retired)
     def saga(data: Any, step: Step) -> Any:
         results: list[Any] = []
-        for group in spec.groups:
+        for gi, group in enumerate(spec.groups):
+            if spec.guard_at == gi and hooks.order_cancelled():
+                return {"order": "cancelled", "results": results}  # an early return on an external read
             try:
                 for s in group.steps:
                     if s.caught:

@@ -9,8 +9,10 @@ moves next and what happens to its call: it goes through; the process dies befor
 (throttled past botocore's retries, a 5xx); it commits but its answer is lost; a send is lost or doubled;
 the endpoint is unreachable, answers 502, or its answer is lost, late or never heard. Between any two steps
 the scheduler may also let time pass (leases expire while an answer is on its way), jump the clock, deliver
-messages in any order and more than once, fire timers late or twice, and, as operators do, cancel runs,
-resolve Unknowns, rediscover, and sync a release whose code renames, adds or removes steps.
+messages in any order and more than once, fire timers late or twice, and, as operators do, cancel runs (and
+mark their orders cancelled, which a workflow's guard reads), resolve Unknowns and held or blocked attempts
+(retry, succeed, fail, skip, with a reason), rediscover, and sync a release whose code renames, adds, removes or
+retires steps, or stops (or starts) opening steps inside callbacks, returning too much, or using unstable ids.
 
 Only one thread runs at a time, and every choice comes from the seed, so a seed replays exactly (in one
 process; run the bench with ``PYTHONHASHSEED=0`` to replay across processes). The invariants
@@ -31,6 +33,7 @@ from typing import Any
 
 from ryusen._internal.signing import SIGNATURE_HEADER, SeenRequests, app_key, sign, url_path
 from ryusen._internal.wire import (
+    NESTED_STEP_ERROR,
     SDK_FEATURES,
     ErrorInfo,
     LateResult,
@@ -38,6 +41,7 @@ from ryusen._internal.wire import (
     TaskRequest,
     TaskResponse,
     late_result_scope,
+    value_size,
 )
 from ryusen_server.aws.queue import MAX_RECEIVE_COUNT
 from ryusen_server.core.events import EngineSettings, Resolve
@@ -57,6 +61,7 @@ from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError
 from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
 
 from . import workload
+from .decisions import Answer, Ground, held_step_id
 from .invariants import Checker
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -203,6 +208,8 @@ class Report:
     blocked_at_end: int = 0
     effects: int = 0
     trace: list[str] = field(default_factory=list)
+    cases: Counter[str] = field(default_factory=Counter)
+    """How often each case of decisions 23-29 came up: what endpoints answered, guards, resolutions, blockers."""
 
     def trace_text(self, last: int = 200) -> str:
         lines = self.trace[-last:]
@@ -233,6 +240,15 @@ class Simulation:
         self.queue = SimQueue(self)
         self.timers = SimTimers(self)
         self.invoker = SimInvoker(self)
+        self.settings = EngineSettings(
+            attempt_timeout_s=30,
+            lease_grace_s=5,
+            redelivery_initial_s=1,
+            max_value_bytes=workload.SERVER_VALUE_LIMIT,
+        )
+        self.ground = Ground()
+        """What the world knows that the engine does not: the endpoint's answers, the operators' resolutions."""
+        self.resolved = self.ground.resolved
         self.check = Checker(self)
         self.held: list[Held] = []
         self.starts: list[tuple[int, Any, float | None]] = []
@@ -244,7 +260,7 @@ class Simulation:
         self.seen = SeenRequests()
         """Shared by every endpoint instance (``RYUSEN_REPLAY_TABLE``): a duplicated request is refused anywhere."""
         self.skews = [timedelta(0), timedelta(seconds=self.rng.uniform(-1, 1) * self.profile.skew_s)]
-        settings = EngineSettings(attempt_timeout_s=30, lease_grace_s=5, redelivery_initial_s=1)
+        settings = self.settings
         self.engines = [
             Engine(
                 store=self.store,
@@ -263,10 +279,17 @@ class Simulation:
         self.run_ids: list[str] = []
         self.inputs: dict[str, Any] = {}
         self.executions: Counter[tuple[str, str, str]] = Counter()
-        self.resolved: set[tuple[str, str, str, int, str]] = set()
-        """Operator resolutions the API accepted: (run, step, phase, generation, action)."""
         self.request: TaskRequest | None = None
         """The request the endpoint is executing (its callback reads its run and generation)."""
+        self.serving: workload.WorkflowSpec | None = None
+        """The release whose code is executing it."""
+        self.spec_at: dict[str, workload.WorkflowSpec] = {}
+        self.cancelled_orders: set[str] = set()
+        """Runs whose order is marked cancelled in the world outside (what a workflow's guard reads)."""
+        self.cases: Counter[str] = Counter()
+        """How often each case of decisions 23-29 came up (figures for bench/simulate.py)."""
+        self.fixed_release: workload.WorkflowSpec | None = None
+        self.operator_actions = 0
         self._publish(self.spec)
 
     # ---- the clock -----------------------------------------------------------------------------
@@ -345,19 +368,38 @@ class Simulation:
     def _publish(self, spec: workload.WorkflowSpec) -> Release:
         """Serve a release of the app (two endpoint instances: a request may reach either) and sync it."""
         url = f"https://endpoint.sim/r{spec.release}"
-        apps = [workload.build_app(spec, self.on_effect, master_key=self.master, seen=self.seen) for _ in range(2)]
+        apps = [workload.build_app(spec, self, master_key=self.master, seen=self.seen) for _ in range(2)]
         self.invoker.endpoints[url] = apps
+        self.spec_at[url] = spec
         return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), frozenset(SDK_FEATURES))
 
-    def on_effect(self, step_id: str, phase: str) -> int:
+    # ---- what a release's code reaches of the world (workload.Hooks) ------------------------------------
+
+    def effect(self, step_id: str, phase: str, received: Any = None) -> int:
         request = self.request
         assert request is not None, "a callback ran outside a request"
         key = (request.run_id, step_id, phase)
         before = self.executions[key]
         self.executions[key] += 1
-        self.check.effect(request, step_id, phase)
+        build = f"b{self.serving.release}" if self.serving is not None else None
+        self.check.effect(request, step_id, phase, build, received)
         self.note(f"  effect {request.run_id} {step_id} {phase} #{before + 1}")
         return before
+
+    def takes(self, seconds: float) -> None:
+        self.cases["callback took time"] += 1
+        self.advance(seconds, "the callback runs")
+
+    def order_cancelled(self) -> bool:
+        request = self.request
+        assert request is not None, "the guard read the order outside a request"
+        cancelled = request.run_id in self.cancelled_orders
+        if cancelled:
+            self.cases[f"guard returned early in a {request.kind.value} pass"] += 1
+        return cancelled
+
+    def fresh_id(self, base: str) -> str:
+        return f"{base}-q{next(self.ids)}"
 
     # ---- what the scheduler can do ----------------------------------------------------------------------
 
@@ -377,7 +419,7 @@ class Simulation:
             if self.now >= self.next_sweep:
                 choices.append((1.0, "sweep", None))
             if self.chaos and self.profile.operators:
-                choices.append((0.15, "operator", None))
+                choices.append((0.2, "operator", None))
             if self.chaos and self.profile.releases and self.releases < 3:
                 choices.append((0.05, "release", None))
         if self.chaos:
@@ -494,8 +536,12 @@ class Simulation:
     def start_runs(self) -> None:
         for i in range(self.profile.runs):
             data = {"order": i}
-            timeout = self.rng.choice([None, None, None, 120.0, 900.0]) if not self.profile.is_clean else None
-            self.spawn(f"client{i}", lambda i=i, data=data, timeout=timeout: self._start(i, data, timeout))
+            timeouts: list[float | None] = [None, None, None, None, 45.0, 120.0, 900.0]
+            timeout = self.rng.choice(timeouts) if not self.profile.is_clean else None
+            self.spawn(f"client{i}", self._starter(i, data, timeout))
+
+    def _starter(self, i: int, data: Any, timeout: float | None) -> Callable[[], None]:
+        return lambda: self._start(i, data, timeout)
 
     def _start(self, i: int, data: Any, timeout: float | None) -> None:
         """A client starts a run with an idempotency key, and retries until it hears an answer."""
@@ -517,9 +563,14 @@ class Simulation:
             return
         run_id = self.rng.choice(runs)
         engine = self.rng.choice(self.engines)
-        what = self.rng.choice(["cancel", "resolve", "resolve", "rediscover"])
+        what = self.rng.choice(["cancel", "resolve", "resolve", "resolve", "rediscover", "order"])
         if what == "cancel":
+            if self.rng.random() < 0.5:  # the cancel flow marks the order cancelled first (a guard reads it)
+                self.cancelled_orders.add(run_id)
             self.spawn(f"operator: cancel {run_id}", lambda: _refused_ok(lambda: engine.cancel(run_id)))
+        elif what == "order":  # the order's status changes outside (cancelled, or reinstated)
+            self.cancelled_orders ^= {run_id}
+            self.note(f"the order of {run_id} is {'cancelled' if run_id in self.cancelled_orders else 'reinstated'}")
         elif what == "rediscover":
             self.spawn(f"operator: rediscover {run_id}", lambda: _refused_ok(lambda: engine.rediscover(run_id)))
         else:
@@ -529,36 +580,54 @@ class Simulation:
 
     def _spawn_resolution(self, engine: Engine, run_id: str, resolution: Resolve) -> None:
         key = (run_id, resolution.step_id, resolution.phase.value, resolution.generation, resolution.action)
+        assert resolution.reason is not None
+        self.ground.reasons.add(resolution.reason)
 
         def resolve() -> None:
+            fresh = key not in self.resolved
             self.resolved.add(key)  # before the write that records it: the checker reads it there
             try:
                 engine.resolve(run_id, resolution)
             except ServerError as exc:
                 if exc.status >= 500:
                     raise  # the write may have landed: the resolution stays counted
-                self.resolved.discard(key)  # refused: nothing was written
+                if fresh:
+                    self.resolved.discard(key)  # refused: nothing was written
                 self.note(f"operator: refused: {exc.code}")
+                return
+            self.cases[f"operator {resolution.action} accepted"] += 1
 
         what = f"{resolution.action} {run_id} {resolution.step_id} {resolution.phase.value} #{resolution.generation}"
         self.spawn(f"operator: {what}", resolve)
 
-    def _pick_resolution(self, run_id: str, *, unknown_only: bool = False) -> Resolve | None:
+    def _pick_resolution(self, run_id: str, *, unknown_only: bool = False, held_only: bool = False) -> Resolve | None:
+        """An operator's resolution: of an attempt a blocker names (half the time, when one does), or of any
+        attempt (most are refused: they are not Unknown, held or blocked); ``unknown_only``: of an Unknown."""
         state = self.store.peek(run_id)
         assert state is not None
-        attempts = [
-            (step.id, a)
-            for step in state.steps
-            for a in step.attempts
-            if not unknown_only or a.status is AttemptStatus.UNKNOWN
+        named = [
+            (step.id, step.attempt(b.phase, b.generation))
+            for b in state.blockers
+            if (held := held_step_id(b)) is not None and b.phase is not None and b.generation is not None
+            if (step := state.step(held)) is not None
         ]
+        attempts = [(step_id, a) for step_id, a in named if a is not None]
+        if unknown_only:
+            attempts = [
+                (step.id, a) for step in state.steps for a in step.attempts if a.status is AttemptStatus.UNKNOWN
+            ]
+        elif not held_only and (not attempts or self.rng.random() < 0.5):
+            attempts = [(step.id, a) for step in state.steps for a in step.attempts]
         if not attempts:
             return None
         step_id, attempt = self.rng.choice(attempts)
         actions = ["retry", "retry", "succeed", "fail"]
-        if unknown_only and attempt.phase is Phase.FORWARD and state.stop_intent is not None:
+        if attempt.phase is Phase.COMPENSATION and attempt.status is AttemptStatus.FENCED:
+            actions.append("skip")  # a blocked compensation may be skipped, with a reason (decisions 24)
+        if (unknown_only or held_only) and attempt.phase is Phase.FORWARD and state.stop_intent is not None:
             actions = ["succeed", "fail"]  # what the remedy allows: no forward retry after a stop
         action = self.rng.choice(actions)
+        self.operator_actions += 1
         return Resolve(
             step_id=step_id,
             phase=attempt.phase,
@@ -568,6 +637,8 @@ class Simulation:
             error=ErrorInfo(type="declared_failure", message="the operator declared it failed")
             if action == "fail"
             else None,
+            reason=f"operator decision {self.operator_actions}",
+            by="sim-operator",
         )
 
     def _release(self) -> None:
@@ -614,6 +685,7 @@ class Simulation:
         report.violations = self.violations
         report.trace = self.trace
         report.effects = sum(self.executions.values())
+        report.cases = self.cases + self.check.blockers_seen
         for run_id in self.run_ids:
             state = self.store.peek(run_id)
             assert state is not None
@@ -715,8 +787,13 @@ class Simulation:
                 self.violation(f"{run_id} stalled silently after the remedies: {self.check.describe(run_id)}")
 
     def _operator_round(self) -> bool:
-        """An operator reads each blocked run's blockers and does what their remedies say; False if none."""
+        """An operator reads each blocked run's blockers and does what their remedies say; False if none.
+
+        An Unknown is resolved. A definition blocker's remedy is new code: first the operator deploys the fix
+        (:func:`workload.fixed`), which wakes every run it blocks; in later rounds what the fix cannot move (a
+        result over the limit, a compensation no pass reached) is resolved, or the run rediscovered."""
         acted = False
+        defined: list[str] = []
         for run_id in self.run_ids:
             state = self.store.peek(run_id)
             assert state is not None
@@ -732,12 +809,26 @@ class Simulation:
                     acted = True
                     self._spawn_resolution(self.engines[0], run_id, resolution)
             if types & DEFINITION_BLOCKERS:
-                acted = True
-                self.releases += 1
-                spec = workload.WorkflowSpec(self.spec.groups, self.spec.raise_at_end, release=self.releases)
-                self.specs.append(spec)
-                self.spawn(f"deploy: release r{spec.release} (the first code again)", lambda s=spec: self._sync(s))
+                defined.append(run_id)
+        if defined and self.fixed_release is None:
+            self.releases += 1
+            ids = {s.id for spec in self.specs for s in spec.steps}
+            self.fixed_release = fix = workload.fixed(self.spec, self.releases, ids)
+            self.specs.append(fix)
+            self.spawn(f"deploy: release r{fix.release} (the fix: {fix.describe()})", lambda: self._sync(fix))
+            return True
+        engine = self.engines[0]
+        for run_id in defined:
+            acted = True
+            resolution = self._pick_resolution(run_id, held_only=True)
+            if resolution is not None:
+                self._spawn_resolution(engine, run_id, resolution)
+            else:
+                self._spawn_rediscover(engine, run_id)
         return acted
+
+    def _spawn_rediscover(self, engine: Engine, run_id: str) -> None:
+        self.spawn(f"operator: rediscover {run_id}", lambda: _refused_ok(lambda: engine.rediscover(run_id)))
 
 
 def _fail_before(verdict: str, failure: str) -> None:
@@ -966,11 +1057,49 @@ class SimInvoker:
         return InvokeResult(kind="response", status=response.status, headers=response.headers, body=response.body)
 
     def _serve(self, app: Any, url: str, request: TaskRequest, headers: dict[str, str], body: bytes) -> Any:
-        self.sim.request = request
+        sim = self.sim
+        sim.request, sim.serving = request, sim.spec_at[url]
         try:
-            return app.handle("POST", headers, body, path=url_path(url))
+            response = app.handle("POST", headers, body, path=url_path(url))
         finally:
-            self.sim.request = None
+            sim.request = None
+        spec, sim.serving = sim.serving, None
+        if response.status == 200 and request.operation is not None and request.step_id is not None:
+            self._record(request, spec, TaskResponse.model_validate_json(response.body))
+        return response
+
+    def _record(self, request: TaskRequest, spec: workload.WorkflowSpec, response: TaskResponse) -> None:
+        """What the endpoint answered to an attempt, and what the code that answered says about its step."""
+        outcome = response.attempt
+        if outcome is None or request.operation is None or request.step_id is None:
+            return
+        step = spec.step_spec(request.step_id)
+        answer = Answer(
+            type=outcome.type,
+            reason=getattr(outcome, "reason", None),
+            omitted=getattr(outcome, "omitted", None) is not None
+            or (
+                outcome.type == "succeeded"
+                and value_size(getattr(outcome, "result", None)) > self.sim.settings.max_value_bytes
+            ),
+            nested=getattr(outcome, "error", None) is not None and outcome.error.type == NESTED_STEP_ERROR,  # type: ignore[union-attr]
+            build=f"b{spec.release}",
+            declares_no_compensator=step is not None and not step.compensate,
+            retires=request.step_id in spec.retired,
+        )
+        phase = request.operation.phase.value
+        self.sim.ground.answers[(request.run_id, request.step_id, phase, request.operation.generation)].append(answer)
+        case = {
+            "failed": "opened a step inside the callback" if answer.nested else None,
+            "succeeded": None
+            if not answer.omitted
+            else "returned too much (the SDK omitted it)"
+            if getattr(outcome, "omitted", None) is not None
+            else "returned too much (over the server's limit)",
+            "target_not_found": f"target not found ({answer.reason})",
+        }.get(outcome.type)
+        if case is not None:
+            self.sim.cases[f"{phase}: {case}"] += 1
 
     def _hold_late(self, url: str, request: TaskRequest, status: int, body: bytes) -> None:
         """The SDK, past ``respond_by``, submits its answer to the result endpoint (once, or twice)."""
