@@ -424,8 +424,6 @@ class Interleavings(RuleBasedStateMachine):
             raise
 
     def teardown(self) -> None:
-        if self.checks.misattributed:
-            event("known, open: a nesting callback ran again, its attempt recorded with another build")
         for run_id in self.run_ids:
             state = self.state(run_id)
             event(f"run ended {state.phase.value}/{state.outcome}/{state.recovery}")

@@ -310,14 +310,11 @@ def test_going_back_to_a_build_that_nested_does_not_run_the_callback_again() -> 
     assert charges == ["b1", "b2"]  # b1 already showed it nests
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 23, found by the interleavings property test): an attempt records the build of the release"
-    " that authorized it, not of the code that answered; when a release lands at the same URL between the write"
-    " that authorizes an attempt and its request (or a memo miss's resend), the hold compares the wrong build and"
-    " the new build runs the nesting callback twice",
-)
+@pytest.mark.rfd("D8")
 def test_a_release_that_lands_between_authorization_and_request_still_nests_once() -> None:
+    """Found by the interleavings property test: the attempt records the release that authorized it, but the
+    code that answered was a newer build at the same URL; the endpoint reports its build with the refusal, and
+    the hold uses it."""
     charges: list[str] = []
     refunds: list[Any] = []
     env = WorkflowEnvironment(shop(charges, refunds, nest=False, build="b1"))

@@ -55,6 +55,7 @@ from ryusen._internal.wire import (
     StepReached,
     TargetNotFound,
     TaskKind,
+    nested_step_build,
     nested_step_conflict,
     value_size,
 )
@@ -578,7 +579,7 @@ class _Transition:
                 and (before is None or attempt.generation < before)
                 and attempt.opened_a_step
                 and attempt.resolution is None
-                and attempt.build_id == build_id
+                and (nested_step_build(attempt.error) or attempt.build_id) == build_id
             ):
                 conflict = nested_step_conflict(attempt.error)
                 assert conflict is not None
@@ -1105,7 +1106,8 @@ class _Transition:
             if holds is not None:  # decisions 23: opened inside the callback of the step it holds up
                 message = (
                     f"step {second.step_id!r} (at {second.location}) was opened inside the callback of step"
-                    f" {first.step_id!r} (at {first.location}), which ran (build {holds.build_id}); a callback"
+                    f" {first.step_id!r} (at {first.location}), which ran (build"
+                    f" {nested_step_build(holds.error) or holds.build_id}); a callback"
                     " cannot open steps. A release that moves it out, or an operator, moves the run on"
                 )
             return Blocker(

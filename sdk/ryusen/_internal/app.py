@@ -160,6 +160,7 @@ class Ryusen:
         self._warned_insecure = False
         self._release_id = release_id
         self._build_id = build_id
+        self._digest: tuple[list[str], str] | None = None
         self._functions: dict[str, RegisteredFunction] = {}
         self.clock: Callable[[], float] = time.time
         table = os.environ.get("RYUSEN_REPLAY_TABLE")
@@ -256,14 +257,18 @@ class Ryusen:
         env = os.environ.get("RYUSEN_BUILD_ID")
         if env:
             return env
+        modules = sorted({f.fn.__module__ or "" for f in self._functions.values()})
+        if self._digest is not None and self._digest[0] == modules:
+            return self._digest[1]  # the code this process runs does not change under it: worked out once
         digest = hashlib.sha256()
-        for name in sorted({f.fn.__module__ or "" for f in self._functions.values()}):
+        for name in modules:
             module = sys.modules.get(name) if name else None
             try:
                 digest.update(inspect.getsource(module).encode() if module else name.encode())
             except (OSError, TypeError):
                 digest.update(name.encode())
-        return digest.hexdigest()[:16]
+        self._digest = (modules, digest.hexdigest()[:16])
+        return self._digest[1]
 
     @property
     def release_id(self) -> str:
@@ -336,6 +341,7 @@ class Ryusen:
                 return None
             run_input = _fresh(request.input)  # the pass may change its input; a replay needs it as it arrived
             live = LivePass(registered, request, idle_s=kept.idle_s)
+            live.replay.build_id = self.build_id
             kept.start(live)
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
@@ -389,6 +395,7 @@ class Ryusen:
         output: Any = None
         raised: BaseException | None = None
         replay.function_thread = threading.get_ident()
+        replay.build_id = self.build_id
         try:
             output = registered.fn(request.input, Step(replay))
         except BaseException as exc:  # noqa: BLE001 - the replay decides what is reported (a pass-ending Suspend too)
@@ -456,6 +463,7 @@ class Ryusen:
         raised: BaseException | None = None
         output: Any = None
         replay.function_thread = threading.get_ident()  # the event loop's
+        replay.build_id = self.build_id
         try:
             output = await registered.fn(request.input, AsyncStep(replay))
         except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)

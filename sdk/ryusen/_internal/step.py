@@ -371,6 +371,9 @@ class _Replay:
         self.target_without_compensator: str | None = None
         """Compensation: current code reached the target and declared no compensator (its location)."""
         self.recorded_failures: list[StepFailed] = []
+        self.build_id: str | None = None
+        """The build of the code running this pass, reported with a refusal of a step opened inside a callback:
+        the server holds the callback by the build that ran it, whatever release it authorized (decisions 23)."""
         self.retired_steps: frozenset[str] = frozenset()
         """The function's retired step ids (``@app.function(retired_steps=...)``): decisions 24."""
         self.refused_in_callback: list[tuple[ConcurrentStepError, ConcurrentStepConflict]] = []
@@ -668,7 +671,7 @@ class _Replay:
 
     def _failed(self, exc: Exception) -> CallbackFailed:
         if (conflict := self._refusal_in(exc)) is not None:
-            return CallbackFailed(error=nested_step_error(conflict))
+            return CallbackFailed(error=nested_step_error(conflict, self.build_id))
         return CallbackFailed(error=error_info(exc, retryable=not isinstance(exc, NonRetryableError)))
 
     def _refusal_in(self, exc: BaseException) -> ConcurrentStepConflict | None:
@@ -777,16 +780,17 @@ def _exception_chain(raised: BaseException) -> Iterator[BaseException]:
         pending.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
 
 
-def nested_step_error(conflict: ConcurrentStepConflict) -> ErrorInfo:
+def nested_step_error(conflict: ConcurrentStepConflict, build_id: str | None = None) -> ErrorInfo:
     """How an attempt reports that its callback opened a step and let the refusal escape (decisions 23): the
-    callback ran, so it is not a plain failure to retry; the server blocks the run instead."""
+    callback ran, so it is not a plain failure to retry; the server blocks the run instead. ``build_id`` is the
+    build of the code that ran it."""
     return ErrorInfo(
         type=NESTED_STEP_ERROR,
         message=(
             f"step {conflict.second.step_id!r} (at {conflict.second.location}) was opened inside the callback of"
             f" step {conflict.first.step_id!r} (at {conflict.first.location}); a callback cannot open steps"
         ),
-        data=conflict.model_dump(mode="json"),
+        data={**conflict.model_dump(mode="json"), **({"build_id": build_id} if build_id else {})},
         retryable=False,
     )
 

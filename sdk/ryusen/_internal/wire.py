@@ -310,9 +310,16 @@ def nested_step_conflict(error: ErrorInfo | None) -> ConcurrentStepConflict | No
     if error is None or error.type != NESTED_STEP_ERROR or not isinstance(error.data, dict):
         return None
     try:
-        return ConcurrentStepConflict.model_validate(error.data)
+        return ConcurrentStepConflict.model_validate({k: v for k, v in error.data.items() if k != "build_id"})
     except ValueError:
         return None
+
+
+def nested_step_build(error: ErrorInfo | None) -> str | None:
+    """The build whose callback opened a step, as the endpoint reported it with the refusal (decisions 23)."""
+    data = error.data if error is not None and error.type == NESTED_STEP_ERROR else None
+    build = data.get("build_id") if isinstance(data, dict) else None
+    return build if isinstance(build, str) else None
 
 
 DefinitionConflict = Annotated[
