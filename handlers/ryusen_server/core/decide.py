@@ -1112,7 +1112,8 @@ class _Transition:
                 )
             return Blocker(
                 type=BlockerType.CONCURRENT_STEP,
-                step_id=second.step_id,
+                # the step the blocker holds up: the one whose callback ran, when it names an attempt to resolve
+                step_id=first.step_id if holds is not None else second.step_id,
                 first=Occurrence(**first.model_dump()),
                 second=Occurrence(**second.model_dump()),
                 message=message,
