@@ -62,7 +62,7 @@ def app() -> Ryusen:
     return app
 
 
-def forward_task(result_url: str) -> tuple[bytes, dict[str, str]]:
+def forward_task(result_url: str, respond_in_s: float = -1.0) -> tuple[bytes, dict[str, str]]:
     request = TaskRequest(
         kind=TaskKind.FORWARD,
         run_id="run_1",
@@ -70,7 +70,7 @@ def forward_task(result_url: str) -> tuple[bytes, dict[str, str]]:
         step_id="slow",
         operation=OperationInfo(id="op_1", phase=Phase.FORWARD, generation=1),
         result_url=result_url,
-        respond_by=time.time() - 1,  # the dispatcher has stopped listening: submit late
+        respond_by=time.time() + respond_in_s,  # by default the dispatcher has stopped listening: submit late
     )
     body = request.model_dump_json().encode()
     scope = task_scope(request, path="/", app_id="late")
@@ -89,6 +89,20 @@ def test_a_late_result_is_retried_through_server_errors(app: Ryusen, endpoint: R
     app.handle("POST", *reversed(forward_task(endpoint.url)))
     assert [r["status"] for r in endpoint.received] == [503, 502, 200]
     assert endpoint.received[-1]["body"]["attempt"] == {"type": "succeeded", "result": {"done": True}}
+
+
+def test_an_outcome_that_finishes_just_before_the_server_stops_listening_is_also_submitted(
+    app: Ryusen, endpoint: ResultEndpoint
+) -> None:
+    """The dispatcher listens only a short grace past ``respond_by`` (issue 23: a tenth of the timeout, from
+    0.5 s): an answer finished just before it may arrive after, so it also goes to the result endpoint (a second
+    copy is a stale submission, and changes nothing)."""
+    response = app.handle("POST", *reversed(forward_task(endpoint.url, respond_in_s=0.3)))
+    assert response.status == 200
+    assert [r["body"]["attempt"] for r in endpoint.received] == [{"type": "succeeded", "result": {"done": True}}]
+    endpoint.received.clear()
+    app.handle("POST", *reversed(forward_task(endpoint.url, respond_in_s=30.0)))  # well within the window
+    assert endpoint.received == []
 
 
 def test_a_refused_late_result_is_not_retried_and_is_logged(

@@ -71,6 +71,8 @@ from .wire import (
 
 LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
 """Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
+LATE_MARGIN_S = 1.0
+"""An outcome finished this close to ``respond_by`` is also submitted as a late result (see ``_submit_late``)."""
 
 log = logging.getLogger("ryusen")
 
@@ -649,6 +651,11 @@ class Ryusen:
         server's result endpoint, signed like a response. A server error or a failed connection is
         retried (``LATE_RESULT_DELAYS_S``); a refusal (4xx: a stale generation, a bad signature) is
         final. Either way the outcome is logged, so an operator can resolve the attempt by hand.
+
+        An outcome finished within ``LATE_MARGIN_S`` before ``respond_by`` is also submitted, once, as the
+        response leaves: the dispatcher listens only a short grace past ``respond_by``, and a response that
+        arrives after it would otherwise leave the attempt Unknown. The copy that lands second is a stale
+        submission and changes nothing.
         """
         attempt = response.attempt
         if (
@@ -657,9 +664,10 @@ class Ryusen:
             or request.operation is None
             or request.step_id is None
             or not isinstance(attempt, CallbackSucceeded | CallbackFailed)
-            or self.clock() <= request.respond_by
+            or self.clock() <= request.respond_by - LATE_MARGIN_S
         ):
             return
+        near = self.clock() <= request.respond_by  # the response may still arrive in time: one try, no retries
         what = f"run {request.run_id} step {request.step_id} {request.operation.phase} #{request.operation.generation}"
         if not request.result_url.startswith(("http://", "https://")):
             log.error("could not deliver the late result of %s: result URL %r is not http(s)", what, request.result_url)
@@ -674,7 +682,7 @@ class Ryusen:
         body = late.model_dump_json().encode()
         scope = late_result_scope(late, path=url_path(request.result_url), app_id=self.app_id)
         problem = ""
-        for delay in (0.0, *LATE_RESULT_DELAYS_S):
+        for delay in (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S):
             time.sleep(delay)
             headers = {"content-type": "application/json"}
             key = self.signing_key
@@ -683,7 +691,7 @@ class Ryusen:
                 headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
             req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
             try:
-                with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the server-provided http(s) URL
+                with urllib.request.urlopen(req, timeout=LATE_MARGIN_S if near else 30) as resp:  # noqa: S310
                     resp.read()
                 log.info("delivered the late result of %s", what)
                 return
@@ -694,6 +702,11 @@ class Ryusen:
                     return
             except OSError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+            if near:
+                log.info(
+                    "the copy of the result of %s sent ahead of its response was not delivered (%s)", what, problem
+                )
+                return
             log.warning("late result of %s not delivered yet (%s); retrying", what, problem)
         log.error(
             "could not deliver the late result of %s (%s): the attempt becomes Unknown when its lease expires;"
