@@ -335,3 +335,55 @@ def test_a_release_that_lands_between_authorization_and_request_still_nests_once
     run = env.wait(run_id)
     assert [b["type"] for b in run.blockers] == ["concurrent_step"]
     assert charges == ["b2"]  # b2's callback ran once and nested: it must not run again with b2
+
+
+# ---- found by the second attack review ------------------------------------------------------------------
+
+
+@pytest.mark.rfd("D8", "U6")
+def test_after_a_rollback_a_retry_of_the_generation_the_blocker_names_runs_the_callback() -> None:
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.sync(shop(charges, refunds, nest=True, build="b2"))
+    env.wait(run_id)
+    env.sync(shop(charges, refunds, nest=False, build="b1"), release_id="b1-again")  # b1's build id, fixed code
+    run = env.wait(run_id)
+    assert charges == ["b1", "b2"]
+    [blocker] = run.blockers
+    assert blocker["generation"] == 1  # held by b1's own earlier attempt
+    env.resolve(run_id, "charge", generation=1, action="retry", reason="b1 is fixed now")  # consent
+    run = env.wait(run_id)
+    assert charges == ["b1", "b2", "b1"] and run.summary == "completed"
+
+
+@pytest.mark.rfd("D8", "C5")
+def test_a_retry_of_a_held_compensators_fenced_generation_runs_it() -> None:
+    refunds: list[str] = []
+    env = WorkflowEnvironment(refunding_shop(refunds, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.advance(timedelta(hours=2))  # a probe queues the compensation again: held, fenced
+    run = env.wait(run_id)
+    fenced = run.attempts("charge", "compensation")[-1]
+    assert fenced["status"] == "fenced" and refunds == ["b1"]
+    env.sync(refunding_shop(refunds, build="b1", nest=False), release_id="b1-fixed")  # the same build id
+    env.resolve(run_id, "charge", phase="compensation", generation=fenced["generation"], action="retry")
+    run = env.wait(run_id)
+    assert refunds == ["b1", "b1"] and run.summary == "failed, fully compensated"
+
+
+@pytest.mark.rfd("D9")
+def test_a_fix_released_while_an_unstable_id_waits_for_its_confirming_pass_is_not_blamed() -> None:
+    calls: list[str] = []
+    env = WorkflowEnvironment(quotes(calls, stable=False, build="b1"), chain_steps=False)
+    run_id = env.start("quote")
+    env.wait(run_id)
+    env.rediscover(run_id)
+    env.step_once()  # the wake's first pass: its id becomes the candidate, a confirming pass is queued
+    assert env.get(run_id).blockers[0]["type"] == "unstable_step_id"
+    env.sync(quotes(calls, stable=True, build="b2"))  # the fix lands before the confirming pass runs
+    run = env.wait(run_id)
+    assert run.summary == "completed" and calls == ["quote"]

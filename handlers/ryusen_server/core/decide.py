@@ -566,7 +566,8 @@ class _Transition:
         """An attempt of (step, phase) that ran (before generation ``before``, if given), whose outcome the engine
         could not take, so that it must not run the callback again by itself until an operator resolves it: the
         last one returned a result over the limit (decisions 25), or one whose callback opened a step ran with
-        ``build_id``, which would nest again (decisions 23: once per build, also after a rollback)."""
+        ``build_id``, which would nest again (decisions 23: once per build, also after a rollback). An operator's
+        resolution of any of its attempts since moves the step on: consent covers what came before it."""
         ran = self.last_ran(step, phase, before=before)
         if ran is not None and ran.resolution is None and self.result_omitted(step, ran):
             assert step.omitted_result is not None
@@ -574,13 +575,11 @@ class _Transition:
         if build_id is None:
             return None
         for attempt in reversed(step.attempts):
-            if (
-                attempt.phase is phase
-                and (before is None or attempt.generation < before)
-                and attempt.opened_a_step
-                and attempt.resolution is None
-                and (nested_step_build(attempt.error) or attempt.build_id) == build_id
-            ):
+            if attempt.phase is not phase or (before is not None and attempt.generation >= before):
+                continue
+            if attempt.resolution is not None:
+                return None  # an operator resolved this step's attempt since: consent to run it again
+            if attempt.opened_a_step and (nested_step_build(attempt.error) or attempt.build_id) == build_id:
                 conflict = nested_step_conflict(attempt.error)
                 assert conflict is not None
                 return attempt, conflict
@@ -1223,6 +1222,11 @@ class _Transition:
             return self.ignore("nothing to wake")
         if event.source == "probe" and not due:
             return self.ignore("probe is not due")
+        if event.source == "release_sync":
+            for blocker in s.blockers:  # a candidate announced by older code proves nothing about the new release
+                if blocker.type is BlockerType.UNSTABLE_STEP_ID and blocker.candidate_step_id is not None:
+                    blocker.candidate_step_id = None
+                    self.touch()
         if s.phase is RunPhase.COMPENSATING:
             entry = self.current_unwind_entry()
             step = self.step(entry.step_id) if entry else None
@@ -1672,6 +1676,21 @@ class _Transition:
         current = step.current(event.phase)
         if attempt is current and self.blocked_compensation(step, attempt):
             return self.resolve_blocked_compensation(step, event)
+        if (
+            event.action == "retry"
+            and attempt.phase is Phase.COMPENSATION
+            and attempt.status is AttemptStatus.FENCED
+            and attempt.resolution is None
+            and current is not None
+            and current is not attempt
+            and current.status is AttemptStatus.QUEUED
+            and s.phase is RunPhase.COMPENSATING
+        ):
+            # a wake queued the next generation before the operator's retry of this fenced one: the consent is
+            # recorded here, and the queued generation runs with it (nothing held it back once it is delivered)
+            attempt.resolution = Resolution(action="retry", at=self.now, reason=event.reason, by=event.by)
+            self.touch()
+            return self.ignore(f"retry consented: generation {current.generation} is queued")
         if event.action == "skip" and not self._same_resolution(attempt, event, step):
             return self.reject(
                 "skip_not_allowed",
@@ -1686,9 +1705,14 @@ class _Transition:
                 "generation_settled",
                 f"generation {event.generation} was already resolved by an operator ({attempt.resolution.action})",
             )
-        if attempt is self.last_ran(step, event.phase) and (
-            attempt.opened_a_step or self.result_omitted(step, attempt)
-        ):
+        held_attempt = attempt.opened_a_step and step.status is not StepStatus.COMPLETED
+        if held_attempt or (attempt is self.last_ran(step, event.phase) and self.result_omitted(step, attempt)):
+            # (an older attempt that opened a step, too: after a rollback the blocker names the one of its build)
+            if current is not None and current.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
+                return self.reject(
+                    "attempt_in_flight",
+                    f"generation {current.generation} is {current.status}: wait for its outcome before resolving",
+                )
             return self.resolve_held(step, attempt, event)
         # idempotency: the same resolution repeated
         if attempt.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
@@ -1831,7 +1855,7 @@ class _Transition:
             if following is None:
                 return False
             if event.action == "retry":
-                return following.resolution is None
+                return False  # a retry is recorded on the fenced attempt itself (checked before this)
             attempt = following
         if event.action == "skip":
             return attempt.resolution is not None and attempt.resolution.action == "skip"
