@@ -1120,17 +1120,13 @@ class _Transition:
                 **seen,
             )
         if isinstance(conflict, NewStepBeforeTarget):
-            target = self.step(conflict.step_id)
+            target = self.s.step(conflict.step_id)
             new = conflict.first
             return Blocker(
                 type=BlockerType.NEW_STEP_BEFORE_TARGET,
                 step_id=conflict.step_id,
                 first=Occurrence(**new.model_dump()),
-                second=Occurrence(
-                    step_id=conflict.step_id,
-                    location=target.location if target else None,
-                    name=target.name if target else None,
-                ),
+                second=self.occurrence_of(conflict.step_id),
                 message=(
                     f"current code reaches step {new.step_id!r} (at {new.location}), which has no recorded outcome,"
                     f" before step {conflict.step_id!r} (recorded at {target.location if target else '?'}),"
@@ -1152,14 +1148,11 @@ class _Transition:
                 **seen,
             )
         if isinstance(conflict, ResultTooLarge):
-            step = self.s.step(conflict.step_id)
             omitted = conflict.omitted
             return Blocker(
                 type=BlockerType.RESULT_TOO_LARGE,
                 step_id=conflict.step_id,
-                first=Occurrence(
-                    step_id=conflict.step_id, location=step.location if step else None, name=step.name if step else None
-                ),
+                first=self.occurrence_of(conflict.step_id),
                 size=omitted.size,
                 limit=omitted.limit,
                 message=(
@@ -1176,11 +1169,7 @@ class _Transition:
             return Blocker(
                 type=BlockerType.COMPENSATION_TARGET_NOT_REACHED,
                 step_id=conflict.step_id,
-                second=Occurrence(
-                    step_id=conflict.step_id,
-                    location=target.location if target else None,
-                    name=target.name if target else None,
-                ),
+                second=self.occurrence_of(conflict.step_id),
                 message=(
                     f"the compensation pass of build {build} ended without reaching step {conflict.step_id!r}"
                     f" (recorded at {target.location if target else '?'}), whose compensation is due"
@@ -1206,6 +1195,11 @@ class _Transition:
             ),
             **seen,
         )
+
+    def occurrence_of(self, step_id: str) -> Occurrence:
+        """Where the run recorded step ``step_id`` (its location and display name), for a blocker to name."""
+        step = self.s.step(step_id)
+        return Occurrence(step_id=step_id, location=step.location if step else None, name=step.name if step else None)
 
     def wake(self, event: WakeRequested) -> None:
         s = self.s
