@@ -387,3 +387,24 @@ def test_a_fix_released_while_an_unstable_id_waits_for_its_confirming_pass_is_no
     env.sync(quotes(calls, stable=True, build="b2"))  # the fix lands before the confirming pass runs
     run = env.wait(run_id)
     assert run.summary == "completed" and calls == ["quote"]
+
+
+@pytest.mark.rfd("D8", "U8")
+def test_an_older_held_attempt_cannot_be_retried_while_a_later_generation_is_unknown() -> None:
+    """Found by the simulator (seed 6205): resolving the generation a nested-step blocker named, while the
+    operator's earlier retry had left a later generation Unknown, queued a second live attempt."""
+    from ryusen_server.ports import ConflictError
+
+    charges: list[str] = []
+    refunds: list[Any] = []
+    env = WorkflowEnvironment(shop(charges, refunds, nest=True, build="b1"))
+    run_id = env.start("fulfil")
+    env.wait(run_id)
+    env.sync(shop(charges, refunds, nest=False, build="b2"))
+    env.faults.lose_result("charge")  # b2's charge runs, and its answer is lost: Unknown
+    run = env.wait(run_id)
+    assert [a["status"] for a in run.attempts("charge")] == ["failed", "unknown"]
+    with pytest.raises(ConflictError, match="generation 2 is unknown"):
+        env.resolve(run_id, "charge", generation=1, action="retry")
+    run = env.get(run_id)
+    assert [a["status"] for a in run.attempts("charge")] == ["failed", "unknown"] and charges == ["b1", "b2"]

@@ -53,6 +53,9 @@ REGRESSION_SEEDS = {
     " compensation (which moves the step on: its failure is retried under the policy) for a re-run without consent",
     1193: "the simulator's own check of decision 25 counted an oversized answer the engine had not yet heard (the"
     " attempt still authorized) as a success the step should be held on",
+    6205: "an operator's retry of an older attempt whose callback opened a step, while a later generation was still"
+    " Unknown, queued a second live attempt (issue 23's second review let an older held attempt be resolved;"
+    " test_nested_steps.py has it alone)",
     2510: "an operator's retry of an Unknown, after a day-long clock jump, lost its message; the sweeper fired the"
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
     2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"

@@ -1702,10 +1702,11 @@ class _Transition:
         held_attempt = attempt.opened_a_step and step.status is not StepStatus.COMPLETED
         if held_attempt or (attempt is self.last_ran(step, event.phase) and self.result_omitted(step, attempt)):
             # (an older attempt that opened a step, too: after a rollback the blocker names the one of its build)
-            if current is not None and current.status in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED):
+            if current is not None and current is not attempt and current.status in LIVE_ATTEMPT:
+                # a later generation has not settled: it is the one to wait for, or to resolve if Unknown
                 return self.reject(
                     "attempt_in_flight",
-                    f"generation {current.generation} is {current.status}: wait for its outcome before resolving",
+                    f"generation {current.generation} is {current.status}: wait for its outcome or resolve it first",
                 )
             return self.resolve_held(step, attempt, event)
         # idempotency: the same resolution repeated
