@@ -1739,14 +1739,8 @@ class _Transition:
                 self.set_unwind_status(step.id, CompensationStatus.PENDING)
             self.queue_attempt(step, event.phase)
             return None
-        if event.action == "succeed":
-            too_large = (
-                self.oversized_result(event.result)
-                if event.phase is Phase.FORWARD
-                else self.oversized_compensation_result(event.result)
-            )
-            if too_large is not None:
-                return self.reject(too_large.type, too_large.message)
+        if (too_large := self.supplied_result_too_large(event)) is not None:
+            return self.reject(too_large.type, too_large.message)
         self.clear_blockers_for(step, attempt)
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         if event.action == "succeed":
@@ -1798,6 +1792,14 @@ class _Transition:
         resolved.detail = f"operator {event.action}"
         return None
 
+    def supplied_result_too_large(self, event: Resolve) -> ErrorInfo | None:
+        """Why an operator's ``succeed`` cannot be recorded (over the value limit, or the run's), or None."""
+        if event.action != "succeed":
+            return None
+        if event.phase is Phase.FORWARD:
+            return self.oversized_result(event.result)
+        return self.oversized_compensation_result(event.result)
+
     def resolve_held(self, step: StepState, attempt: Attempt, event: Resolve) -> None:
         """An operator moves on a run blocked by an attempt whose callback ran but whose outcome the engine could
         not take: it opened a step inside it (decisions 23), or returned too much (25). Retry is consent to run the
@@ -1811,14 +1813,8 @@ class _Transition:
             return self.reject("generation_settled", f"generation {event.generation} is failed and the run is stopping")
         if self.s.phase is RunPhase.FINISHED:
             return self.reject("run_finished", "the run is finished")
-        if event.action == "succeed":
-            too_large = (
-                self.oversized_result(event.result)
-                if event.phase is Phase.FORWARD
-                else self.oversized_compensation_result(event.result)
-            )
-            if too_large is not None:
-                return self.reject(too_large.type, too_large.message)
+        if (too_large := self.supplied_result_too_large(event)) is not None:
+            return self.reject(too_large.type, too_large.message)
         self.clear_definition_blockers()
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         attempt.resolution = resolution
