@@ -1732,13 +1732,7 @@ class _Transition:
             self.clear_blockers_for(step, attempt)
             self.settle(attempt, AttemptStatus.RETRY_AUTHORIZED, detail="operator retry")
             attempt.resolution = Resolution(action="retry", at=self.now, reason=event.reason, by=event.by)
-            if event.phase is Phase.FORWARD:
-                step.status = StepStatus.PENDING
-            else:
-                step.compensation_status = CompensationStatus.PENDING
-                self.set_unwind_status(step.id, CompensationStatus.PENDING)
-            self.queue_attempt(step, event.phase)
-            return None
+            return self.queue_operator_retry(step, event.phase)
         if (too_large := self.supplied_result_too_large(event)) is not None:
             return self.reject(too_large.type, too_large.message)
         self.clear_blockers_for(step, attempt)
@@ -1792,6 +1786,15 @@ class _Transition:
         resolved.detail = f"operator {event.action}"
         return None
 
+    def queue_operator_retry(self, step: StepState, phase: Phase) -> None:
+        """An operator's consented retry: the step's phase is pending again, and its next generation is queued."""
+        if phase is Phase.FORWARD:
+            step.status = StepStatus.PENDING
+        else:
+            step.compensation_status = CompensationStatus.PENDING
+            self.set_unwind_status(step.id, CompensationStatus.PENDING)
+        self.queue_attempt(step, phase)
+
     def supplied_result_too_large(self, event: Resolve) -> ErrorInfo | None:
         """Why an operator's ``succeed`` cannot be recorded (over the value limit, or the run's), or None."""
         if event.action != "succeed":
@@ -1822,13 +1825,7 @@ class _Transition:
             step.omitted_result, step.completed_seq = None, None  # the operator says it did nothing to undo
         self.touch()
         if event.action == "retry":
-            if event.phase is Phase.FORWARD:
-                step.status = StepStatus.PENDING
-            else:
-                step.compensation_status = CompensationStatus.PENDING
-                self.set_unwind_status(step.id, CompensationStatus.PENDING)
-            self.queue_attempt(step, event.phase)
-            return None
+            return self.queue_operator_retry(step, event.phase)
         resolved = self.new_attempt(step, event.phase)
         if event.action == "succeed":
             self.apply_outcome(step, resolved, CallbackSucceeded(result=event.result))
