@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import secrets
 import threading
 import time
@@ -77,6 +78,7 @@ from .core.events import (
 )
 from .core.model import DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
 from .core.view import memo
+from .deferred import DeferredAnswer, DeferredEvent
 from .ports import (
     CHECK_HORIZON_S,
     ConflictError,
@@ -89,6 +91,7 @@ from .ports import (
     RunExistsError,
     RunStore,
     ServerError,
+    StoreUnavailableError,
     TaskQueue,
     TimerService,
     VersionConflictError,
@@ -97,6 +100,7 @@ from .ports import (
 log = logging.getLogger("ryusen.engine")
 
 MAX_RACES = 50
+MAX_DEFERRAL_DELAY_S = 900
 RESPONSE_GRACE_FRACTION = 0.1
 RESPONSE_GRACE_MIN_S = 0.5
 RESPONSE_GRACE_MAX_S = 2.0
@@ -104,6 +108,24 @@ DISPATCH_MARGIN_S = 10.0
 """What a dispatcher keeps of its time budget to record an answer after it arrives."""
 MIN_DISPATCH_BUDGET_S = DISPATCH_MARGIN_S + RESPONSE_GRACE_MAX_S + 3.0
 """A dispatcher with less time left than this does not start a task (the message comes back)."""
+
+
+STORE_RETRY_FIRST_S = 0.05
+STORE_RETRY_MAX_S = 2.0
+STORE_RETRY_S = 20.0
+"""The default of ``ServerSettings.store_retry_s`` (``RYUSEN_STORE_RETRY_S``)."""
+STORE_RETRY_MAX_TRIES = 12
+"""At most this many tries of one write (with the backoff, about 15 s at most)."""
+STORE_RETRY_RESERVE_S = 3.0
+"""What a dispatcher keeps of its time budget, after retrying a write, to defer the answer to the queue."""
+STORE_UNAVAILABLE_RETRY_S = 5.0
+"""When a message whose work the store refused (nothing was sent) comes back."""
+DEFERRAL_COVER_S = 900.0
+"""How long the lease timer of an attempt whose answer is deferred stays away at least: the deferred answer is
+received and recorded first, so the lease's expiry does not turn an answered attempt Unknown."""
+FRONT_END_THROTTLED = 429
+"""What a Lambda Function URL (or API Gateway) answers, unsigned, when it throttles a request before any
+code runs: nothing was sent to the app, so it is sent again with backoff (never Unknown)."""
 
 
 def response_grace_s(timeout_s: float) -> float:
@@ -240,6 +262,11 @@ class ServerSettings:
     a chain within this long (0: read it after every callback). A sync through this process, and every new
     dispatch message, is seen at once."""
     index_settle_s: float = 0.0
+    store_retry_s: float = STORE_RETRY_S
+    """How long a write the store keeps refusing (throttled past botocore's retries, a 5xx) is tried again
+    before the caller gives up for now: a dispatcher then defers the answer it has to the queue (``deferred.py``)
+    and a message that sent nothing comes back later. A dispatcher also stops in time to defer the answer
+    before its invocation ends."""
     """How long the blocked-runs index may lag the table (a DynamoDB GSI): a release sync looks it up again
     after this long, for a run that blocked just before the sync."""
 
@@ -373,6 +400,8 @@ class Engine:
         """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
         self.chain_guards: list[Callable[[], bool]] = []
         """Each must allow chaining the next task (``ryusen.testing`` stops a chain where a test wants to look)."""
+        self.sleep: Callable[[float], None] = time.sleep
+        """How a retry waits (the simulator replaces it: its time is its own)."""
         self.sent_memos = SentMemos()
         """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
         self._releases_read: dict[str, tuple[float, Release | None]] = {}
@@ -426,6 +455,72 @@ class Engine:
             self._send(decision)
             return decision
         raise ServerError(f"run {run_id!r} is too contended; try again")
+
+    def _apply_retrying(self, run_id: str, event: Event, *, known: RunState | None, deadline: float | None) -> Decision:
+        """:meth:`apply`, tried again with backoff while the store is unavailable (throttled past botocore's
+        retries, a 5xx, a lost answer) and time is left: for ``store_retry_s``, and never past
+        ``STORE_RETRY_RESERVE_S`` before ``deadline`` (a Lambda's remaining time). A try
+        after a write whose answer was lost meets its own write (the version fence) and decides again on it.
+        Raises the last :class:`StoreUnavailableError` when the time is up."""
+        give_up_at = time.monotonic() + self.settings.store_retry_s
+        if deadline is not None:
+            give_up_at = min(give_up_at, deadline - STORE_RETRY_RESERVE_S)
+        tries = 0
+        while True:
+            try:
+                return self.apply(run_id, event, known=known)
+            except StoreUnavailableError as exc:
+                tries += 1
+                pause = random.uniform(0, min(STORE_RETRY_MAX_S, STORE_RETRY_FIRST_S * 2**tries))
+                if tries >= STORE_RETRY_MAX_TRIES or time.monotonic() + pause >= give_up_at:
+                    log.warning(
+                        "run %s: the store refused a write %d times (%s); giving up for now", run_id, tries, exc
+                    )
+                    raise
+                self._emit("store_retry", (run_id, tries, exc.message))
+                known = None  # read again: the refused write may have committed
+                self.sleep(pause)
+
+    def _record_answer(
+        self, run_id: str, event: DeferredEvent, *, known: RunState, deadline: float | None
+    ) -> Decision | None:
+        """Record what an endpoint answered. While the store will not take it, retry within the time left;
+        then defer the answer to the queue (``deferred.py``) and return None: the answer is recorded when the deferred
+        message is received, never lost to a throttle (its attempt would end Unknown at the lease's expiry)."""
+        self._emit("answer", (run_id, event))
+        try:
+            decision = self._apply_retrying(run_id, event, known=known, deadline=deadline)
+        except StoreUnavailableError as exc:
+            deferred = DeferredAnswer.of(run_id, event, self.master_keys())
+            try:
+                self.queue.defer(deferred, 1.0)
+            except Exception as refused:  # too large for a message, or the queue failing too
+                self._emit("answer_dropped", (run_id, event, f"{type(refused).__name__}: {refused}"))
+                log.error("run %s: could not record an answer (%s) nor defer it (%s)", run_id, exc, refused)
+                raise exc from refused
+            self._emit("answer_deferred", (run_id, event))
+            log.warning("run %s: the store is unavailable (%s); %s", run_id, exc, deferred.describe())
+            return None
+        self._emit("answer_recorded", (run_id, event))
+        return decision
+
+    def apply_deferred(self, deferred: DeferredAnswer) -> Decision | None:
+        """Record an answer a dispatcher deferred while the store would not take it (a deferred message). Still
+        unavailable: the answer goes back on the queue, later each time (the message in hand is then done)."""
+        keys = self.master_keys()
+        if not deferred.verify(keys):
+            log.error("refused a deferred answer not sealed by this deployment: %s", deferred.describe())
+            return None
+        event = deferred.decoded()
+        try:
+            decision = self._apply_retrying(deferred.run_id, event, known=None, deadline=None)
+        except NotFoundError:
+            return None  # the run is gone (retention): nothing to record
+        except StoreUnavailableError:
+            self.queue.defer(deferred.again(keys), min(float(MAX_DEFERRAL_DELAY_S), 2.0 ** min(deferred.tries + 1, 10)))
+            return None
+        self._emit("answer_recorded", (deferred.run_id, event))
+        return decision
 
     def _send(self, decision: Decision) -> None:
         for command in decision.commands:
@@ -627,13 +722,21 @@ class Engine:
         if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
             return Delivered(done=False)  # too little time left to hear an answer: the message comes back
         self.master_keys()  # read now (a cold start's secret): a failure leaves nothing authorized and unsent
-        state = self.store.get(task.run_id)
-        if state is None:
-            return Delivered(done=True)
-        release = self._read_release(state.function_id)  # a new message reads the release afresh
-        ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
-        delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
-        decision = self.apply(task.run_id, delivered, known=state)
+        try:
+            state = self.store.get(task.run_id)
+            if state is None:
+                return Delivered(done=True)
+            release = self._read_release(state.function_id)  # a new message reads the release afresh
+            ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
+            delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
+            # tried again on the same delivery id: a try whose write committed is recognised as this
+            # dispatcher's own authorization, and its task is invoked, not left to the lease's expiry
+            decision = self._apply_retrying(task.run_id, delivered, known=state, deadline=deadline)
+        except StoreUnavailableError as exc:
+            log.warning(
+                "%s: the store is unavailable (%s); nothing was sent, the message comes back", task.describe(), exc
+            )
+            return Delivered(done=False, redeliver_after_s=STORE_UNAVAILABLE_RETRY_S)
         lease = _MessageLease(on_authorized)
         chain_until = time.monotonic() + self.settings.chain_window_s
         while True:
@@ -722,7 +825,10 @@ class Engine:
         chaining = self.may_chain(deadline, chain_until)
         newest: Release | None = None
         if chaining or request.continue_after:
-            newest = self._newest_release(state.function_id)  # the newest release (R1), re-read now and then
+            try:
+                newest = self._newest_release(state.function_id)  # the newest release (R1), re-read now and then
+            except StoreUnavailableError:
+                chaining = False  # the answer is recorded without what the pass found next; no chain
         chain = newest if chaining else None
         ref = ReleaseRef(release_id=chain.release_id, build_id=chain.build_id) if chain else None
         # What the pass found after the callback is what the code that ran it would do next; if a newer
@@ -739,9 +845,15 @@ class Engine:
             trust_next=same_code,
             sent=sent,
         )
-        decision = self.apply(task.run_id, event, known=state)
-        self._wake_if_release_moved(decision, state, release)
-        return decision, chain
+        recorded = self._record_answer(task.run_id, event, known=state, deadline=deadline)
+        if recorded is None:  # deferred on the queue: this message, the lease timer, stays away until it is recorded
+            lease_left = (lease_at - self.clock()).total_seconds()
+            return Delivered(done=False, redeliver_after_s=max(DEFERRAL_COVER_S, lease_left))
+        try:
+            self._wake_if_release_moved(recorded, state, release)
+        except StoreUnavailableError:
+            log.warning("run %s: could not look for a newer release after a pass blocked (the probe will)", state.id)
+        return recorded, chain
 
     def _post(
         self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime, grace_s: float
@@ -862,7 +974,7 @@ class Engine:
         delivery_id: str | None = None,
         trust_next: bool = False,
         sent: Sent | None = None,
-    ) -> Event:
+    ) -> DeferredEvent:
         """The event for what the endpoint answered. A signed request's answer must be signed as the answer
         to that request (``sent``)."""
         if result.kind == "unreachable":
@@ -870,6 +982,14 @@ class Engine:
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
         keys = sent is not None
+        if result.status == FRONT_END_THROTTLED and (not keys or self._signature_problem(result, sent) is not None):
+            # refused in front of the app (a Lambda Function URL's concurrency, an API Gateway's rate limit):
+            # no code ran. An SDK never answers 429, and a signed answer would be checked as any other.
+            return InvocationFailed(
+                task=task,
+                failure=InvocationFailure.UNREACHABLE,
+                detail="throttled in front of the endpoint (HTTP 429): nothing ran; sent again with backoff",
+            )
         if (problem := self._signature_problem(result, sent)) is not None:
             return InvocationFailed(
                 task=task, failure=InvocationFailure.LOST, detail=f"HTTP {result.status}: {problem}"

@@ -16,6 +16,7 @@ from typing import Protocol
 from ryusen._internal.wire import FunctionManifest
 
 from .core.model import RunPhase, RunState, TaskRef, TimerRef
+from .deferred import DeferredAnswer
 
 
 class ServerError(Exception):
@@ -48,6 +49,16 @@ class InvalidRequestError(ServerError):
 class PayloadTooLargeError(ServerError):
     code = "payload_too_large"
     status = 413
+
+
+class StoreUnavailableError(ServerError):
+    """The store did not take a call, past its client's own retries: throttled (a hot partition, a new table's
+    warm-up, a throttled index) or failing (a 5xx, a timeout, an answer lost on the way). Nothing is known to
+    have changed unless the call was a write whose answer was lost: a conditional write tried again then
+    meets its own first try (the fence says so), so every caller may simply try again later."""
+
+    code = "store_unavailable"
+    status = 503
 
 
 class VersionConflictError(Exception):
@@ -191,6 +202,10 @@ def check_time(state: RunState, written_at: datetime) -> datetime | None:
 
 class TaskQueue(Protocol):
     def send(self, task: TaskRef, delay_s: float = 0.0) -> None: ...
+
+    def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
+        """Keep an answer the store would not take on the queue, to be recorded when it is received
+        (:meth:`Engine.apply_deferred`). Raises :class:`DeferralRefusedError` for one the queue cannot carry."""
 
 
 class TimerService(Protocol):

@@ -14,14 +14,16 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from .core.model import TaskRef, TimerRef
-from .engine import Engine
+from .deferred import DeferredMessage
+from .engine import STORE_UNAVAILABLE_RETRY_S, Engine
+from .ports import StoreUnavailableError
 
 log = logging.getLogger("ryusen.runtime")
 
 
 class ReceivedMessage(Protocol):
     @property
-    def task(self) -> TaskRef: ...
+    def task(self) -> TaskRef | DeferredMessage: ...
 
 
 class ReceivingQueue(Protocol):
@@ -55,16 +57,24 @@ def lease_keeper(change_visibility: Callable[[float], None], visible_after_s: fl
 def handle_message(engine: Engine, queue: ReceivingQueue, message: ReceivedMessage, message_id: str) -> None:
     """Deliver one message; delete it when handled, or keep it as the lease timer."""
     try:
-        delivered = engine.deliver(
-            message.task, on_authorized=lambda lease_s: queue.change_visibility(message_id, lease_s)
+        done, redeliver_after_s = process_message(
+            engine, message.task, on_authorized=lambda lease_s: queue.change_visibility(message_id, lease_s)
         )
     except Exception:
-        log.exception("delivering %s failed; the message will be redelivered", message.task.describe())
+        log.exception("delivering %s failed; the message will be redelivered", _describe(message.task))
         return
-    if delivered.done:
+    if done:
         queue.delete(message_id)
     else:
-        queue.change_visibility(message_id, max(1.0, delivered.redeliver_after_s))
+        queue.change_visibility(message_id, max(1.0, redeliver_after_s))
+
+
+def _describe(message: DispatchMessage) -> str:
+    if isinstance(message, TimerMessage):
+        return message.timer.name
+    if isinstance(message, DeferredMessage):
+        return message.deferred.describe()
+    return message.describe()
 
 
 def fire_due(engine: Engine, due: Callable[[], list[TimerRef]]) -> int:
@@ -86,8 +96,9 @@ class TimerMessage(BaseModel):
     timer: TimerRef
 
 
-DispatchMessage = TaskRef | TimerMessage
-"""One dispatch-queue message: a task (discovery pass or attempt) or a due timer."""
+DispatchMessage = TaskRef | TimerMessage | DeferredMessage
+"""One dispatch-queue message: a task (discovery pass or attempt), a due timer, or an answer deferred while the
+store would not take it (``deferred.py``)."""
 
 _DISPATCH_MESSAGE: TypeAdapter[DispatchMessage] = TypeAdapter(DispatchMessage)
 
@@ -111,7 +122,14 @@ def process_message(
     ``on_authorized`` are :meth:`Engine.deliver`'s.
     """
     if isinstance(message, TimerMessage):
-        engine.fire_timer(message.timer)
+        try:
+            engine.fire_timer(message.timer)
+        except StoreUnavailableError as exc:
+            log.warning("firing %s: the store is unavailable (%s); the message comes back", message.timer.name, exc)
+            return False, STORE_UNAVAILABLE_RETRY_S
+        return True, 0.0
+    if isinstance(message, DeferredMessage):
+        engine.apply_deferred(message.deferred)
         return True, 0.0
     delivered = engine.deliver(message, budget_s=budget_s, on_authorized=on_authorized)
     return delivered.done, delivered.redeliver_after_s

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from ryusen._internal.wire import RetryPolicyWire
 
 from .core.events import EngineSettings
-from .engine import RELEASE_RECHECK_S, ServerSettings
+from .engine import RELEASE_RECHECK_S, STORE_RETRY_S, ServerSettings
 
 
 def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
@@ -103,6 +103,7 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         index_settle_s=_float(env, "RYUSEN_INDEX_SETTLE_S", None) or 0.0,
         release_recheck_s=_seconds_or_never(env, "RYUSEN_RELEASE_RECHECK_S", RELEASE_RECHECK_S),
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
+        store_retry_s=_req(env, "RYUSEN_STORE_RETRY_S", STORE_RETRY_S),
     )
 
 

@@ -32,6 +32,7 @@ try:
     from ryusen_server.core.events import EngineSettings, Resolve
     from ryusen_server.core.model import RunState, TaskRef
     from ryusen_server.core.view import run_view
+    from ryusen_server.deferred import DeferredAnswer
     from ryusen_server.engine import Engine, ServerSettings
     from ryusen_server.invoker import InProcessInvoker
     from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
@@ -372,6 +373,9 @@ class WorkflowEnvironment:
         if self.faults.duplicate_messages:
             self.queue.send(task, delay_s)
 
+    def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
+        self.queue.defer(answer, delay_s)
+
     def _intercept(self, url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
         request = TaskRequest.model_validate_json(body)
         step_id = request.step_id
@@ -543,7 +547,7 @@ class WorkflowEnvironment:
         leases = [
             attempt.lease_expires_at
             for message in self.queue.pending()
-            if (state := self.store.peek(message.task.run_id)) is not None
+            if isinstance(message.task, TaskRef) and (state := self.store.peek(message.task.run_id)) is not None
             for step in state.steps
             for attempt in step.attempts
             if attempt.status.value == "authorized" and attempt.lease_expires_at is not None
@@ -607,4 +611,5 @@ class WorkflowEnvironment:
 
     def pending_tasks(self) -> Iterator[TaskRef]:
         for message in self.queue.pending():
-            yield message.task
+            if isinstance(message.task, TaskRef):
+                yield message.task

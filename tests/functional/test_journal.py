@@ -32,7 +32,7 @@ from ryusen_server.aws import journal
 from ryusen_server.aws.store import DynamoStore, create_table
 from ryusen_server.core.events import AttemptReported, DiscoveryReported, TaskDelivered, WakeRequested
 from ryusen_server.core.model import RunState, TaskRef
-from ryusen_server.ports import RequestCounter
+from ryusen_server.ports import RequestCounter, StoreUnavailableError
 
 from .test_store_contract import RELEASE_REF, Runs
 
@@ -134,7 +134,7 @@ def test_a_failed_finishing_write_leaves_no_finished_entry_behind_a_running_head
     assert state.discovery is not None
     finish = DiscoveryReported(seq=state.discovery.seq, response=FunctionCompleted(output="ok"))
     flaky.fail = True
-    with pytest.raises(ClientError):
+    with pytest.raises(StoreUnavailableError):  # the throttle, as the engine sees it: try again later
         runs.apply(state, finish)
     assert store(client).get("run_1") == state  # nothing of the failed write is visible
     assert [r.phase for r in store(client).list_runs().runs] == ["running"]

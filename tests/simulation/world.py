@@ -44,7 +44,7 @@ from ryusen._internal.wire import (
     value_size,
 )
 from ryusen_server.aws.queue import MAX_RECEIVE_COUNT
-from ryusen_server.core.events import EngineSettings, Resolve
+from ryusen_server.core.events import AttemptReported, DiscoveryReported, EngineSettings, InvocationFailed, Resolve
 from ryusen_server.core.model import (
     DEFINITION_BLOCKERS,
     AttemptStatus,
@@ -55,9 +55,10 @@ from ryusen_server.core.model import (
     TimerRef,
 )
 from ryusen_server.core.view import REMEDIES
+from ryusen_server.deferred import DeferredAnswer, DeferredMessage
 from ryusen_server.engine import SWEEP_GRACE_S, Engine, ServerSettings
 from ryusen_server.memory import MemoryStore
-from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError
+from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError, StoreUnavailableError
 from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
 
 from . import workload
@@ -88,8 +89,11 @@ WRITE_FAULTS = ("crash_before", "crash_after", "error_before", "error_after", "t
 lost past botocore's retries; it is throttled and botocore's retries get it through."""
 READ_FAULTS = ("crash_before", "error_before", "throttled")
 SEND_FAULTS = ("crash_before", "crash_after", "error_before", "lost", "duplicate", "delayed")
+DEFER_FAULTS = ("crash_before", "crash_after", "error_before", "duplicate", "delayed")
+"""Sending a deferred answer: SQS keeps what it accepted (a "lost" send models a message of work the sweeper
+repairs; an answer is not work anyone could redo)."""
 SCHEDULE_FAULTS = ("crash_before", "crash_after", "error_before", "lost")
-INVOKE_FAULTS = ("crash_before", "unreachable", "bad_gateway", "duplicate_request")
+INVOKE_FAULTS = ("crash_before", "unreachable", "bad_gateway", "duplicate_request", "front_end_throttled")
 ANSWER_FAULTS = ("crash_after", "answer_lost", "answer_late", "bad_gateway_after")
 DELIVERY_FAULTS = ("duplicate_delivery", "reordered")
 TIMER_FAULTS = ("fired_late", "fired_twice")
@@ -170,6 +174,7 @@ class Actor:
                 self.body()
         except Crash:
             self.sim.note(f"{self.name}: its process died")
+            self.sim.answers.pop(self.name, None)  # what it had in hand died with it (an Unknown is right then)
         except (InjectedError, ServerError) as exc:
             self.sim.note(f"{self.name}: failed: {type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - the engine raised what it never should: a violation
@@ -273,6 +278,13 @@ class Simulation:
             )
             for i in range(2)
         ]
+        self.answers: dict[str, set[tuple[Any, ...]]] = {}
+        """Answers each dispatcher had in hand and has not yet recorded, deferred or given up on (by actor)."""
+        self.deferred_answers: set[tuple[Any, ...]] = set()
+        """Answers on the queue, deferred while the store would not take them, not yet recorded."""
+        for engine in self.engines:
+            engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
+            engine.hooks.append(self._observe_answers)
         self.spec = workload.generate(self.rng, clean=self.profile.is_clean)
         self.specs = [self.spec]
         self.releases = 0
@@ -302,6 +314,44 @@ class Simulation:
         self.note(f"time +{seconds:.1f}s ({why})")
 
     # ---- trace and violations ---------------------------------------------------------------------
+
+    def _observe_answers(self, kind: str, payload: Any) -> None:
+        """Follow each answer a dispatcher has in hand until the core has it: recorded, or deferred to the queue
+        and recorded from there. Only the process dying, or the queue failing as well as the store, may lose
+        one (issue 24: a throttled write must not turn a success the engine had into an Unknown)."""
+        actor = self._by_thread.get(threading.get_ident())
+        holder = actor.name if actor is not None else "setup"
+        if kind == "decided":
+            event, decision = payload
+            key = _answer_key(decision.state.id, event)
+            if key is not None:
+                for held in self.answers.values():
+                    held.discard(key)
+                self.deferred_answers.discard(key)
+            return
+        if kind not in ("answer", "answer_deferred", "answer_dropped"):
+            return
+        run_id, event = payload[0], payload[1]
+        key = _answer_key(run_id, event)
+        if key is None:
+            return
+        if kind == "answer":
+            self.answers.setdefault(holder, set()).add(key)
+            return
+        self.answers.get(holder, set()).discard(key)
+        if kind == "answer_deferred":
+            self.deferred_answers.add(key)
+            self.cases["answer deferred to the queue (store unavailable)"] += 1
+        else:
+            self.note(f"{holder}: an answer could be neither recorded nor deferred: {payload[2]}")
+            self.cases["answer dropped (store and queue both failed)"] += 1
+
+    def _answers_kept(self) -> None:
+        for holder, keys in self.answers.items():
+            for key in keys:
+                self.violation(f"{holder} had an answer in hand and neither recorded nor deferred it: {key}")
+        for key in self.deferred_answers:
+            self.violation(f"an answer deferred to the queue was never recorded: {key}")
 
     def note(self, text: str) -> None:
         self.trace.append(f"{self.events:5d} {(self.now - EPOCH).total_seconds():9.1f}s  {text}")
@@ -549,7 +599,7 @@ class Simulation:
             state, _ = self.engines[0].start_run(
                 workload.FUNCTION_ID, data, idempotency_key=f"order-{i}", timeout_s=timeout
             )
-        except (InjectedError, Crash):
+        except (InjectedError, StoreUnavailableError, Crash):
             self.note(f"client{i}: no answer; it will retry the start")
             self.starts.append((i, data, timeout))
             raise
@@ -676,6 +726,8 @@ class Simulation:
                 self._settle()
             if not self.violations:
                 self._remedies_worked()
+            if not self.violations:
+                self._answers_kept()
             if not self.violations:
                 self.check.at_end()
         finally:
@@ -831,12 +883,12 @@ class Simulation:
         self.spawn(f"operator: rediscover {run_id}", lambda: _refused_ok(lambda: engine.rediscover(run_id)))
 
 
-def _fail_before(verdict: str, failure: str) -> None:
+def _fail_before(verdict: str, failure: str, error: type[Exception] = InjectedError) -> None:
     """What a call's verdict does before the call: the process dies, or the call fails with ``failure``."""
     if verdict == "crash_before":
         raise Crash()
     if verdict == "error_before":
-        raise InjectedError(failure)
+        raise error(failure)
 
 
 def _refused_ok(action: Callable[[], Any]) -> None:
@@ -851,7 +903,20 @@ def _refused_ok(action: Callable[[], Any]) -> None:
 def _describe(body: DispatchMessage) -> str:
     if isinstance(body, TimerMessage):
         return body.timer.name
+    if isinstance(body, DeferredMessage):
+        return body.deferred.describe()
     return body.describe()
+
+
+def _answer_key(run_id: str, event: Any) -> tuple[Any, ...] | None:
+    """What identifies an endpoint's answer, however it travels (in hand, deferred, recorded)."""
+    if isinstance(event, AttemptReported):
+        return (run_id, "attempt", event.step_id, event.phase.value, event.generation)
+    if isinstance(event, DiscoveryReported):
+        return (run_id, "discovery", event.seq)
+    if isinstance(event, InvocationFailed):
+        return (run_id, "failed", event.task.describe(), event.failure.value)
+    return None
 
 
 # ---- the world's I/O, each call a boundary ---------------------------------------------------------------
@@ -868,17 +933,18 @@ class SimStore:
         return self.inner.peek(run_id)
 
     def _read(self, what: str) -> None:
+        # what the DynamoDB store raises for a call throttled or failing past botocore's retries
         verdict = self.sim.boundary("store.read", what, READ_FAULTS)
-        _fail_before(verdict, f"DynamoDB {what}: ProvisionedThroughputExceeded after retries")
+        _fail_before(verdict, f"DynamoDB {what}: ProvisionedThroughputExceeded after retries", StoreUnavailableError)
 
     def _write(self, what: str, commit: Callable[[], None]) -> None:
         verdict = self.sim.boundary("store.write", what, WRITE_FAULTS)
-        _fail_before(verdict, f"DynamoDB {what}: throttled after retries")
+        _fail_before(verdict, f"DynamoDB {what}: throttled after retries", StoreUnavailableError)
         commit()
         if verdict == "crash_after":
             raise Crash()
         if verdict == "error_after":
-            raise InjectedError(f"DynamoDB {what}: committed, but the answer was lost after retries")
+            raise StoreUnavailableError(f"DynamoDB {what}: committed, but the answer was lost after retries")
 
     def get(self, run_id: str) -> RunState | None:
         self._read(f"GetItem {run_id}")
@@ -949,6 +1015,16 @@ class SimQueue:
         self.put(task, delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
         if verdict == "duplicate":
             self.put(task, delay_s)
+        if verdict == "crash_after":
+            raise Crash()
+
+    def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
+        verdict = self.sim.boundary("sqs.send", f"{answer.describe()} +{delay_s:.0f}s", DEFER_FAULTS)
+        _fail_before(verdict, "SQS SendMessage failed after retries")
+        body = DeferredMessage(deferred=answer)
+        self.put(body, delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
+        if verdict == "duplicate":
+            self.put(body, delay_s)
         if verdict == "crash_after":
             raise Crash()
 
@@ -1038,6 +1114,9 @@ class SimInvoker:
             return InvokeResult(kind="unreachable", detail="injected: connection refused")
         if verdict == "bad_gateway":
             return InvokeResult(kind="response", status=502, body=b'{"message": "Bad Gateway"}')
+        if verdict == "front_end_throttled":  # a Function URL out of concurrency: 429 before any code runs
+            headers = {"x-amzn-ErrorType": "TooManyRequestsException"}
+            return InvokeResult(kind="response", status=429, headers=headers, body=b'{"Message":"Rate Exceeded."}')
         apps = self.endpoints[url]
         instance = sim.rng.randrange(len(apps))
         response = self._serve(apps[instance], url, request, headers, body)

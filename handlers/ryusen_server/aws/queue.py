@@ -34,6 +34,7 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
 from ..core.model import TaskRef, TimerRef
+from ..deferred import DeferralRefusedError, DeferredAnswer, DeferredMessage
 from ..ports import RequestCounter
 from ..runtime import TimerMessage, parse_dispatch_body
 
@@ -48,6 +49,8 @@ MAX_DELAY_S = 900
 """SQS's limit on DelaySeconds; longer delays go through the Scheduler."""
 MAX_VISIBILITY_S = 43_200
 """SQS's limit on a visibility timeout (12 hours)."""
+MAX_MESSAGE_BYTES = 262_144
+"""SQS's limit on a message's body (256 KiB)."""
 MAX_RECEIVE_COUNT = 10
 VISIBILITY_TIMEOUT_S = 360
 """The queue's default visibility: the default attempt timeout (300 s) plus the lease grace (60 s)."""
@@ -68,14 +71,18 @@ class SqsMessage:
     body: str
     task: TaskRef | None = None
     timer: TimerRef | None = None
+    deferred: DeferredAnswer | None = None
     sqs_message_id: str = ""
     receive_count: int = 1
 
 
-def parse_body(body: str) -> TaskRef | TimerRef:
-    """A dispatch message's body: a TaskRef, or ``{"timer": TimerRef}``. Raises ValueError if neither."""
+def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer:
+    """A dispatch message's body: a TaskRef, ``{"timer": TimerRef}`` or ``{"deferred": DeferredAnswer}``. Raises
+    ValueError if none."""
     message = parse_dispatch_body(body)
-    return message.timer if isinstance(message, TimerMessage) else message
+    if isinstance(message, TimerMessage):
+        return message.timer
+    return message.deferred if isinstance(message, DeferredMessage) else message
 
 
 class SqsQueue:
@@ -114,6 +121,16 @@ class SqsQueue:
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
             delay = MAX_DELAY_S
         self._send_message(body, delay)
+
+    def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
+        """Put a deferred answer on the queue (``deferred.py``); one over SQS's message limit is refused."""
+        body = DeferredMessage(deferred=answer).model_dump_json()
+        if (size := len(body.encode())) > MAX_MESSAGE_BYTES:
+            raise DeferralRefusedError(f"the deferred answer is {size} bytes; an SQS message holds {MAX_MESSAGE_BYTES}")
+        if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
+            self._hold(delay_s, lambda: self._send_message(body, 0))
+            return
+        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
 
     def _send_message(self, body: str, delay: int) -> None:
         self.counter.add("sqs.send", len(body))
@@ -158,6 +175,7 @@ class SqsQueue:
                     body=body,
                     task=parsed if isinstance(parsed, TaskRef) else None,
                     timer=parsed if isinstance(parsed, TimerRef) else None,
+                    deferred=parsed if isinstance(parsed, DeferredAnswer) else None,
                     sqs_message_id=raw.get("MessageId", ""),
                     receive_count=count,
                 )

@@ -119,6 +119,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
+import botocore.exceptions
 import pydantic_core
 from botocore.exceptions import ClientError
 from pydantic import TypeAdapter
@@ -132,7 +133,7 @@ from ..ports import (
     RequestCounter,
     RunExistsError,
     RunPage,
-    ServerError,
+    StoreUnavailableError,
     VersionConflictError,
     check_time,
 )
@@ -203,7 +204,7 @@ def _written_by(item: Mapping[str, Any] | None, token: str) -> bool:
     return bool(item) and cast("Mapping[str, Any]", item).get("write_token", {}).get("S") == token
 
 
-class ThrottledError(ServerError):
+class ThrottledError(StoreUnavailableError):
     """DynamoDB kept throttling a batch past the retry budget: nothing is decided, the caller tries again later
     (a dispatch message comes back; an API request answers 503)."""
 
@@ -452,6 +453,63 @@ def _error_code(exc: ClientError) -> str:
     return exc.response.get("Error", {}).get("Code", "")
 
 
+UNAVAILABLE_CODES = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "InternalServerError",
+        "ServiceUnavailable",
+    }
+)
+"""Errors that say DynamoDB did not take a call now (throttled, or failing), not that the call was wrong."""
+_CONNECTION_ERRORS = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+)
+
+
+def _unavailable(exc: Exception) -> str | None:
+    """Why ``exc`` (raised by a DynamoDB call after botocore's retries) means the store is unavailable for
+    now, or None for an answer about the call itself (a condition, a validation, a conflict)."""
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return f"{type(exc).__name__} (the call may or may not have been applied)"
+    if not isinstance(exc, ClientError):
+        return None
+    code = _error_code(exc)
+    if code in UNAVAILABLE_CODES:
+        return code
+    if code == "TransactionCanceledException":
+        # botocore does not retry a transaction cancelled because one of its items was throttled
+        reasons = {r.get("Code", "None") for r in exc.response.get("CancellationReasons", [])}
+        if "ThrottlingError" in reasons and reasons <= {"ThrottlingError", "TransactionConflict", "None"}:
+            return "TransactionCanceledException (ThrottlingError)"
+    return None
+
+
+class _GuardedClient:
+    """The DynamoDB client, with each call's "not now" answers raised as :class:`StoreUnavailableError`."""
+
+    def __init__(self, client: DynamoDBClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception as exc:
+                reason = _unavailable(exc)
+                if reason is None:
+                    raise
+                raise StoreUnavailableError(f"DynamoDB {name}: {reason}", operation=name) from exc
+
+        return call
+
+
 def _is_item_too_large(exc: ClientError) -> bool:
     return _error_code(exc) == "ValidationException" and "size" in exc.response.get("Error", {}).get("Message", "")
 
@@ -495,7 +553,7 @@ class DynamoStore:
         *,
         retention_s: float | None = None,
     ) -> None:
-        self._client = client
+        self._client = cast("DynamoDBClient", _GuardedClient(client))
         self.table_name = table_name
         self.counter = counter or RequestCounter()
         self.retention_s = retention_s

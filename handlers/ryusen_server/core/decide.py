@@ -872,6 +872,8 @@ class _Transition:
         s = self.s
         d = s.discovery
         if d is None or d.seq != seq or d.status is not AttemptStatus.AUTHORIZED:
+            if d is None or d.seq > seq:
+                self.reemit_queued()  # as for a stale attempt report: a first try may have committed, its sends lost
             return self.ignore(f"discovery #{seq} is not in flight; its report is discarded")
         s.discovery = None
         self.build_id = d.build_id
@@ -1269,8 +1271,10 @@ class _Transition:
             )
             self.record_stale(attempt, event, reason)
             self.touch()
-            if event.source == "late_submission":
-                self.reemit_queued()  # a retried submission may follow one whose sends failed after its write
+            if event.source == "late_submission" or attempt is step.current(event.phase):
+                # a retried submission, or a dispatcher's write tried again after its answer was lost, may
+                # follow a first try that committed and whose sends were lost with that answer
+                self.reemit_queued()
             return self.ignore(f"stale submission for {event.step_id} #{event.generation}: {reason}")
         self.clear_blockers_for(step, attempt)
         self.clear_blockers(BlockerType.ENDPOINT_FAILING)
