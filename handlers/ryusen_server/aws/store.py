@@ -19,9 +19,11 @@ pk                             sk           what
                                             B, zlib of its JSON), content-addressed
 ``IDEM#{function_id}#{key}``   ``IDEM#{function_id}``
                                             an idempotency key: ``run_id`` of its run
-``FN#{function_id}``           ``RELEASE``  the newest release declaring the function
+``REL#{sha256}``               ``RELEASE``  one synced release (``release``, its JSON), never changed
+``FN#{function_id}#{copy}``    ``RELEASE``  ``release_ref``: the digest of the newest release declaring
+                                            the function, in :data:`RELEASE_COPIES` copies
 ``APPS``                       ``APP#{app_id}``
-                                            the newest release of each app
+                                            ``release_ref`` of the newest release of each app
 =============================  ===========  ==========================================
 
 (The idempotency item's ``sk`` repeats the function id so that the pair is
@@ -152,6 +154,12 @@ LIST_PARTITION = "RUNS"
 LIST_SHARDS = 16
 """Partition keys of the listing index (``RUNS#0`` ...): fixed for a table's life."""
 APPS_PARTITION = "APPS"
+RELEASE_PREFIX = "REL#"
+RELEASE_COPIES = 8
+"""Copies of each function's release pointer: a read picks one at random, so a busy function's reads (every
+start and every new dispatch message) spread over this many partitions (docs/design/scale.md)."""
+RELEASE_CACHE = 64
+"""How many release bodies one process remembers (they never change: a sync writes a new one)."""
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
 MAX_ITEM_BYTES = 400 * 1024
@@ -213,6 +221,14 @@ class ThrottledError(ServerError):
 
 def _run_key(run_id: str) -> dict[str, AttributeValueTypeDef]:
     return {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": "RUN"}}
+
+
+def _release_key(digest: str) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"{RELEASE_PREFIX}{digest}"}, "sk": {"S": "RELEASE"}}
+
+
+def _release_pointer_key(function_id: str, copy: int) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"FN#{function_id}#{copy}"}, "sk": {"S": "RELEASE"}}
 
 
 def _idempotency_pk(function_id: str, key: str) -> str:
@@ -344,6 +360,29 @@ class _ValueCache:
             while self._bytes > self._limit and self._entries:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= len(dropped)
+
+
+class _ReleaseCache:
+    """Release bodies by digest, least recently used out first (a body never changes)."""
+
+    def __init__(self, limit: int) -> None:
+        self._bodies: OrderedDict[str, Release] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> Release | None:
+        with self._lock:
+            release = self._bodies.get(digest)
+            if release is not None:
+                self._bodies.move_to_end(digest)
+            return release
+
+    def put(self, digest: str, release: Release) -> None:
+        with self._lock:
+            self._bodies[digest] = release
+            self._bodies.move_to_end(digest)
+            while len(self._bodies) > self._limit:
+                self._bodies.popitem(last=False)
 
 
 class _RunCache:
@@ -502,6 +541,7 @@ class DynamoStore:
         """How long a finished run's items are kept (the table's TTL attribute ``expires_at``); None: forever."""
         self._values = _ValueCache(VALUE_CACHE_BYTES)
         self._runs = _RunCache(RUN_CACHE_RUNS)
+        self._release_bodies = _ReleaseCache(RELEASE_CACHE)
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -1037,23 +1077,55 @@ class DynamoStore:
     # ---- releases ---------------------------------------------------------------------
 
     def put_release(self, release: Release) -> None:
-        """One item per declared function and one for the app, in BatchWriteItem requests of 25."""
+        """The release once (an item keyed by its digest, never changed), then a small pointer to it for each
+        of :data:`RELEASE_COPIES` copies per declared function and one for the app (BatchWriteItem, 25 a
+        request): a sync writes the manifest once, whatever the number of functions."""
         body = _RELEASE.dump_json(release).decode()
+        digest = hashlib.sha256(body.encode()).hexdigest()
+        item: dict[str, AttributeValueTypeDef] = {**_release_key(digest), "release": {"S": body}}
+        if (size := _item_bytes(item)) > MAX_ITEM_BYTES:
+            raise PayloadTooLargeError(f"the release is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}")
+        self.counter.add("dynamodb.write", size, items=[size])
+        self._client.put_item(TableName=self.table_name, Item=item)  # first: a pointer never names a missing body
+        self._release_bodies.put(digest, release)
         keys: list[dict[str, AttributeValueTypeDef]] = [
-            {"pk": {"S": f"FN#{fn_id}"}, "sk": {"S": "RELEASE"}}
+            _release_pointer_key(fn_id, copy)
             for fn_id in dict.fromkeys(f.id for f in release.functions)
+            for copy in range(RELEASE_COPIES)
         ]
         keys.append({"pk": {"S": APPS_PARTITION}, "sk": {"S": f"APP#{release.app_id}"}})
-        self._batch_write([{**key, "release": {"S": body}} for key in keys])
+        self._batch_write([{**key, "release_ref": {"S": digest}} for key in keys])
 
     def get_release(self, function_id: str) -> Release | None:
+        """One strongly consistent read of one of the function's pointers, picked at random (a release just
+        synced is what the next run must use, R1; the copies spread the reads of a busy function over
+        several partitions), then the body, which never changes: from this process's memory, else one read."""
+        copy = secrets.randbelow(RELEASE_COPIES)
         self.counter.add("dynamodb.read")
         item = self._client.get_item(
-            TableName=self.table_name,
-            Key={"pk": {"S": f"FN#{function_id}"}, "sk": {"S": "RELEASE"}},
-            ConsistentRead=True,  # a release just synced is what the next run must use (R1)
+            TableName=self.table_name, Key=_release_pointer_key(function_id, copy), ConsistentRead=True
         ).get("Item")
-        return _RELEASE.validate_json(item["release"]["S"]) if item else None
+        if item is None:
+            return None
+        return self._release_of(item)
+
+    def _release_of(self, item: Mapping[str, Any]) -> Release:
+        """The release a pointer names, from memory or read (a table written before pointers holds it inline)."""
+        if "release" in item:
+            return _RELEASE.validate_json(item["release"]["S"])
+        digest = str(item["release_ref"]["S"])
+        known = self._release_bodies.get(digest)
+        if known is not None:
+            return known
+        self.counter.add("dynamodb.read")
+        body = self._client.get_item(TableName=self.table_name, Key=_release_key(digest), ConsistentRead=True).get(
+            "Item"
+        )
+        if body is None:
+            raise RuntimeError(f"release {digest} is named by a pointer but missing")
+        release = _RELEASE.validate_json(body["release"]["S"])
+        self._release_bodies.put(digest, release)
+        return release
 
     def list_releases(self) -> list[Release]:
         releases: list[Release] = []
@@ -1066,7 +1138,7 @@ class DynamoStore:
         while True:
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
-            releases.extend(_RELEASE.validate_json(item["release"]["S"]) for item in response.get("Items", []))
+            releases.extend(self._release_of(item) for item in response.get("Items", []))
             start = response.get("LastEvaluatedKey")
             if not start:
                 return releases

@@ -1,0 +1,84 @@
+"""The DynamoDB store at scale (issue 24, findings 7-9): what one request costs, and on which key."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from ryusen_server.aws.store import DynamoStore, create_table
+from ryusen_server.ports import RequestCounter
+
+from .test_store_contract import release
+
+TABLE = "ryusen-scale"
+
+
+@pytest.fixture
+def client(aws_env: None) -> Iterator[Any]:
+    with mock_aws():
+        dynamodb = boto3.client("dynamodb", region_name="us-east-1")
+        create_table(dynamodb, TABLE)
+        yield dynamodb
+
+
+def keys_read(client: Any) -> Counter[str]:
+    """Counts each GetItem and Query by the partition key it reads (a botocore hook on every request)."""
+    reads: Counter[str] = Counter()
+
+    def count(params: dict[str, Any], **kwargs: Any) -> None:
+        if "Key" in params:
+            reads[params["Key"]["pk"]["S"]] += 1
+        elif "ExpressionAttributeValues" in params and "IndexName" not in params:
+            pk = next(v["S"] for v in params["ExpressionAttributeValues"].values() if "S" in v)
+            reads[pk] += 1
+
+    client.meta.events.register("provide-client-params.dynamodb.GetItem", count)
+    client.meta.events.register("provide-client-params.dynamodb.Query", count)
+    return reads
+
+
+# ---- finding 9: a release is stored once -------------------------------------------------------
+
+
+def test_a_sync_writes_the_release_once_not_once_per_function(client: Any) -> None:
+    """Before, each declared function's item held the whole release: 300 functions wrote 300 copies
+    (300 x the manifest's bytes). Now the release is one item and each function has a small pointer."""
+    counter = RequestCounter()
+    store = DynamoStore(client, TABLE, counter)
+    functions = [f"fn_{i:03d}_{'x' * 40}" for i in range(300)]
+    big = release("shop", "r1", functions, 0)
+    body = len(big.functions) * 60  # at least this many bytes: each function's id and manifest
+    store.put_release(big)
+    written = counter.bytes_sent["dynamodb.write"]
+    assert written < 3 * body + 300 * 8 * 200, (written, body)
+    assert store.get_release("fn_007_" + "x" * 40) == big
+    assert DynamoStore(client, TABLE).get_release(functions[-1]) == big  # a process that never saw it
+    assert store.list_releases() == [big]
+
+
+def test_a_function_whose_pointer_is_missing_reads_as_unsynced(client: Any) -> None:
+    store = DynamoStore(client, TABLE)
+    store.put_release(release("shop", "r1", ["checkout"], 0))
+    assert store.get_release("refund") is None
+
+
+# ---- finding 7: no hot key on the release ------------------------------------------------------
+
+
+def test_reads_of_one_function_s_release_spread_over_several_keys(client: Any) -> None:
+    """Every start and every new dispatch message reads the release (strongly consistent, R1): before, all
+    on one item (``FN#checkout``), about 2,000 reads a second on one key at 1,000 runs a second. Now they
+    spread over the function's copies, and the release body, which never changes, is read once a process."""
+    store = DynamoStore(client, TABLE)
+    store.put_release(release("shop", "r1", ["checkout"], 0))
+    reads = keys_read(client)
+    for _ in range(400):
+        assert store.get_release("checkout") is not None
+    assert sum(reads.values()) <= 401, reads  # one pointer read each, the body once
+    busiest = max(reads.values())
+    assert busiest < 400 / 4, reads
