@@ -82,3 +82,19 @@ def test_reads_of_one_function_s_release_spread_over_several_keys(client: Any) -
     assert sum(reads.values()) <= 401, reads  # one pointer read each, the body once
     busiest = max(reads.values())
     assert busiest < 400 / 4, reads
+
+
+def test_a_release_synced_before_the_pointers_is_still_found(client: Any) -> None:
+    """A table written by the previous version holds each function's release inline under ``FN#{id}``."""
+    old = release("shop", "r0", ["checkout"], 0)
+    from ryusen_server.aws.store import _RELEASE
+
+    client.put_item(
+        TableName=TABLE,
+        Item={"pk": {"S": "FN#checkout"}, "sk": {"S": "RELEASE"}, "release": {"S": _RELEASE.dump_json(old).decode()}},
+    )
+    store = DynamoStore(client, TABLE)
+    assert store.get_release("checkout") == old
+    new = release("shop", "r1", ["checkout"], 5)
+    store.put_release(new)
+    assert store.get_release("checkout") == new

@@ -1105,6 +1105,13 @@ class DynamoStore:
         item = self._client.get_item(
             TableName=self.table_name, Key=_release_pointer_key(function_id, copy), ConsistentRead=True
         ).get("Item")
+        if item is None:  # a table synced before the copies: the release inline under the function's old key
+            self.counter.add("dynamodb.read")
+            item = self._client.get_item(
+                TableName=self.table_name,
+                Key={"pk": {"S": f"FN#{function_id}"}, "sk": {"S": "RELEASE"}},
+                ConsistentRead=True,
+            ).get("Item")
         if item is None:
             return None
         return self._release_of(item)
