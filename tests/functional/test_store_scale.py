@@ -98,3 +98,89 @@ def test_a_release_synced_before_the_pointers_is_still_found(client: Any) -> Non
     new = release("shop", "r1", ["checkout"], 5)
     store.put_release(new)
     assert store.get_release("checkout") == new
+
+
+# ---- finding 8: retention is set when an item is written --------------------------------------
+
+DAY = 86_400
+
+
+def started(run_id: str, key: str | None = None) -> Any:
+    from ryusen_server.core.decide import decide
+    from ryusen_server.core.events import EngineSettings, StartRun
+
+    from .test_store_contract import T0
+
+    start = StartRun(run_id=run_id, app_id="a", function_id="f", input={"blob": "x" * 5000}, idempotency_key=key)
+    return decide(None, start, now=T0, settings=EngineSettings()).state
+
+
+def items_of(client: Any, run_id: str) -> list[dict[str, Any]]:
+    items = client.scan(TableName=TABLE)["Items"]
+    mine = [i for i in items if i["pk"]["S"] == f"RUN#{run_id}" or i.get("run_id", {}).get("S") == run_id]
+    return sorted(mine, key=lambda i: (i["pk"]["S"], i["sk"]["S"]))
+
+
+def expiry(item: dict[str, Any]) -> int:
+    assert "expires_at" in item, item["sk"]["S"]
+    return int(item["expires_at"]["N"])
+
+
+def test_finishing_a_run_rewrites_none_of_its_items(client: Any) -> None:
+    """Before, a run's items carried no expiry while it lived and the finishing save wrote every one of them
+    again with it (about 2.1 write units a step instead of 1.1; a crash part-way left items that never
+    expire). Now every item gets its expiry when it is written, and the finish is one write."""
+    from datetime import timedelta
+
+    from ryusen_server.core.model import Outcome, RunPhase
+
+    counter = RequestCounter()
+    store = DynamoStore(client, TABLE, counter, retention_s=90 * DAY)
+    state = started("run_1", key="order-1")
+    store.create(state)
+    for version in range(2, 12):  # ten more entries, each a step of the run
+        moved = state.model_copy(update={"version": version, "updated_at": state.updated_at + timedelta(minutes=1)})
+        store.save(moved, expected_version=state.version)
+        state = moved
+    live = items_of(client, "run_1")
+    assert len(live) == 13  # head, 10 entries, the large input, the idempotency key
+    assert all(expiry(item) >= state.updated_at.timestamp() + 90 * DAY for item in live)
+    finished_at = state.updated_at + timedelta(hours=1)
+    done = state.model_copy(
+        update={
+            "version": state.version + 1,
+            "phase": RunPhase.FINISHED,
+            "outcome": Outcome.COMPLETED,
+            "finished_at": finished_at,
+            "updated_at": finished_at,
+        }
+    )
+    counter.reset()
+    store.save(done, expected_version=state.version)
+    assert counter.counts == {"dynamodb.write": 1}, counter.counts  # the entry and the head: one transaction
+    kept_until = finished_at.timestamp() + 90 * DAY
+    items = items_of(client, "run_1")
+    assert all(expiry(item) >= kept_until for item in items)  # nothing goes before the retention has passed
+    head = next(i for i in items if i["sk"]["S"] == "RUN")
+    assert expiry(head) == int(kept_until)  # the head goes first: the run then reads as gone
+    assert min(expiry(i) for i in items) == expiry(head)
+
+
+def test_a_run_that_never_finishes_has_its_items_renewed_by_the_sweeper_s_look(client: Any) -> None:
+    """A run blocked for months (an Unknown no one resolves) must not lose its items: when the sweeper looks
+    at it (``defer_check``) and its items would expire within the retention of its next look, they are
+    written again with a later expiry (a cost paid once a month by a run that lives that long)."""
+    from datetime import timedelta
+
+    store = DynamoStore(client, TABLE, retention_s=90 * DAY)
+    state = started("run_1", key="order-1")
+    store.create(state)
+    first = min(expiry(i) for i in items_of(client, "run_1"))
+    store.defer_check("run_1", state.updated_at + timedelta(days=1))  # nothing to renew yet
+    assert min(expiry(i) for i in items_of(client, "run_1")) == first
+    much_later = state.updated_at + timedelta(days=400)
+    store.defer_check("run_1", much_later)
+    items = items_of(client, "run_1")
+    assert len(items) == 3  # head, large input, key
+    assert all(expiry(i) >= much_later.timestamp() + 90 * DAY for i in items)
+    assert store.get("run_1") == state

@@ -85,11 +85,16 @@ when the winning or the next decision refers to them. A process remembers the
 values it has written or read (:class:`_ValueCache`), so a value is written
 once and, in a warm process, read once.
 
-Retention. A run's items carry no ``expires_at`` while it lives. The save
-that finishes it sets it on the head and its entry (one transaction), then
-writes its earlier entries, its value items and its idempotency key again
-with it. DynamoDB deletes expired items late and in no order, so a read that
-meets any expired item of a run answers that the run is gone.
+Retention. Every item gets its ``expires_at`` when it is written: the finish
+plus the retention once the run has finished, else the write plus the
+retention plus :data:`LIVE_EXPIRY_S`. The head records the earliest expiry of
+the run's items (``items_expire_at``); when the sweeper moves an unfinished
+run's check time (``defer_check``) past what that allows, the run's items are
+written again with a later expiry. The save that finishes a run sets the head's
+expiry to the finish plus the retention, in the same transaction as its entry:
+the head is the first item of a finished run to expire, and nothing of the run
+expires sooner. DynamoDB deletes expired items late and in no order, so a read
+that meets any expired item of a run answers that the run is gone.
 
 Writes: ``create`` is a conditional Put of the head
 (``attribute_not_exists(pk)``), or a transaction of that Put and the
@@ -179,6 +184,12 @@ ENTRY_BUDGET_BYTES = 1536
 STEP_COUNT_REFRESH = 100
 """A run's head item (what a list shows) is rewritten with its step count at this many steps, and at each
 doubling after (see ``_step_count_band``)."""
+LIVE_EXPIRY_S = 30 * 86_400
+"""With a retention, an item written while its run is unfinished expires this long after the write, plus the
+retention; the sweeper's look at a run that lives longer writes its items again with a later expiry."""
+RENEW_MARGIN_S = 7 * 86_400
+"""How long past a run's next look by the sweeper its items must still outlive the retention (a sweeper
+that is late by up to this long loses nothing)."""
 HEAD_SK = "RUN"
 ENTRY_PREFIX = "EV#"
 VALUE_PREFIX = "VAL#"
@@ -625,11 +636,15 @@ class DynamoStore:
             "body": {"B": packed.blob},
             **_index_attributes(state),
         }
+        item_expires = self._item_expires_at(state)
+        if item_expires is not None:
+            run["expires_at"] = {"N": str(item_expires)}
+            run["items_expire_at"] = {"N": str(item_expires)}
         if (size := _item_bytes(run)) > MAX_ITEM_BYTES:
             raise PayloadTooLargeError(
                 f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}"
             )
-        self._write_values(state.id, packed.values)
+        self._write_values(state.id, packed.values, item_expires)
         if state.idempotency_key is None:
             self._put_new_run(state, run)
         else:
@@ -675,6 +690,8 @@ class DynamoStore:
             **_idempotency_key(state.function_id, key),
             "run_id": {"S": state.id},
         }
+        if "expires_at" in run:
+            idem["expires_at"] = run["expires_at"]
         if len(_idempotency_pk(state.function_id, key).encode()) > MAX_KEY_BYTES:
             raise InvalidRequestError("idempotency key is too long", code="idempotency_key_too_long")
         run, token = _with_write_token(run)
@@ -751,23 +768,22 @@ class DynamoStore:
         if _core.CHECK_PURITY and not _reproduces(base, delta, state):
             raise AssertionError(f"run {state.id}: its journal entry does not reproduce version {state.version}")
         expires = self._expires_at(state)
+        item_expires = self._item_expires_at(state)
         packed = _pack(delta, budget=ENTRY_BUDGET_BYTES)
         entry: dict[str, AttributeValueTypeDef] = {**_entry_key(state.id, state.version), "entry": {"B": packed.blob}}
-        if expires is not None:
-            entry["expires_at"] = {"N": str(expires)}
+        if item_expires is not None:
+            entry["expires_at"] = {"N": str(item_expires)}
         if (size := _item_bytes(entry)) > MAX_ITEM_BYTES:
             raise PayloadTooLargeError(
                 f"run {state.id}: one change of {size} bytes is larger than a DynamoDB item ({MAX_ITEM_BYTES})"
             )
-        self._write_values(state.id, packed.values, expires)
+        self._write_values(state.id, packed.values, item_expires)
         entry, token = _with_write_token(entry)
         if _head_fields(state, expires) == _head_fields(base, self._expires_at(base)):
             self._put_entry(state, entry, token)
         else:
             self._put_entry_and_head(state, entry, token, expires)
         self._runs.put(state)
-        if expires is not None and self._expires_at(base) != expires:
-            self._expire_run(state, expires)
 
     def _put_entry(self, state: RunState, entry: dict[str, AttributeValueTypeDef], token: str) -> None:
         self.counter.add("dynamodb.write", _item_bytes(entry), items=[_item_bytes(entry)])
@@ -841,19 +857,30 @@ class DynamoStore:
             return None
         return int(state.finished_at.timestamp() + self.retention_s)
 
-    def _expire_run(self, state: RunState, expires: int) -> None:
-        """A finished run's journal, value items and idempotency key expire with it (written again with the
-        TTL, in BatchWriteItem requests of 25; its head has it already)."""
+    def _item_expires_at(self, state: RunState) -> int | None:
+        """The expiry an item of ``state``'s run gets when it is written: the finish plus the retention once the
+        run has finished, else the write plus the retention plus :data:`LIVE_EXPIRY_S` (renewed by the
+        sweeper's look while the run lives, ``defer_check``)."""
+        if self.retention_s is None:
+            return None
+        if state.finished_at is not None:
+            return int(state.finished_at.timestamp() + self.retention_s)
+        return int(state.updated_at.timestamp() + self.retention_s + LIVE_EXPIRY_S)
+
+    def _renew(self, run_id: str, expires: int) -> None:
+        """Write an unfinished run's journal, value items and idempotency key again with a later expiry
+        (BatchWriteItem, 25 a request; they never change, so a concurrent save loses nothing)."""
         items = [
             {**item, "expires_at": {"N": str(expires)}}
-            for item in self._query_run(state.id, ENTRY_PREFIX, f"{VALUE_PREFIX}~", count=True)
-            if item["sk"]["S"] != HEAD_SK and item.get("expires_at", {}).get("N") != str(expires)
+            for item in self._query_run(run_id, ENTRY_PREFIX, f"{VALUE_PREFIX}~", count=True)
+            if item["sk"]["S"] != HEAD_SK and int(item.get("expires_at", {}).get("N", "0")) < expires
         ]
-        if state.idempotency_key is not None:
+        state = self._read(run_id, count=True)
+        if state is not None and state.idempotency_key is not None:
             items.append(
                 {
                     **_idempotency_key(state.function_id, state.idempotency_key),
-                    "run_id": {"S": state.id},
+                    "run_id": {"S": run_id},
                     "expires_at": {"N": str(expires)},
                 }
             )
@@ -1061,14 +1088,41 @@ class DynamoStore:
         return [run_id for _, run_id in sorted(found)[:limit]]
 
     def defer_check(self, run_id: str, at: datetime) -> None:
+        """Move the run's check time to ``at``. With a retention, its items must outlive that look plus the
+        retention (and :data:`RENEW_MARGIN_S`, for a late sweeper): the update is conditioned on that, and
+        when it fails the items are written again with a later expiry (``_renew``), then the head."""
+        values: dict[str, AttributeValueTypeDef] = {":at": {"S": _utc_iso(at)}}
+        condition = "attribute_exists(check_at)"  # a finished run stays out of the index
+        if self.retention_s is not None:
+            condition += " AND items_expire_at >= :needed"
+            values[":needed"] = {"N": str(int(at.timestamp() + self.retention_s + RENEW_MARGIN_S))}
         self.counter.add("dynamodb.write")
         try:
             self._client.update_item(
                 TableName=self.table_name,
                 Key=_run_key(run_id),
                 UpdateExpression="SET check_at = :at",
-                ConditionExpression="attribute_exists(check_at)",  # a finished run stays out of the index
-                ExpressionAttributeValues={":at": {"S": _utc_iso(at)}},
+                ConditionExpression=condition,
+                ExpressionAttributeValues=values,
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return
+        except ClientError as exc:
+            if _error_code(exc) != "ConditionalCheckFailedException":
+                raise
+            head = cast("Mapping[str, Any]", exc.response).get("Item")
+        if self.retention_s is None or not head or "check_at" not in head:
+            return  # finished (or gone): nothing to move
+        expires = int(at.timestamp() + self.retention_s + LIVE_EXPIRY_S)
+        self._renew(run_id, expires)
+        self.counter.add("dynamodb.write")
+        try:
+            self._client.update_item(
+                TableName=self.table_name,
+                Key=_run_key(run_id),
+                UpdateExpression="SET check_at = :at, expires_at = :expires, items_expire_at = :expires",
+                ConditionExpression="attribute_exists(check_at)",  # a run that finished meanwhile keeps its expiry
+                ExpressionAttributeValues={":at": {"S": _utc_iso(at)}, ":expires": {"N": str(expires)}},
             )
         except ClientError as exc:
             if _error_code(exc) != "ConditionalCheckFailedException":
