@@ -184,3 +184,35 @@ def test_a_run_that_never_finishes_has_its_items_renewed_by_the_sweeper_s_look(c
     assert len(items) == 3  # head, large input, key
     assert all(expiry(i) >= much_later.timestamp() + 90 * DAY for i in items)
     assert store.get("run_1") == state
+
+
+# ---- finding 7: the sweeper may look at a quiet run less often ----------------------------------
+
+
+def check_at(store: DynamoStore, run_id: str) -> str:
+    item: Any = store._client.get_item(
+        TableName=store.table_name, Key={"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": "RUN"}}
+    )["Item"]
+    return str(item["check_at"]["S"])
+
+
+def test_a_write_after_a_quiet_spell_brings_the_check_time_back(client: Any) -> None:
+    """The sweeper may look at a quiet run less often only because the first write after a quiet spell of
+    ``CHECK_HORIZON_S`` rewrites the head's check time: work that write queued, if its message is lost, is
+    still looked at within ``CHECK_HORIZON_S``. Before, such a write updated only the journal."""
+    from datetime import UTC, datetime, timedelta
+
+    from ryusen_server.ports import CHECK_HORIZON_S
+
+    from ..conformance.test_sweeper_scale import waiting_for_a_person
+
+    dynamo = DynamoStore(client, TABLE)
+    created = datetime(2030, 1, 1, tzinfo=UTC)
+    state = waiting_for_a_person("run_1", created)
+    dynamo.create(state)
+    dynamo.defer_check("run_1", created + timedelta(days=1))  # the sweeper backed off
+    woke = created + timedelta(hours=2)
+    moved = state.model_copy(update={"version": 2, "updated_at": woke, "discovery": None})
+    dynamo.save(moved, expected_version=1)
+    horizon = (woke + timedelta(seconds=CHECK_HORIZON_S)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert check_at(dynamo, "run_1") <= horizon, check_at(dynamo, "run_1")
