@@ -151,7 +151,9 @@ class RunStore(Protocol):
         cursor: str | None = None,
     ) -> RunPage:
         """Newest first. Runs read for a listing: a store may leave their large JSON values (input,
-        output, results, errors) out as None; read one run with :meth:`get` for all of it."""
+        output, results, errors) out as None; read one run with :meth:`get` for all of it. A page holds at
+        most ``limit`` runs; a store that bounds the reads of a page may return fewer, even none, with a
+        cursor. The cursor is None exactly when no more runs match."""
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
 

@@ -58,8 +58,11 @@ two GSIs read them:
   key value takes about 1,000 writes per second, so a constant would cap the
   whole deployment's run starts and status changes), sort ``list_sk`` =
   ``{created_at}#{run_id}``. A page queries every shard newest first
-  (``ScanIndexForward=False``, before the cursor), merges, and keeps the
-  newest; the cursor is the ``list_sk`` of the last run returned. The index
+  (``ScanIndexForward=False``, before the cursor), at most
+  :data:`LIST_SCAN_ITEMS` index items a shard, merges, and keeps the newest
+  of those above the point every shard reached; the cursor is the ``list_sk``
+  of the last run returned, or that point (a selective filter can give a short
+  page, even an empty one, with a cursor). The index
   projects only the filter attributes. A page's summaries are fetched with
   one BatchGetItem of the heads (the runs it returns carry no steps; the page
   gives their step counts).
@@ -159,6 +162,9 @@ CHECK_PARTITION = "CHECK"
 LIST_PARTITION = "RUNS"
 LIST_SHARDS = 16
 """Partition keys of the listing index (``RUNS#0`` ...): fixed for a table's life."""
+LIST_SCAN_ITEMS = 500
+"""The most index items a listing page reads from one shard: 16 shards, about 8,000 items of under 200 bytes,
+about 200 read units and at most 64 requests a page, well within API Gateway's 29 s."""
 APPS_PARTITION = "APPS"
 RELEASE_PREFIX = "REL#"
 RELEASE_COPIES = 8
@@ -511,9 +517,9 @@ def _list_partition(run_id: str) -> str:
     return f"{LIST_PARTITION}#{int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16) % LIST_SHARDS}"
 
 
-def _encode_cursor(item: Mapping[str, Any]) -> str:
-    """A page's cursor: the ``list_sk`` of its last run (every shard resumes below it)."""
-    body = json.dumps({"before": item["list_sk"]["S"]}, separators=(",", ":"))
+def _encode_cursor(list_sk: str) -> str:
+    """A page's cursor: the ``list_sk`` every shard resumes below."""
+    body = json.dumps({"before": list_sk}, separators=(",", ":"))
     return base64.urlsafe_b64encode(body.encode()).decode()
 
 
@@ -554,6 +560,8 @@ class DynamoStore:
         self._values = _ValueCache(VALUE_CACHE_BYTES)
         self._runs = _RunCache(RUN_CACHE_RUNS)
         self._release_bodies = _ReleaseCache(RELEASE_CACHE)
+        self.list_scan_items = LIST_SCAN_ITEMS
+        """The most index items one listing page reads from each shard (see ``list_runs``)."""
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -904,19 +912,31 @@ class DynamoStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
-        """Newest first. Reads the index until ``limit + 1`` runs match (or it ends), so a page is full
-        whenever more runs match, and the cursor is None exactly when none do."""
+        """Newest first. Each shard of the index is read until ``limit + 1`` runs match, it ends, or
+        ``list_scan_items`` of its items were read: a page costs a bounded number of reads whatever the
+        filter. A page holds the runs that matched above the point every shard reached (the newest of them,
+        up to ``limit``); it may hold fewer, even none, with a cursor to go on. The cursor is None exactly
+        when no run is left to read."""
         if limit < 1:
             raise InvalidRequestError("limit must be at least 1", code="invalid_limit")
         before = _decode_cursor(cursor) if cursor else None
         matches: list[Mapping[str, Any]] = []
+        floor: str | None = None  # every shard was read down to here (inclusive)
         for shard in range(LIST_SHARDS):
-            matches.extend(self._list_shard(shard, function_id, phase, outcome, before, limit + 1))
+            found, reached = self._list_shard(shard, function_id, phase, outcome, before, limit + 1)
+            matches.extend(found)
+            if reached is not None and (floor is None or reached > floor):
+                floor = reached
+        if floor is not None:
+            matches = [item for item in matches if str(item["list_sk"]["S"]) >= floor]
         matches.sort(key=lambda item: str(item["list_sk"]["S"]), reverse=True)
         page = matches[:limit]
         ids = [_run_id_of(item) for item in page]
         runs, counts = self._get_many(ids)
-        next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
+        if len(matches) > limit:
+            next_cursor: str | None = _encode_cursor(page[-1]["list_sk"]["S"])
+        else:
+            next_cursor = _encode_cursor(floor) if floor is not None else None
         return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor, step_counts=counts)
 
     def _list_shard(
@@ -927,8 +947,10 @@ class DynamoStore:
         outcome: str | None,
         before: str | None,
         wanted: int,
-    ) -> list[Mapping[str, Any]]:
-        """Up to ``wanted`` index items of one shard that match the filters, newest first, below ``before``."""
+    ) -> tuple[list[Mapping[str, Any]], str | None]:
+        """Index items of one shard that match the filters, newest first, below ``before``: read until
+        ``wanted`` match, the shard ends or ``list_scan_items`` were read. Also the ``list_sk`` of the last
+        item read when the shard may hold more (None: it was read to its end)."""
         values: dict[str, AttributeValueTypeDef] = {":runs": {"S": f"{LIST_PARTITION}#{shard}"}}
         condition = "list_pk = :runs"
         if before is not None:
@@ -952,17 +974,21 @@ class DynamoStore:
             query["FilterExpression"] = " AND ".join(filters)
             query["ExpressionAttributeNames"] = names
         matches: list[Mapping[str, Any]] = []
-        page_size = wanted
+        left = self.list_scan_items
+        page_size = min(wanted, left)
         while True:
-            query["Limit"] = page_size  # items evaluated before the filter
+            query["Limit"] = page_size  # items read before the filter
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
             matches.extend(response.get("Items", []))
+            left -= int(response.get("ScannedCount", page_size))
             start = response.get("LastEvaluatedKey")
-            if len(matches) >= wanted or not start:
-                return matches[:wanted]
+            if not start:
+                return matches, None
+            if len(matches) >= wanted or left <= 0:
+                return matches, str(start["list_sk"]["S"])
             query["ExclusiveStartKey"] = start
-            page_size = min(page_size * 2, 1000)  # a selective filter: read more per request
+            page_size = min(page_size * 2, 1000, left)  # a selective filter: read more per request
 
     def _get_many(self, run_ids: Sequence[str]) -> tuple[dict[str, RunState], dict[str, int]]:
         """The head items of a page of runs, by id, as their summaries and step counts: BatchGetItem in
