@@ -208,7 +208,14 @@ SWEEP_GRACE_S = 300.0
 """How long past its due time a run's work must be before the sweeper repairs it (well past a message's
 normal delay, so the sweeper does not race what is still on its way; a duplicate would be harmless)."""
 SWEEP_LIMIT = 500
-"""Runs the sweeper looks at in one pass (the next pass takes the rest)."""
+"""Runs the sweeper asks the index for at a time; a pass asks again until no run is due or its budget is spent."""
+SWEEP_BUDGET_S = 40.0
+"""How long one sweeper pass keeps looking at due runs (the sweep function runs every minute, for up to 60 s);
+the next pass takes the rest."""
+SWEEP_BACKOFF_MAX_S = 86_400.0
+"""The longest the sweeper leaves an unfinished run without a look: a run unchanged for a while is looked at
+again after as long as it has been unchanged (at least ``CHECK_HORIZON_S``), at most this long. It must stay
+well under the store's renewal margin (``aws.store.RENEW_MARGIN_S``)."""
 
 
 @dataclass(slots=True)
@@ -1082,24 +1089,38 @@ class Engine:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         return decision
 
-    def sweep(self, *, grace_s: float = SWEEP_GRACE_S, limit: int = SWEEP_LIMIT) -> SweepReport:
+    def sweep(
+        self, *, grace_s: float = SWEEP_GRACE_S, limit: int = SWEEP_LIMIT, budget_s: float = SWEEP_BUDGET_S
+    ) -> SweepReport:
         """Find runs whose work is overdue by more than ``grace_s`` with nothing on its way to move it, and
         repair them (issue 12): a task message or a deadline or probe schedule lost after the write that
-        needed it. Reads the index of runs to check (``Store.runs_to_check``), never the whole table; a run
-        whose work is not overdue gets its check time moved to when it would be (one small write)."""
+        needed it. Reads the index of runs to check (``Store.runs_to_check``), never the whole table, ``limit``
+        at a time, until none is due or ``budget_s`` has passed. A run whose work is not overdue gets its check
+        time moved on (one small write): to when its work is due, and a run unchanged for a while to after as
+        long again (``SWEEP_BACKOFF_MAX_S`` at most), so the work of a pass follows the runs actually due."""
         now = self.clock()
         before = now - timedelta(seconds=grace_s)
         report = SweepReport()
-        for run_id in self.store.runs_to_check(before, limit):
-            report.checked += 1
-            try:
-                repaired = self._sweep_run(run_id, now, before)
-            except Exception:  # one run's trouble must not keep the sweeper from the others
-                report.failed.append(run_id)
-                log.exception("sweeper: could not look at run %s; it is looked at again next pass", run_id)
-                continue
-            if repaired:
-                report.repaired.append(run_id)
+        until = time.monotonic() + budget_s
+        seen: set[str] = set()
+        while time.monotonic() < until:
+            # a run that failed stays due: ask past it
+            batch = [r for r in self.store.runs_to_check(before, limit + len(report.failed)) if r not in seen]
+            if not batch:
+                break
+            for run_id in batch:
+                if time.monotonic() >= until:
+                    break
+                seen.add(run_id)
+                report.checked += 1
+                try:
+                    repaired = self._sweep_run(run_id, now, before)
+                except Exception:  # one run's trouble must not keep the sweeper from the others
+                    report.failed.append(run_id)
+                    log.exception("sweeper: could not look at run %s; it is looked at again next pass", run_id)
+                    continue
+                if repaired:
+                    report.repaired.append(run_id)
         return report
 
     def _sweep_run(self, run_id: str, now: datetime, before: datetime) -> bool:
@@ -1109,7 +1130,6 @@ class Engine:
         if state is None:
             return False
         due = state.work_due_at()
-        later = now + timedelta(seconds=CHECK_HORIZON_S)  # a journal-only write may queue work meanwhile
         if due is not None and due <= before:
             decision = self.apply(run_id, SweepRequested(), known=state)
             if decision.changed or decision.commands:
@@ -1129,10 +1149,14 @@ class Engine:
             # any fresh work is: past the grace after its due time.
             due = state.work_due_at()
             if due is not None and due <= before:
-                later = now + max(now - due, timedelta(seconds=SWEEP_GRACE_S))
-            elif due is not None:
-                later = min(due, later)
-        elif due is not None:
+                if state.phase is not RunPhase.FINISHED:
+                    self.store.defer_check(run_id, now + max(now - due, timedelta(seconds=SWEEP_GRACE_S)))
+                return repaired
+        # A write that queues work has it looked at within CHECK_HORIZON_S: the store rewrites the check time
+        # with the first write after a run was unchanged that long. So a quiet run may wait as long again.
+        quiet = (now - state.updated_at).total_seconds()
+        later = now + timedelta(seconds=min(max(quiet, CHECK_HORIZON_S), SWEEP_BACKOFF_MAX_S))
+        if due is not None:
             later = min(due, later)
         if state.phase is not RunPhase.FINISHED:
             self.store.defer_check(run_id, later)

@@ -162,14 +162,19 @@ class RunStore(Protocol):
         cursor: str | None = None,
     ) -> RunPage:
         """Newest first. Runs read for a listing: a store may leave their large JSON values (input,
-        output, results, errors) out as None; read one run with :meth:`get` for all of it."""
+        output, results, errors) out as None; read one run with :meth:`get` for all of it. A page holds at
+        most ``limit`` runs; a store that bounds the reads of a page may return fewer, even none, with a
+        cursor. The cursor is None exactly when no more runs match."""
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
 
     def runs_to_check(self, before: datetime, limit: int) -> list[str]:
-        """Up to ``limit`` unfinished runs whose check time is at or before ``before`` (an index, never the whole
-        table). A run's check time is never later than the first moment its work could be overdue: its
-        ``work_due_at`` when it was written, at most :data:`CHECK_HORIZON_S` after that write."""
+        """Up to ``limit`` unfinished runs whose check time is at or before ``before``, earliest first (an index,
+        never the whole table). A write sets a run's check time no later than the first moment its work could
+        be overdue: its ``work_due_at``, at most :data:`CHECK_HORIZON_S` after the write. A write that changes
+        only the journal may leave it, except the first write after the run was unchanged for
+        :data:`CHECK_HORIZON_S`, which always sets it: so the sweeper may put off a quiet run by as long as it
+        has been quiet (``defer_check``)."""
         ...
 
     def defer_check(self, run_id: str, at: datetime) -> None:

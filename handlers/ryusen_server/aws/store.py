@@ -19,9 +19,11 @@ pk                             sk           what
                                             B, zlib of its JSON), content-addressed
 ``IDEM#{function_id}#{key}``   ``IDEM#{function_id}``
                                             an idempotency key: ``run_id`` of its run
-``FN#{function_id}``           ``RELEASE``  the newest release declaring the function
+``REL#{sha256}``               ``RELEASE``  one synced release (``release``, its JSON), never changed
+``FN#{function_id}#{copy}``    ``RELEASE``  ``release_ref``: the digest of the newest release declaring
+                                            the function, in :data:`RELEASE_COPIES` copies
 ``APPS``                       ``APP#{app_id}``
-                                            the newest release of each app
+                                            ``release_ref`` of the newest release of each app
 =============================  ===========  ==========================================
 
 (The idempotency item's ``sk`` repeats the function id so that the pair is
@@ -56,8 +58,11 @@ two GSIs read them:
   key value takes about 1,000 writes per second, so a constant would cap the
   whole deployment's run starts and status changes), sort ``list_sk`` =
   ``{created_at}#{run_id}``. A page queries every shard newest first
-  (``ScanIndexForward=False``, before the cursor), merges, and keeps the
-  newest; the cursor is the ``list_sk`` of the last run returned. The index
+  (``ScanIndexForward=False``, before the cursor), at most
+  :data:`LIST_SCAN_ITEMS` index items a shard, merges, and keeps the newest
+  of those above the point every shard reached; the cursor is the ``list_sk``
+  of the last run returned, or that point (a selective filter can give a short
+  page, even an empty one, with a cursor). The index
   projects only the filter attributes. A page's summaries are fetched with
   one BatchGetItem of the heads (the runs it returns carry no steps; the page
   gives their step counts).
@@ -83,11 +88,16 @@ when the winning or the next decision refers to them. A process remembers the
 values it has written or read (:class:`_ValueCache`), so a value is written
 once and, in a warm process, read once.
 
-Retention. A run's items carry no ``expires_at`` while it lives. The save
-that finishes it sets it on the head and its entry (one transaction), then
-writes its earlier entries, its value items and its idempotency key again
-with it. DynamoDB deletes expired items late and in no order, so a read that
-meets any expired item of a run answers that the run is gone.
+Retention. Every item gets its ``expires_at`` when it is written: the finish
+plus the retention once the run has finished, else the write plus the
+retention plus :data:`LIVE_EXPIRY_S`. The head records the earliest expiry of
+the run's items (``items_expire_at``); when the sweeper moves an unfinished
+run's check time (``defer_check``) past what that allows, the run's items are
+written again with a later expiry. The save that finishes a run sets the head's
+expiry to the finish plus the retention, in the same transaction as its entry:
+the head is the first item of a finished run to expire, and nothing of the run
+expires sooner. DynamoDB deletes expired items late and in no order, so a read
+that meets any expired item of a run answers that the run is gone.
 
 Writes: ``create`` is a conditional Put of the head
 (``attribute_not_exists(pk)``), or a transaction of that Put and the
@@ -127,6 +137,7 @@ from pydantic import TypeAdapter
 from ..core import decide as _core
 from ..core.model import RunState
 from ..ports import (
+    CHECK_HORIZON_S,
     InvalidRequestError,
     PayloadTooLargeError,
     Release,
@@ -152,7 +163,16 @@ CHECK_PARTITION = "CHECK"
 LIST_PARTITION = "RUNS"
 LIST_SHARDS = 16
 """Partition keys of the listing index (``RUNS#0`` ...): fixed for a table's life."""
+LIST_SCAN_ITEMS = 500
+"""The most index items a listing page reads from one shard: 16 shards, about 8,000 items of under 200 bytes,
+about 200 read units and at most 64 requests a page, well within API Gateway's 29 s."""
 APPS_PARTITION = "APPS"
+RELEASE_PREFIX = "REL#"
+RELEASE_COPIES = 8
+"""Copies of each function's release pointer: a read picks one at random, so a busy function's reads (every
+start and every new dispatch message) spread over this many partitions (docs/design/scale.md)."""
+RELEASE_CACHE = 64
+"""How many release bodies one process remembers (they never change: a sync writes a new one)."""
 MAX_KEY_BYTES = 2048
 """DynamoDB's limit on a partition key value."""
 MAX_ITEM_BYTES = 400 * 1024
@@ -172,6 +192,12 @@ ENTRY_BUDGET_BYTES = 1536
 STEP_COUNT_REFRESH = 100
 """A run's head item (what a list shows) is rewritten with its step count at this many steps, and at each
 doubling after (see ``_step_count_band``)."""
+LIVE_EXPIRY_S = 30 * 86_400
+"""With a retention, an item written while its run is unfinished expires this long after the write, plus the
+retention; the sweeper's look at a run that lives longer writes its items again with a later expiry."""
+RENEW_MARGIN_S = 7 * 86_400
+"""How long past a run's next look by the sweeper its items must still outlive the retention (a sweeper
+that is late by up to this long loses nothing)."""
 HEAD_SK = "RUN"
 ENTRY_PREFIX = "EV#"
 VALUE_PREFIX = "VAL#"
@@ -214,6 +240,14 @@ class ThrottledError(StoreUnavailableError):
 
 def _run_key(run_id: str) -> dict[str, AttributeValueTypeDef]:
     return {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": "RUN"}}
+
+
+def _release_key(digest: str) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"{RELEASE_PREFIX}{digest}"}, "sk": {"S": "RELEASE"}}
+
+
+def _release_pointer_key(function_id: str, copy: int) -> dict[str, AttributeValueTypeDef]:
+    return {"pk": {"S": f"FN#{function_id}#{copy}"}, "sk": {"S": "RELEASE"}}
 
 
 def _idempotency_pk(function_id: str, key: str) -> str:
@@ -345,6 +379,29 @@ class _ValueCache:
             while self._bytes > self._limit and self._entries:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= len(dropped)
+
+
+class _ReleaseCache:
+    """Release bodies by digest, least recently used out first (a body never changes)."""
+
+    def __init__(self, limit: int) -> None:
+        self._bodies: OrderedDict[str, Release] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> Release | None:
+        with self._lock:
+            release = self._bodies.get(digest)
+            if release is not None:
+                self._bodies.move_to_end(digest)
+            return release
+
+    def put(self, digest: str, release: Release) -> None:
+        with self._lock:
+            self._bodies[digest] = release
+            self._bodies.move_to_end(digest)
+            while len(self._bodies) > self._limit:
+                self._bodies.popitem(last=False)
 
 
 class _RunCache:
@@ -518,9 +575,9 @@ def _list_partition(run_id: str) -> str:
     return f"{LIST_PARTITION}#{int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16) % LIST_SHARDS}"
 
 
-def _encode_cursor(item: Mapping[str, Any]) -> str:
-    """A page's cursor: the ``list_sk`` of its last run (every shard resumes below it)."""
-    body = json.dumps({"before": item["list_sk"]["S"]}, separators=(",", ":"))
+def _encode_cursor(list_sk: str) -> str:
+    """A page's cursor: the ``list_sk`` every shard resumes below."""
+    body = json.dumps({"before": list_sk}, separators=(",", ":"))
     return base64.urlsafe_b64encode(body.encode()).decode()
 
 
@@ -560,6 +617,9 @@ class DynamoStore:
         """How long a finished run's items are kept (the table's TTL attribute ``expires_at``); None: forever."""
         self._values = _ValueCache(VALUE_CACHE_BYTES)
         self._runs = _RunCache(RUN_CACHE_RUNS)
+        self._release_bodies = _ReleaseCache(RELEASE_CACHE)
+        self.list_scan_items = LIST_SCAN_ITEMS
+        """The most index items one listing page reads from each shard (see ``list_runs``)."""
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -643,11 +703,15 @@ class DynamoStore:
             "body": {"B": packed.blob},
             **_index_attributes(state),
         }
+        item_expires = self._item_expires_at(state)
+        if item_expires is not None:
+            run["expires_at"] = {"N": str(item_expires)}
+            run["items_expire_at"] = {"N": str(item_expires)}
         if (size := _item_bytes(run)) > MAX_ITEM_BYTES:
             raise PayloadTooLargeError(
                 f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}"
             )
-        self._write_values(state.id, packed.values)
+        self._write_values(state.id, packed.values, item_expires)
         if state.idempotency_key is None:
             self._put_new_run(state, run)
         else:
@@ -693,6 +757,8 @@ class DynamoStore:
             **_idempotency_key(state.function_id, key),
             "run_id": {"S": state.id},
         }
+        if "expires_at" in run:
+            idem["expires_at"] = run["expires_at"]
         if len(_idempotency_pk(state.function_id, key).encode()) > MAX_KEY_BYTES:
             raise InvalidRequestError("idempotency key is too long", code="idempotency_key_too_long")
         run, token = _with_write_token(run)
@@ -769,23 +835,24 @@ class DynamoStore:
         if _core.CHECK_PURITY and not _reproduces(base, delta, state):
             raise AssertionError(f"run {state.id}: its journal entry does not reproduce version {state.version}")
         expires = self._expires_at(state)
+        item_expires = self._item_expires_at(state)
         packed = _pack(delta, budget=ENTRY_BUDGET_BYTES)
         entry: dict[str, AttributeValueTypeDef] = {**_entry_key(state.id, state.version), "entry": {"B": packed.blob}}
-        if expires is not None:
-            entry["expires_at"] = {"N": str(expires)}
+        if item_expires is not None:
+            entry["expires_at"] = {"N": str(item_expires)}
         if (size := _item_bytes(entry)) > MAX_ITEM_BYTES:
             raise PayloadTooLargeError(
                 f"run {state.id}: one change of {size} bytes is larger than a DynamoDB item ({MAX_ITEM_BYTES})"
             )
-        self._write_values(state.id, packed.values, expires)
+        self._write_values(state.id, packed.values, item_expires)
         entry, token = _with_write_token(entry)
-        if _head_fields(state, expires) == _head_fields(base, self._expires_at(base)):
+        # the first write after a quiet spell rewrites the check time the sweeper may have put off (ports)
+        quiet = (state.updated_at - base.updated_at).total_seconds() >= CHECK_HORIZON_S
+        if not quiet and _head_fields(state, expires) == _head_fields(base, self._expires_at(base)):
             self._put_entry(state, entry, token)
         else:
             self._put_entry_and_head(state, entry, token, expires)
         self._runs.put(state)
-        if expires is not None and self._expires_at(base) != expires:
-            self._expire_run(state, expires)
 
     def _put_entry(self, state: RunState, entry: dict[str, AttributeValueTypeDef], token: str) -> None:
         self.counter.add("dynamodb.write", _item_bytes(entry), items=[_item_bytes(entry)])
@@ -859,19 +926,30 @@ class DynamoStore:
             return None
         return int(state.finished_at.timestamp() + self.retention_s)
 
-    def _expire_run(self, state: RunState, expires: int) -> None:
-        """A finished run's journal, value items and idempotency key expire with it (written again with the
-        TTL, in BatchWriteItem requests of 25; its head has it already)."""
+    def _item_expires_at(self, state: RunState) -> int | None:
+        """The expiry an item of ``state``'s run gets when it is written: the finish plus the retention once the
+        run has finished, else the write plus the retention plus :data:`LIVE_EXPIRY_S` (renewed by the
+        sweeper's look while the run lives, ``defer_check``)."""
+        if self.retention_s is None:
+            return None
+        if state.finished_at is not None:
+            return int(state.finished_at.timestamp() + self.retention_s)
+        return int(state.updated_at.timestamp() + self.retention_s + LIVE_EXPIRY_S)
+
+    def _renew(self, run_id: str, expires: int) -> None:
+        """Write an unfinished run's journal, value items and idempotency key again with a later expiry
+        (BatchWriteItem, 25 a request; they never change, so a concurrent save loses nothing)."""
         items = [
             {**item, "expires_at": {"N": str(expires)}}
-            for item in self._query_run(state.id, ENTRY_PREFIX, f"{VALUE_PREFIX}~", count=True)
-            if item["sk"]["S"] != HEAD_SK and item.get("expires_at", {}).get("N") != str(expires)
+            for item in self._query_run(run_id, ENTRY_PREFIX, f"{VALUE_PREFIX}~", count=True)
+            if item["sk"]["S"] != HEAD_SK and int(item.get("expires_at", {}).get("N", "0")) < expires
         ]
-        if state.idempotency_key is not None:
+        state = self._read(run_id, count=True)
+        if state is not None and state.idempotency_key is not None:
             items.append(
                 {
                     **_idempotency_key(state.function_id, state.idempotency_key),
-                    "run_id": {"S": state.id},
+                    "run_id": {"S": run_id},
                     "expires_at": {"N": str(expires)},
                 }
             )
@@ -892,19 +970,31 @@ class DynamoStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
-        """Newest first. Reads the index until ``limit + 1`` runs match (or it ends), so a page is full
-        whenever more runs match, and the cursor is None exactly when none do."""
+        """Newest first. Each shard of the index is read until ``limit + 1`` runs match, it ends, or
+        ``list_scan_items`` of its items were read: a page costs a bounded number of reads whatever the
+        filter. A page holds the runs that matched above the point every shard reached (the newest of them,
+        up to ``limit``); it may hold fewer, even none, with a cursor to go on. The cursor is None exactly
+        when no run is left to read."""
         if limit < 1:
             raise InvalidRequestError("limit must be at least 1", code="invalid_limit")
         before = _decode_cursor(cursor) if cursor else None
         matches: list[Mapping[str, Any]] = []
+        floor: str | None = None  # every shard was read down to here (inclusive)
         for shard in range(LIST_SHARDS):
-            matches.extend(self._list_shard(shard, function_id, phase, outcome, before, limit + 1))
+            found, reached = self._list_shard(shard, function_id, phase, outcome, before, limit + 1)
+            matches.extend(found)
+            if reached is not None and (floor is None or reached > floor):
+                floor = reached
+        if floor is not None:
+            matches = [item for item in matches if str(item["list_sk"]["S"]) >= floor]
         matches.sort(key=lambda item: str(item["list_sk"]["S"]), reverse=True)
         page = matches[:limit]
         ids = [_run_id_of(item) for item in page]
         runs, counts = self._get_many(ids)
-        next_cursor = _encode_cursor(page[-1]) if len(matches) > limit else None
+        if len(matches) > limit:
+            next_cursor: str | None = _encode_cursor(page[-1]["list_sk"]["S"])
+        else:
+            next_cursor = _encode_cursor(floor) if floor is not None else None
         return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor, step_counts=counts)
 
     def _list_shard(
@@ -915,8 +1005,10 @@ class DynamoStore:
         outcome: str | None,
         before: str | None,
         wanted: int,
-    ) -> list[Mapping[str, Any]]:
-        """Up to ``wanted`` index items of one shard that match the filters, newest first, below ``before``."""
+    ) -> tuple[list[Mapping[str, Any]], str | None]:
+        """Index items of one shard that match the filters, newest first, below ``before``: read until
+        ``wanted`` match, the shard ends or ``list_scan_items`` were read. Also the ``list_sk`` of the last
+        item read when the shard may hold more (None: it was read to its end)."""
         values: dict[str, AttributeValueTypeDef] = {":runs": {"S": f"{LIST_PARTITION}#{shard}"}}
         condition = "list_pk = :runs"
         if before is not None:
@@ -940,17 +1032,21 @@ class DynamoStore:
             query["FilterExpression"] = " AND ".join(filters)
             query["ExpressionAttributeNames"] = names
         matches: list[Mapping[str, Any]] = []
-        page_size = wanted
+        left = self.list_scan_items
+        page_size = min(wanted, left)
         while True:
-            query["Limit"] = page_size  # items evaluated before the filter
+            query["Limit"] = page_size  # items read before the filter
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
             matches.extend(response.get("Items", []))
+            left -= int(response.get("ScannedCount", page_size))
             start = response.get("LastEvaluatedKey")
-            if len(matches) >= wanted or not start:
-                return matches[:wanted]
+            if not start:
+                return matches, None
+            if len(matches) >= wanted or left <= 0:
+                return matches, str(start["list_sk"]["S"])
             query["ExclusiveStartKey"] = start
-            page_size = min(page_size * 2, 1000)  # a selective filter: read more per request
+            page_size = min(page_size * 2, 1000, left)  # a selective filter: read more per request
 
     def _get_many(self, run_ids: Sequence[str]) -> tuple[dict[str, RunState], dict[str, int]]:
         """The head items of a page of runs, by id, as their summaries and step counts: BatchGetItem in
@@ -1079,14 +1175,41 @@ class DynamoStore:
         return [run_id for _, run_id in sorted(found)[:limit]]
 
     def defer_check(self, run_id: str, at: datetime) -> None:
+        """Move the run's check time to ``at``. With a retention, its items must outlive that look plus the
+        retention (and :data:`RENEW_MARGIN_S`, for a late sweeper): the update is conditioned on that, and
+        when it fails the items are written again with a later expiry (``_renew``), then the head."""
+        values: dict[str, AttributeValueTypeDef] = {":at": {"S": _utc_iso(at)}}
+        condition = "attribute_exists(check_at)"  # a finished run stays out of the index
+        if self.retention_s is not None:
+            condition += " AND items_expire_at >= :needed"
+            values[":needed"] = {"N": str(int(at.timestamp() + self.retention_s + RENEW_MARGIN_S))}
         self.counter.add("dynamodb.write")
         try:
             self._client.update_item(
                 TableName=self.table_name,
                 Key=_run_key(run_id),
                 UpdateExpression="SET check_at = :at",
-                ConditionExpression="attribute_exists(check_at)",  # a finished run stays out of the index
-                ExpressionAttributeValues={":at": {"S": _utc_iso(at)}},
+                ConditionExpression=condition,
+                ExpressionAttributeValues=values,
+                ReturnValuesOnConditionCheckFailure="ALL_OLD",
+            )
+            return
+        except ClientError as exc:
+            if _error_code(exc) != "ConditionalCheckFailedException":
+                raise
+            head = cast("Mapping[str, Any]", exc.response).get("Item")
+        if self.retention_s is None or not head or "check_at" not in head:
+            return  # finished (or gone): nothing to move
+        expires = int(at.timestamp() + self.retention_s + LIVE_EXPIRY_S)
+        self._renew(run_id, expires)
+        self.counter.add("dynamodb.write")
+        try:
+            self._client.update_item(
+                TableName=self.table_name,
+                Key=_run_key(run_id),
+                UpdateExpression="SET check_at = :at, expires_at = :expires, items_expire_at = :expires",
+                ConditionExpression="attribute_exists(check_at)",  # a run that finished meanwhile keeps its expiry
+                ExpressionAttributeValues={":at": {"S": _utc_iso(at)}, ":expires": {"N": str(expires)}},
             )
         except ClientError as exc:
             if _error_code(exc) != "ConditionalCheckFailedException":
@@ -1095,23 +1218,62 @@ class DynamoStore:
     # ---- releases ---------------------------------------------------------------------
 
     def put_release(self, release: Release) -> None:
-        """One item per declared function and one for the app, in BatchWriteItem requests of 25."""
+        """The release once (an item keyed by its digest, never changed), then a small pointer to it for each
+        of :data:`RELEASE_COPIES` copies per declared function and one for the app (BatchWriteItem, 25 a
+        request): a sync writes the manifest once, whatever the number of functions."""
         body = _RELEASE.dump_json(release).decode()
+        digest = hashlib.sha256(body.encode()).hexdigest()
+        item: dict[str, AttributeValueTypeDef] = {**_release_key(digest), "release": {"S": body}}
+        if (size := _item_bytes(item)) > MAX_ITEM_BYTES:
+            raise PayloadTooLargeError(f"the release is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}")
+        self.counter.add("dynamodb.write", size, items=[size])
+        self._client.put_item(TableName=self.table_name, Item=item)  # first: a pointer never names a missing body
+        self._release_bodies.put(digest, release)
         keys: list[dict[str, AttributeValueTypeDef]] = [
-            {"pk": {"S": f"FN#{fn_id}"}, "sk": {"S": "RELEASE"}}
+            _release_pointer_key(fn_id, copy)
             for fn_id in dict.fromkeys(f.id for f in release.functions)
+            for copy in range(RELEASE_COPIES)
         ]
         keys.append({"pk": {"S": APPS_PARTITION}, "sk": {"S": f"APP#{release.app_id}"}})
-        self._batch_write([{**key, "release": {"S": body}} for key in keys])
+        self._batch_write([{**key, "release_ref": {"S": digest}} for key in keys])
 
     def get_release(self, function_id: str) -> Release | None:
+        """One strongly consistent read of one of the function's pointers, picked at random (a release just
+        synced is what the next run must use, R1; the copies spread the reads of a busy function over
+        several partitions), then the body, which never changes: from this process's memory, else one read."""
+        copy = secrets.randbelow(RELEASE_COPIES)
         self.counter.add("dynamodb.read")
         item = self._client.get_item(
-            TableName=self.table_name,
-            Key={"pk": {"S": f"FN#{function_id}"}, "sk": {"S": "RELEASE"}},
-            ConsistentRead=True,  # a release just synced is what the next run must use (R1)
+            TableName=self.table_name, Key=_release_pointer_key(function_id, copy), ConsistentRead=True
         ).get("Item")
-        return _RELEASE.validate_json(item["release"]["S"]) if item else None
+        if item is None:  # a table synced before the copies: the release inline under the function's old key
+            self.counter.add("dynamodb.read")
+            item = self._client.get_item(
+                TableName=self.table_name,
+                Key={"pk": {"S": f"FN#{function_id}"}, "sk": {"S": "RELEASE"}},
+                ConsistentRead=True,
+            ).get("Item")
+        if item is None:
+            return None
+        return self._release_of(item)
+
+    def _release_of(self, item: Mapping[str, Any]) -> Release:
+        """The release a pointer names, from memory or read (a table written before pointers holds it inline)."""
+        if "release" in item:
+            return _RELEASE.validate_json(item["release"]["S"])
+        digest = str(item["release_ref"]["S"])
+        known = self._release_bodies.get(digest)
+        if known is not None:
+            return known
+        self.counter.add("dynamodb.read")
+        body = self._client.get_item(TableName=self.table_name, Key=_release_key(digest), ConsistentRead=True).get(
+            "Item"
+        )
+        if body is None:
+            raise RuntimeError(f"release {digest} is named by a pointer but missing")
+        release = _RELEASE.validate_json(body["release"]["S"])
+        self._release_bodies.put(digest, release)
+        return release
 
     def list_releases(self) -> list[Release]:
         releases: list[Release] = []
@@ -1124,7 +1286,7 @@ class DynamoStore:
         while True:
             self.counter.add("dynamodb.read")
             response = self._client.query(**query)
-            releases.extend(_RELEASE.validate_json(item["release"]["S"]) for item in response.get("Items", []))
+            releases.extend(self._release_of(item) for item in response.get("Items", []))
             start = response.get("LastEvaluatedKey")
             if not start:
                 return releases

@@ -12,6 +12,7 @@ from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
+from ..engine import SWEEP_BUDGET_S
 from ..wiring import AwsEngine, AwsResources, aws_engine
 
 logger = Logger(service="ryusen-sweep")
@@ -29,7 +30,9 @@ def engine() -> AwsEngine:
 @logger.inject_lambda_context
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    report = engine().engine.sweep()
+    # a pass stops in time to report: within its budget and the invocation's time left
+    left_s = context.get_remaining_time_in_millis() / 1000 - 15.0
+    report = engine().engine.sweep(budget_s=max(1.0, min(SWEEP_BUDGET_S, left_s)))
     metrics.add_metric(name="SweptRuns", unit=MetricUnit.Count, value=report.checked)
     metrics.add_metric(name="RepairedRuns", unit=MetricUnit.Count, value=len(report.repaired))
     if report.repaired:
