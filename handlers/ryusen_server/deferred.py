@@ -118,3 +118,24 @@ class DeferredMessage(BaseModel):
 
 class DeferralRefusedError(Exception):
     """The queue cannot carry this answer (larger than a message may be)."""
+
+
+class WakeOrder(BaseModel):
+    """A release sync's wake, done by a dispatcher rather than by the sync's request: the runs of a function
+    blocked by a definition (looked up in the index when the message is received), or one run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    function_id: str | None = None
+    run_id: str | None = None
+
+    def describe(self) -> str:
+        return f"wake run {self.run_id}" if self.run_id else f"wake the blocked runs of {self.function_id}"
+
+
+class WakeMessage(BaseModel):
+    """The dispatch-queue message that carries a wake order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    wake: WakeOrder

@@ -78,7 +78,7 @@ from .core.events import (
 )
 from .core.model import DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
 from .core.view import memo
-from .deferred import DeferredAnswer, DeferredEvent
+from .deferred import DeferredAnswer, DeferredEvent, WakeOrder
 from .ports import (
     CHECK_HORIZON_S,
     ConflictError,
@@ -100,6 +100,8 @@ from .ports import (
 log = logging.getLogger("ryusen.engine")
 
 MAX_RACES = 50
+WAKES_PER_MESSAGE = 100
+"""Blocked runs one wake message wakes; more are woken by the next (the index lists those still blocked)."""
 MAX_DEFERRAL_DELAY_S = 900
 RESPONSE_GRACE_FRACTION = 0.1
 RESPONSE_GRACE_MIN_S = 0.5
@@ -694,16 +696,29 @@ class Engine:
         self.store.put_release(release)
         for fn in manifest.functions:
             self._releases_read.pop(fn.id, None)  # this process's chains read the release afresh
-        self._wake_blocked(manifest)
-        if self.settings.index_settle_s > 0:
-            time.sleep(self.settings.index_settle_s)  # the index catches up with runs that blocked just now
-            self._wake_blocked(manifest)
+        # the blocked runs are woken by dispatchers (a sync returns at once, however many are blocked), and
+        # looked up again once the index has caught up with runs that blocked just before this sync
+        for fn in manifest.functions:
+            self.queue.wake(WakeOrder(function_id=fn.id))
+            if self.settings.index_settle_s > 0:
+                self.queue.wake(WakeOrder(function_id=fn.id), self.settings.index_settle_s)
         return release
 
-    def _wake_blocked(self, manifest: Manifest) -> None:
-        for fn in manifest.functions:
-            for run_id in self.store.runs_blocked_by_definition(fn.id):
-                self.apply(run_id, WakeRequested(source="release_sync"))  # a second wake is ignored
+    def carry_out_wake(self, order: WakeOrder) -> None:
+        """A release sync's wake: each run of the function that a definition blocks (a second wake of a run is
+        ignored), at most ``WAKES_PER_MESSAGE`` here and the rest by the same order sent again."""
+        if order.run_id is not None:
+            self.apply(order.run_id, WakeRequested(source="release_sync"))
+            return
+        assert order.function_id is not None
+        blocked = self.store.runs_blocked_by_definition(order.function_id)
+        for run_id in blocked[:WAKES_PER_MESSAGE]:
+            try:
+                self.apply(run_id, WakeRequested(source="release_sync"))
+            except NotFoundError:
+                continue  # gone since the index was read
+        if len(blocked) > WAKES_PER_MESSAGE:
+            self.queue.wake(order)  # the index no longer lists the runs woken here
 
     # ---- dispatch ---------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import pydantic_core
 from .aws import journal
 from .core import decide as _core
 from .core.model import RunState, TaskRef, TimerRef
-from .deferred import DeferredAnswer, DeferredMessage
+from .deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from .ports import (
     InvalidRequestError,
     Release,
@@ -180,7 +180,7 @@ class MemoryStore:
 @dataclass(slots=True)
 class QueuedMessage:
     message_id: str
-    task: TaskRef | DeferredMessage
+    task: TaskRef | DeferredMessage | WakeMessage
     visible_at: datetime
     receive_count: int = 0
 
@@ -202,7 +202,7 @@ class MemoryQueue:
         self._lock = threading.Lock()
         self.visibility_timeout_s = visibility_timeout_s
         self.max_receive_count = max_receive_count
-        self.dead_letters: list[TaskRef | DeferredMessage] = []
+        self.dead_letters: list[TaskRef | DeferredMessage | WakeMessage] = []
         self.counter = counter or RequestCounter()
 
     def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
@@ -217,6 +217,14 @@ class MemoryQueue:
             mid = f"m{next(self._ids)}"
             deferred = DeferredMessage(deferred=answer)
             self._messages[mid] = QueuedMessage(mid, deferred, self._clock() + timedelta(seconds=delay_s))
+
+    def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
+        self.counter.add("queue.send")
+        with self._lock:
+            mid = f"m{next(self._ids)}"
+            self._messages[mid] = QueuedMessage(
+                mid, WakeMessage(wake=order), self._clock() + timedelta(seconds=delay_s)
+            )
 
     def receive(self, max_messages: int = 10) -> list[QueuedMessage]:
         self.counter.add("queue.receive")

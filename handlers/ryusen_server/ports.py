@@ -16,7 +16,7 @@ from typing import Protocol
 from ryusen._internal.wire import FunctionManifest
 
 from .core.model import RunPhase, RunState, TaskRef, TimerRef
-from .deferred import DeferredAnswer
+from .deferred import DeferredAnswer, WakeOrder
 
 
 class ServerError(Exception):
@@ -211,6 +211,9 @@ class TaskQueue(Protocol):
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         """Keep an answer the store would not take on the queue, to be recorded when it is received
         (:meth:`Engine.apply_deferred`). Raises :class:`DeferralRefusedError` for one the queue cannot carry."""
+
+    def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
+        """Put a release sync's wake on the queue (:meth:`Engine.carry_out_wake`)."""
 
 
 class TimerService(Protocol):

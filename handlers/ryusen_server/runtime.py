@@ -14,7 +14,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from .core.model import TaskRef, TimerRef
-from .deferred import DeferredMessage
+from .deferred import DeferredMessage, WakeMessage
 from .engine import STORE_UNAVAILABLE_RETRY_S, Engine
 from .ports import StoreUnavailableError
 
@@ -23,7 +23,7 @@ log = logging.getLogger("ryusen.runtime")
 
 class ReceivedMessage(Protocol):
     @property
-    def task(self) -> TaskRef | DeferredMessage: ...
+    def task(self) -> TaskRef | DeferredMessage | WakeMessage: ...
 
 
 class ReceivingQueue(Protocol):
@@ -74,6 +74,8 @@ def _describe(message: DispatchMessage) -> str:
         return message.timer.name
     if isinstance(message, DeferredMessage):
         return message.deferred.describe()
+    if isinstance(message, WakeMessage):
+        return message.wake.describe()
     return message.describe()
 
 
@@ -96,9 +98,9 @@ class TimerMessage(BaseModel):
     timer: TimerRef
 
 
-DispatchMessage = TaskRef | TimerMessage | DeferredMessage
-"""One dispatch-queue message: a task (discovery pass or attempt), a due timer, or an answer deferred while the
-store would not take it (``deferred.py``)."""
+DispatchMessage = TaskRef | TimerMessage | DeferredMessage | WakeMessage
+"""One dispatch-queue message: a task (discovery pass or attempt), a due timer, an answer deferred while the
+store would not take it, or a release sync's wake (``deferred.py``)."""
 
 _DISPATCH_MESSAGE: TypeAdapter[DispatchMessage] = TypeAdapter(DispatchMessage)
 
@@ -130,6 +132,13 @@ def process_message(
         return True, 0.0
     if isinstance(message, DeferredMessage):
         engine.apply_deferred(message.deferred)
+        return True, 0.0
+    if isinstance(message, WakeMessage):
+        try:
+            engine.carry_out_wake(message.wake)
+        except StoreUnavailableError as exc:
+            log.warning("%s: the store is unavailable (%s); the message comes back", message.wake.describe(), exc)
+            return False, STORE_UNAVAILABLE_RETRY_S
         return True, 0.0
     delivered = engine.deliver(message, budget_s=budget_s, on_authorized=on_authorized)
     return delivered.done, delivered.redeliver_after_s

@@ -32,7 +32,7 @@ try:
     from ryusen_server.core.events import EngineSettings, Resolve
     from ryusen_server.core.model import RunState, TaskRef
     from ryusen_server.core.view import run_view
-    from ryusen_server.deferred import DeferredAnswer
+    from ryusen_server.deferred import DeferredAnswer, WakeMessage, WakeOrder
     from ryusen_server.engine import Engine, ServerSettings
     from ryusen_server.invoker import InProcessInvoker
     from ryusen_server.memory import MemoryQueue, MemoryStore, MemoryTimers
@@ -376,6 +376,9 @@ class WorkflowEnvironment:
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         self.queue.defer(answer, delay_s)
 
+    def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
+        self.queue.wake(order, delay_s)
+
     def _intercept(self, url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
         request = TaskRequest.model_validate_json(body)
         step_id = request.step_id
@@ -513,7 +516,10 @@ class WorkflowEnvironment:
 
     def _waits_for_someone(self, run_id: str) -> bool:
         """The run has a blocker that only a release, an operator or a late result removes (an endpoint
-        that keeps failing is retried by the engine itself: time is worth moving for)."""
+        that keeps failing is retried by the engine itself: time is worth moving for). A release's wake on
+        its way is worth moving for too."""
+        if any(isinstance(message.task, WakeMessage) for message in self.queue.pending()):
+            return False
         return any(b.type.value != "endpoint_failing" for b in self._peek(run_id).blockers)
 
     def run(self, function_id: str, input: Any = None, **kwargs: Any) -> RunView:

@@ -268,3 +268,20 @@ def test_a_release_sync_looks_again_when_the_blocked_runs_index_lags() -> None:
     env.sync(release_b(calls))
     run = env.wait(run_id)
     assert answers == [1, 1] and run.outcome == "completed" and calls["fee"] == 1
+
+
+def test_a_release_sync_returns_without_waking_each_blocked_run_itself() -> None:
+    """Issue 24 (finding 7): a sync woke every blocked run in its own request, one read and one write each, so
+    a sync with thousands of blocked runs outlived API Gateway's 29 s. Dispatchers wake them now."""
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(release_a(calls))
+    run_ids = [env.start("invoice", idempotency_key=f"order-{i}") for i in range(30)]
+    env.drive(horizon=timedelta(seconds=1))  # all blocked, before any probe
+    assert all(env.store.peek(r).blocked_by_definition for r in run_ids)  # type: ignore[union-attr]
+    writes = env.store.counter.counts.get("store.write", 0)
+    env.sync(release_b(calls))
+    assert env.store.counter.counts.get("store.write", 0) - writes <= 2  # the release; no run is written
+    assert all(env.store.peek(r).blocked_by_definition for r in run_ids)  # type: ignore[union-attr]  # not yet: the wake is on the queue
+    for run_id in run_ids:
+        assert env.wait(run_id).outcome == "completed"
+    assert calls["fee"] == 30

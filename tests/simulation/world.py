@@ -55,7 +55,7 @@ from ryusen_server.core.model import (
     TimerRef,
 )
 from ryusen_server.core.view import REMEDIES
-from ryusen_server.deferred import DeferredAnswer, DeferredMessage
+from ryusen_server.deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from ryusen_server.engine import SWEEP_GRACE_S, Engine, ServerSettings
 from ryusen_server.memory import MemoryStore
 from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError, StoreUnavailableError
@@ -905,6 +905,8 @@ def _describe(body: DispatchMessage) -> str:
         return body.timer.name
     if isinstance(body, DeferredMessage):
         return body.deferred.describe()
+    if isinstance(body, WakeMessage):
+        return body.wake.describe()
     return body.describe()
 
 
@@ -1025,6 +1027,17 @@ class SimQueue:
         self.put(body, delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
         if verdict == "duplicate":
             self.put(body, delay_s)
+        if verdict == "crash_after":
+            raise Crash()
+
+    def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
+        verdict = self.sim.boundary("sqs.send", f"{order.describe()} +{delay_s:.0f}s", SEND_FAULTS)
+        _fail_before(verdict, "SQS SendMessage failed after retries")
+        if verdict == "lost":
+            return  # the probe wakes a blocked run in time
+        self.put(WakeMessage(wake=order), delay_s + (self.sim.rng.uniform(1, 60) if verdict == "delayed" else 0.0))
+        if verdict == "duplicate":
+            self.put(WakeMessage(wake=order), delay_s)
         if verdict == "crash_after":
             raise Crash()
 

@@ -34,7 +34,7 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
 from ..core.model import TaskRef, TimerRef
-from ..deferred import DeferralRefusedError, DeferredAnswer, DeferredMessage
+from ..deferred import DeferralRefusedError, DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from ..ports import RequestCounter
 from ..runtime import TimerMessage, parse_dispatch_body
 
@@ -72,16 +72,19 @@ class SqsMessage:
     task: TaskRef | None = None
     timer: TimerRef | None = None
     deferred: DeferredAnswer | None = None
+    wake: WakeOrder | None = None
     sqs_message_id: str = ""
     receive_count: int = 1
 
 
-def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer:
+def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer | WakeOrder:
     """A dispatch message's body: a TaskRef, ``{"timer": TimerRef}`` or ``{"deferred": DeferredAnswer}``. Raises
     ValueError if none."""
     message = parse_dispatch_body(body)
     if isinstance(message, TimerMessage):
         return message.timer
+    if isinstance(message, WakeMessage):
+        return message.wake
     return message.deferred if isinstance(message, DeferredMessage) else message
 
 
@@ -132,6 +135,14 @@ class SqsQueue:
             return
         self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
 
+    def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
+        """Put a release sync's wake on the queue."""
+        body = WakeMessage(wake=order).model_dump_json()
+        if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
+            self._hold(delay_s, lambda: self._send_message(body, 0))
+            return
+        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
+
     def _send_message(self, body: str, delay: int) -> None:
         self.counter.add("sqs.send", len(body))
         self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
@@ -176,6 +187,7 @@ class SqsQueue:
                     task=parsed if isinstance(parsed, TaskRef) else None,
                     timer=parsed if isinstance(parsed, TimerRef) else None,
                     deferred=parsed if isinstance(parsed, DeferredAnswer) else None,
+                    wake=parsed if isinstance(parsed, WakeOrder) else None,
                     sqs_message_id=raw.get("MessageId", ""),
                     receive_count=count,
                 )
