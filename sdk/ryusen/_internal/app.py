@@ -118,6 +118,33 @@ class ServeOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseWindow:
+    """When the server stops listening for one request's answer, on this process's monotonic clock (``closes_at``;
+    None: the request did not say, as a discovery's does not).
+
+    Worked out once, when the request arrives: from ``respond_within_s`` (the span the server gave, counted
+    from then), or, from an engine that predates it, from ``respond_by`` read on this process's wall clock (off
+    by as much as this clock disagrees with the server's). Time the request spent on its way is not counted:
+    the server listens a short grace past the end (``LATE_MARGIN_S`` covers an answer that is near it)."""
+
+    closes_at: float | None
+
+    @classmethod
+    def of(cls, request: TaskRequest, *, arrived: float, wall: float) -> ResponseWindow:
+        """The window of ``request``, which arrived at ``arrived`` (``time.monotonic()``), when the wall clock
+        read ``wall``."""
+        if request.respond_within_s is not None:
+            return cls(arrived + request.respond_within_s)
+        if request.respond_by is not None:
+            return cls(arrived + (request.respond_by - wall))
+        return cls(None)
+
+    def left(self) -> float | None:
+        """Seconds until the server stops listening (negative: it has stopped), or None when it did not say."""
+        return None if self.closes_at is None else self.closes_at - time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
 class HandlerResponse:
     status: int
     headers: dict[str, str]
@@ -291,7 +318,12 @@ class Ryusen:
     # ---- executing a task --------------------------------------------------
 
     def execute(
-        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+        self,
+        request: TaskRequest,
+        sent: TaskRequest | None = None,
+        *,
+        options: ServeOptions | None = None,
+        window: ResponseWindow | None = None,
     ) -> TaskResponse:
         """Run one task to its outcome (synchronously; async functions get an event loop).
 
@@ -299,13 +331,15 @@ class Ryusen:
         ended: a callback that ran is reported even if the code around it raised
         or returned early (decisions 16). ``sent`` is the request as it arrived (with
         ``memo_base``, its memo only what changed), which a kept pass must extend. ``options``: how this
-        endpoint serves the app (:class:`ServeOptions`; None: as the app does by itself).
+        endpoint serves the app (:class:`ServeOptions`; None: as the app does by itself). ``window``: when the
+        server stops listening (None: counted from now).
         """
+        window = window or self._window(request)
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if registered.is_async:
-            return _run_coroutine(self.execute_async(request))
+            return _run_coroutine(self.execute_async(request, sent, options=options, window=window))
         if (
             request.kind is TaskKind.FORWARD
             and request.continue_after
@@ -313,14 +347,14 @@ class Ryusen:
             and self.kept_passes.capacity > 0
             and (options is None or options.kept_passes)
         ):
-            served = self._execute_kept(registered, request, sent, options)
+            served = self._execute_kept(registered, request, sent, options, window)
             if served is not None:
                 return served
         elif len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request, registered))
-        return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
+        return _respond(request, outcome, self._continuation(registered, request, outcome, pristine, window))
 
     def _execute_kept(
         self,
@@ -328,6 +362,7 @@ class Ryusen:
         request: TaskRequest,
         sent: TaskRequest | None,
         options: ServeOptions | None,
+        window: ResponseWindow,
     ) -> TaskResponse | None:
         """A chained forward attempt, served by the run's kept pass when it waits at this step, or by a new one
         (``kept.py``); the pass goes on after a successful callback, and is kept at the next step. None: no pass
@@ -348,19 +383,19 @@ class Ryusen:
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
             kept.resumed_by(request.run_id)
-        live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
+        live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome), window)
         give_up_s = None
-        if request.respond_by is not None:  # well after the server has stopped listening (kept.py)
-            give_up_s = max(request.respond_by - self.clock(), 0.0) + KEPT_GIVE_UP_AFTER_S
+        if (left := window.left()) is not None:  # well after the server has stopped listening (kept.py)
+            give_up_s = max(left, 0.0) + KEPT_GIVE_UP_AFTER_S
         try:
-            attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()), give_up_s)
+            attempt, waiting_at = live.answer(lambda: _continuation_budget(window), give_up_s)
         except BaseException:
             if not live.abandoned:  # an abandoned pass still runs its callback, whose outcome goes late
                 live.end()  # the request is gone (an interrupt): the pass must not wait at a step
             raise
         if waiting_at is not None and live.waiting:
             if options is not None and options.on_divergence is not None:
-                replayed = self._continuation(registered, request, attempt, run_input)
+                replayed = self._continuation(registered, request, attempt, run_input, window)
                 if replayed is not None and _as_json(replayed) != _as_json(waiting_at):
                     options.on_divergence(
                         DiscoveryDivergence(request.run_id, request.function_id, request.step_id, waiting_at, replayed)
@@ -378,7 +413,7 @@ class Ryusen:
         # after the callback. What the run does then is what a replay from the top with the recorded results
         # does, as without a kept pass (a fault in code after a step is not the run's failure unless a
         # replay fails too); once a run, so its cost does not grow with the run.
-        following = self._continuation(registered, request, attempt, run_input)
+        following = self._continuation(registered, request, attempt, run_input, window)
         ended = live.final_report
         if isinstance(ended, FunctionFailed) and following is not None and not isinstance(following, FunctionFailed):
             log.warning(
@@ -404,14 +439,16 @@ class Ryusen:
             raised = exc
         return replay.report(output=output, raised=raised)
 
-    def _continuation(self, registered: RegisteredFunction, request: TaskRequest, outcome: Any, run_input: Any) -> Any:
+    def _continuation(
+        self, registered: RegisteredFunction, request: TaskRequest, outcome: Any, run_input: Any, window: ResponseWindow
+    ) -> Any:
         """After a successful forward callback (``continue_after``): a discovery pass, replayed from the top
         with the callback's result recorded, run within the same request but on a budget of its own. It is
         the pass the server would otherwise send next; None (the server sends it) when it runs out of time."""
         discovery = _discovery_after(request, outcome, run_input)
         if discovery is None:
             return None
-        budget = _continuation_budget(request, self.clock())
+        budget = _continuation_budget(window)
         if budget <= 0:
             return None
         replay = _replay(discovery)
@@ -433,18 +470,24 @@ class Ryusen:
             return None
 
     async def execute_async(
-        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+        self,
+        request: TaskRequest,
+        sent: TaskRequest | None = None,
+        *,
+        options: ServeOptions | None = None,
+        window: ResponseWindow | None = None,
     ) -> TaskResponse:
+        window = window or self._window(request)
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
-            return await asyncio.to_thread(self.execute, request, sent, options=options)
+            return await asyncio.to_thread(self.execute, request, sent, options=options, window=window)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = await self._pass_async(registered, request, _replay(request, registered))
         following: Any = None
         discovery = _discovery_after(request, outcome, pristine)
-        budget = _continuation_budget(request, self.clock()) if discovery is not None else 0.0
+        budget = _continuation_budget(window) if discovery is not None else 0.0
         if discovery is not None and budget > 0:
             replay = _replay(discovery)
             try:
@@ -500,6 +543,7 @@ class Ryusen:
         """:meth:`handle` with this app's keys ``keys`` (``ryusen.testing`` serves an app that has none of its
         own with the key its environment derives for it, or in-process and ``insecure``, unsigned), and with
         ``options`` (its environment's)."""
+        arrived, wall = time.monotonic(), self.clock()
         admitted = self._admit(method, headers, body, path, keys, insecure=insecure)
         if isinstance(admitted, HandlerResponse):
             return admitted
@@ -507,16 +551,18 @@ class Ryusen:
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        window = ResponseWindow.of(request, arrived=arrived, wall=wall)
         try:
-            response = self.execute(request, sent, options=options)
+            response = self.execute(request, sent, options=options, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
-        self._submit_late(request, response)
+        self._submit_late(request, response, window)
         return self._reply(200, encode_response(response), answering)
 
     async def handle_async(
         self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/"
     ) -> HandlerResponse:
+        arrived, wall = time.monotonic(), self.clock()
         admitted = self._admit(method, headers, body, path, self.signing_keys)
         if isinstance(admitted, HandlerResponse):
             return admitted
@@ -524,11 +570,12 @@ class Ryusen:
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        window = ResponseWindow.of(request, arrived=arrived, wall=wall)
         try:
-            response = await self.execute_async(request, sent)
+            response = await self.execute_async(request, sent, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
-        await asyncio.to_thread(self._submit_late, request, response)
+        await asyncio.to_thread(self._submit_late, request, response, window)
         return self._reply(200, encode_response(response), answering)
 
     def _admit(
@@ -643,7 +690,11 @@ class Ryusen:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
         return self._reply(status, body, answering)
 
-    def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
+    def _window(self, request: TaskRequest) -> ResponseWindow:
+        """The response window of ``request``, counted from now (it is being served as it arrives)."""
+        return ResponseWindow.of(request, arrived=time.monotonic(), wall=self.clock())
+
+    def _submit_late(self, request: TaskRequest, response: TaskResponse, window: ResponseWindow | None = None) -> None:
         """Submit an effect outcome to the server when its response window has closed (decisions 6.15).
 
         The dispatcher stopped listening at ``respond_by`` (the attempt's timeout, or earlier when the
@@ -658,16 +709,17 @@ class Ryusen:
         submission and changes nothing.
         """
         attempt = response.attempt
+        left = (window or self._window(request)).left()  # when the server stops listening (ResponseWindow)
         if (
             request.result_url is None
-            or request.respond_by is None
+            or left is None
             or request.operation is None
             or request.step_id is None
             or not isinstance(attempt, CallbackSucceeded | CallbackFailed)
-            or self.clock() <= request.respond_by - LATE_MARGIN_S
+            or left >= LATE_MARGIN_S
         ):
             return
-        near = self.clock() <= request.respond_by  # the response may still arrive in time: one try, no retries
+        near = left >= 0  # the response may still arrive in time: one try, no retries
         what = f"run {request.run_id} step {request.step_id} {request.operation.phase} #{request.operation.generation}"
         if not request.result_url.startswith(("http://", "https://")):
             log.error("could not deliver the late result of %s: result URL %r is not http(s)", what, request.result_url)
@@ -826,10 +878,10 @@ def _discovery_after(request: TaskRequest, outcome: Any, run_input: Any) -> Task
     )
 
 
-def _continuation_budget(request: TaskRequest, now: float) -> float:
+def _continuation_budget(window: ResponseWindow) -> float:
     budget = CONTINUATION_MAX_S
-    if request.respond_by is not None:
-        budget = min(budget, request.respond_by - now - CONTINUATION_MARGIN_S)
+    if (left := window.left()) is not None:
+        budget = min(budget, left - CONTINUATION_MARGIN_S)
     return budget
 
 
