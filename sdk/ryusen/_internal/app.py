@@ -73,6 +73,11 @@ LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
 """Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
 LATE_MARGIN_S = 1.0
 """An outcome finished this close to ``respond_by`` is also submitted as a late result (see ``_submit_late``)."""
+LAMBDA_RESERVE_S = 1.0
+"""On Lambda, the time a handler keeps, of what its invocation has left, to return: a late result is not tried
+again (nor a try let run) past it."""
+LAMBDA_ENV = "AWS_LAMBDA_FUNCTION_NAME"
+"""Set by the Lambda runtime in every function's environment: this process is a Lambda execution environment."""
 
 log = logging.getLogger("ryusen")
 
@@ -115,6 +120,14 @@ class ServeOptions:
     on_divergence: Callable[[DiscoveryDivergence], None] | None = None
     """Check discovery: where a kept pass stops at a step, also run the discovery from the top with the recorded
     results, answer with what that reaches, and hand each difference here (None: no check)."""
+    on_lambda: bool = False
+    """Served by a Lambda handler (``lambda_handler``), as the endpoint also is whenever ``AWS_LAMBDA_FUNCTION_NAME``
+    is set: Lambda freezes the environment when the handler returns, so nothing may run after it. No kept pass,
+    every callback and the continuation run on the handler's thread, and a late result is submitted (with its
+    retries) before the handler returns."""
+    lambda_context: Any = None
+    """The Lambda invocation's context (``lambda_handler``'s second argument): its remaining time ends the
+    late-result retries while the handler can still return."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +359,7 @@ class Ryusen:
             and request.memo_token is not None
             and self.kept_passes.capacity > 0
             and (options is None or options.kept_passes)
+            and not _on_lambda(options)  # a pass must not outlive its request there (it is frozen with it)
         ):
             served = self._execute_kept(registered, request, sent, options, window)
             if served is not None:
@@ -354,7 +368,8 @@ class Ryusen:
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request, registered))
-        return _respond(request, outcome, self._continuation(registered, request, outcome, pristine, window))
+        following = self._continuation(registered, request, outcome, pristine, window, inline=_on_lambda(options))
+        return _respond(request, outcome, following)
 
     def _execute_kept(
         self,
@@ -440,11 +455,21 @@ class Ryusen:
         return replay.report(output=output, raised=raised)
 
     def _continuation(
-        self, registered: RegisteredFunction, request: TaskRequest, outcome: Any, run_input: Any, window: ResponseWindow
+        self,
+        registered: RegisteredFunction,
+        request: TaskRequest,
+        outcome: Any,
+        run_input: Any,
+        window: ResponseWindow,
+        *,
+        inline: bool = False,
     ) -> Any:
         """After a successful forward callback (``continue_after``): a discovery pass, replayed from the top
         with the callback's result recorded, run within the same request but on a budget of its own. It is
-        the pass the server would otherwise send next; None (the server sends it) when it runs out of time."""
+        the pass the server would otherwise send next; None (the server sends it) when it runs out of time.
+
+        ``inline`` (on Lambda): on this thread, to its end, as nothing may go on after the handler returns; a pass
+        that outlasts its budget delays the answer, and the callback's outcome then goes as a late result."""
         discovery = _discovery_after(request, outcome, run_input)
         if discovery is None:
             return None
@@ -452,6 +477,11 @@ class Ryusen:
         if budget <= 0:
             return None
         replay = _replay(discovery)
+        if inline:
+            try:
+                return self._pass(registered, discovery, replay)
+            except Exception:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
+                return None
         context = contextvars.copy_context()
         future = _continuations().submit(context.run, self._pass, registered, discovery, replay)
         try:
@@ -552,11 +582,13 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         window = ResponseWindow.of(request, arrived=arrived, wall=wall)
+        if options is not None and options.lambda_context is not None:
+            _warn_short_invocation(request, window, options.lambda_context)
         try:
             response = self.execute(request, sent, options=options, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
-        self._submit_late(request, response, window)
+        self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
 
     async def handle_async(
@@ -694,7 +726,14 @@ class Ryusen:
         """The response window of ``request``, counted from now (it is being served as it arrives)."""
         return ResponseWindow.of(request, arrived=time.monotonic(), wall=self.clock())
 
-    def _submit_late(self, request: TaskRequest, response: TaskResponse, window: ResponseWindow | None = None) -> None:
+    def _submit_late(
+        self,
+        request: TaskRequest,
+        response: TaskResponse,
+        window: ResponseWindow | None = None,
+        *,
+        lambda_context: Any = None,
+    ) -> None:
         """Submit an effect outcome to the server when its response window has closed (decisions 6.15).
 
         The dispatcher stopped listening at ``respond_by`` (the attempt's timeout, or earlier when the
@@ -707,6 +746,11 @@ class Ryusen:
         response leaves: the dispatcher listens only a short grace past ``respond_by``, and a response that
         arrives after it would otherwise leave the attempt Unknown. The copy that lands second is a stale
         submission and changes nothing.
+
+        This runs on the request's thread, before the answer goes: on Lambda, which freezes the environment once
+        the handler returns, the result is delivered (or given up on) first. With the invocation's
+        ``lambda_context``, the retries end while the handler still has ``LAMBDA_RESERVE_S`` to return (Lambda
+        would otherwise end it mid-try, and with it the log that names the outcome).
         """
         attempt = response.attempt
         left = (window or self._window(request)).left()  # when the server stops listening (ResponseWindow)
@@ -735,6 +779,16 @@ class Ryusen:
         scope = late_result_scope(late, path=url_path(request.result_url), app_id=self.app_id)
         problem = ""
         for delay in (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S):
+            try_s = LATE_MARGIN_S if near else 30.0
+            if (remaining := _lambda_remaining_s(lambda_context)) is not None:
+                try_s = min(try_s, remaining - delay - LAMBDA_RESERVE_S)
+                if try_s < 0.1:  # no time for another try before the invocation ends
+                    problem = f"{problem}; " if problem else ""
+                    problem += f"{remaining:.1f}s left in the Lambda invocation, too little for another try"
+                    if near:  # the answer itself is still on its way
+                        log.info("no copy of the result of %s was sent ahead of its response (%s)", what, problem)
+                        return
+                    break
             time.sleep(delay)
             headers = {"content-type": "application/json"}
             key = self.signing_key
@@ -743,7 +797,7 @@ class Ryusen:
                 headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
             req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
             try:
-                with urllib.request.urlopen(req, timeout=LATE_MARGIN_S if near else 30) as resp:  # noqa: S310
+                with urllib.request.urlopen(req, timeout=try_s) as resp:  # noqa: S310
                     resp.read()
                 log.info("delivered the late result of %s", what)
                 return
@@ -783,10 +837,14 @@ class Ryusen:
         return wsgi_app(self)
 
     def lambda_handler(self, event: dict[str, Any], context: Any = None) -> dict[str, Any]:
-        """A Lambda handler for a Function URL or API Gateway (REST or HTTP API) event."""
+        """A Lambda handler for a Function URL or API Gateway (REST or HTTP API) event.
+
+        It returns only once everything it started has ended (Lambda freezes the environment then): the callback
+        runs on this thread, to its end, and an outcome the server no longer listens for is submitted as a late
+        result first (``ServeOptions.on_lambda``)."""
         from .serve import handle_lambda_event
 
-        return handle_lambda_event(self, event)
+        return handle_lambda_event(self, event, context)
 
 
 _SECRETS: dict[str, tuple[float, tuple[str | None, str | None]]] = {}
@@ -821,6 +879,40 @@ def _secret_keys(secret_id: str, now: float) -> tuple[str | None, str | None]:
         keys = cached[1]
     _SECRETS[secret_id] = (now, keys)
     return keys
+
+
+def _on_lambda(options: ServeOptions | None) -> bool:
+    """Served where the environment freezes when the handler returns: by ``lambda_handler``, or in a Lambda
+    function (the runtime sets ``AWS_LAMBDA_FUNCTION_NAME``; the app may be behind a web adapter there)."""
+    return (options is not None and options.on_lambda) or bool(os.environ.get(LAMBDA_ENV))
+
+
+def _lambda_remaining_s(context: Any) -> float | None:
+    """What the Lambda invocation has left, in seconds (None: no context, or one that does not say)."""
+    remaining = getattr(context, "get_remaining_time_in_millis", None)
+    if not callable(remaining):
+        return None
+    try:
+        return float(remaining()) / 1000.0
+    except (TypeError, ValueError):
+        return None
+
+
+def _warn_short_invocation(request: TaskRequest, window: ResponseWindow, context: Any) -> None:
+    """Say so when the Lambda invocation ends before the server stops listening: if the callback runs until then,
+    Lambda ends it, nothing answers and nothing is submitted late, and the attempt becomes Unknown."""
+    remaining, left = _lambda_remaining_s(context), window.left()
+    if request.operation is None or remaining is None or left is None or remaining >= left + LAMBDA_RESERVE_S:
+        return
+    log.warning(
+        "run %s step %s: this Lambda invocation has %.1fs left, and the server listens for %.1fs: a callback that"
+        " runs past the invocation's end is stopped there, and its attempt becomes Unknown. Give the app's function"
+        " a timeout above its longest step's, with time for a late result.",
+        request.run_id,
+        request.step_id,
+        remaining,
+        left,
+    )
 
 
 def _run_coroutine(coro: Any) -> TaskResponse:
