@@ -834,7 +834,14 @@ class Engine:
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
             entries = {k: MemoEntry.model_validate(v) for k, v in whole.items()}
-            whole_request = request.model_copy(update={"memo": entries, "input": state.input, "memo_base": None})
+            whole_request = request.model_copy(
+                update={
+                    "memo": entries,
+                    "input": state.input,
+                    "memo_base": None,
+                    "respond_within_s": self._respond_within_s(listen_until, release.features),  # less the miss
+                }
+            )
             result, sent = self._post(release, whole_request, keys, listen_until, window.grace_s)
         self._emit("invoked", (task, result))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
@@ -945,6 +952,13 @@ class Engine:
         if newest is not None and newest.release_id != release.release_id:
             self.apply(decision.state.id, WakeRequested(source="release_sync"), known=decision.state)
 
+    def _respond_within_s(self, respond_by: datetime, features: frozenset[str]) -> float | None:
+        """The seconds from now to ``respond_by``, in whole milliseconds rounded down, for an SDK that announced
+        ``respond_within`` (None for one that did not: it is sent ``respond_by`` alone)."""
+        if "respond_within" not in features:
+            return None
+        return int(max(0.0, (respond_by - self.clock()).total_seconds()) * 1000) / 1000
+
     def _task_request(
         self,
         state: RunState,
@@ -957,7 +971,11 @@ class Engine:
         base: MemoBase | None = None,
     ) -> TaskRequest:
         """The request for ``task``: ``memo_entries`` is the whole memo, or with ``base`` what changed since it
-        (and then the input is not sent either: the endpoint holds it with that memo)."""
+        (and then the input is not sent either: the endpoint holds it with that memo). An attempt's request says
+        when the server stops listening as ``respond_by`` (on the server's clock) and, to an SDK that announced
+        ``respond_within``, as the seconds from now (``respond_within_s``), which the endpoint counts on its own
+        clock from when the request arrives: its clock's skew does not matter (the time the request takes to
+        arrive is not counted; the response grace covers it)."""
         common: dict[str, Any] = {
             "kind": task.kind,
             "run_id": state.id,
@@ -984,6 +1002,7 @@ class Engine:
             ),
             result_url=self.settings.result_url,
             respond_by=respond_by.timestamp(),
+            respond_within_s=self._respond_within_s(respond_by, features),
             continue_after=self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features,
         )
 

@@ -73,6 +73,11 @@ LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
 """Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
 LATE_MARGIN_S = 1.0
 """An outcome finished this close to ``respond_by`` is also submitted as a late result (see ``_submit_late``)."""
+LAMBDA_RESERVE_S = 1.0
+"""On Lambda, the time a handler keeps, of what its invocation has left, to return: a late result is not tried
+again (nor a try let run) past it."""
+LAMBDA_ENV = "AWS_LAMBDA_FUNCTION_NAME"
+"""Set by the Lambda runtime in every function's environment: this process is a Lambda execution environment."""
 
 log = logging.getLogger("ryusen")
 
@@ -115,6 +120,41 @@ class ServeOptions:
     on_divergence: Callable[[DiscoveryDivergence], None] | None = None
     """Check discovery: where a kept pass stops at a step, also run the discovery from the top with the recorded
     results, answer with what that reaches, and hand each difference here (None: no check)."""
+    on_lambda: bool = False
+    """Served by a Lambda handler (``lambda_handler``), as the endpoint also is whenever ``AWS_LAMBDA_FUNCTION_NAME``
+    is set: Lambda freezes the environment when the handler returns, so nothing may run after it. No kept pass,
+    every callback and the continuation run on the handler's thread, and a late result is submitted (with its
+    retries) before the handler returns."""
+    lambda_context: Any = None
+    """The Lambda invocation's context (``lambda_handler``'s second argument): its remaining time ends the
+    late-result retries while the handler can still return."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseWindow:
+    """When the server stops listening for one request's answer, on this process's monotonic clock (``closes_at``;
+    None: the request did not say, as a discovery's does not).
+
+    Worked out once, when the request arrives: from ``respond_within_s`` (the span the server gave, counted
+    from then), or, from an engine that predates it, from ``respond_by`` read on this process's wall clock (off
+    by as much as this clock disagrees with the server's). Time the request spent on its way is not counted:
+    the server listens a short grace past the end (``LATE_MARGIN_S`` covers an answer that is near it)."""
+
+    closes_at: float | None
+
+    @classmethod
+    def of(cls, request: TaskRequest, *, arrived: float, wall: float) -> ResponseWindow:
+        """The window of ``request``, which arrived at ``arrived`` (``time.monotonic()``), when the wall clock
+        read ``wall``."""
+        if request.respond_within_s is not None:
+            return cls(arrived + request.respond_within_s)
+        if request.respond_by is not None:
+            return cls(arrived + (request.respond_by - wall))
+        return cls(None)
+
+    def left(self) -> float | None:
+        """Seconds until the server stops listening (negative: it has stopped), or None when it did not say."""
+        return None if self.closes_at is None else self.closes_at - time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +331,12 @@ class Ryusen:
     # ---- executing a task --------------------------------------------------
 
     def execute(
-        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+        self,
+        request: TaskRequest,
+        sent: TaskRequest | None = None,
+        *,
+        options: ServeOptions | None = None,
+        window: ResponseWindow | None = None,
     ) -> TaskResponse:
         """Run one task to its outcome (synchronously; async functions get an event loop).
 
@@ -299,28 +344,32 @@ class Ryusen:
         ended: a callback that ran is reported even if the code around it raised
         or returned early (decisions 16). ``sent`` is the request as it arrived (with
         ``memo_base``, its memo only what changed), which a kept pass must extend. ``options``: how this
-        endpoint serves the app (:class:`ServeOptions`; None: as the app does by itself).
+        endpoint serves the app (:class:`ServeOptions`; None: as the app does by itself). ``window``: when the
+        server stops listening (None: counted from now).
         """
+        window = window or self._window(request)
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if registered.is_async:
-            return _run_coroutine(self.execute_async(request))
+            return _run_coroutine(self.execute_async(request, sent, options=options, window=window))
         if (
             request.kind is TaskKind.FORWARD
             and request.continue_after
             and request.memo_token is not None
             and self.kept_passes.capacity > 0
             and (options is None or options.kept_passes)
+            and not _on_lambda(options)  # a pass must not outlive its request there (it is frozen with it)
         ):
-            served = self._execute_kept(registered, request, sent, options)
+            served = self._execute_kept(registered, request, sent, options, window)
             if served is not None:
                 return served
         elif len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = self._pass(registered, request, _replay(request, registered))
-        return _respond(request, outcome, self._continuation(registered, request, outcome, pristine))
+        following = self._continuation(registered, request, outcome, pristine, window, inline=_on_lambda(options))
+        return _respond(request, outcome, following)
 
     def _execute_kept(
         self,
@@ -328,6 +377,7 @@ class Ryusen:
         request: TaskRequest,
         sent: TaskRequest | None,
         options: ServeOptions | None,
+        window: ResponseWindow,
     ) -> TaskResponse | None:
         """A chained forward attempt, served by the run's kept pass when it waits at this step, or by a new one
         (``kept.py``); the pass goes on after a successful callback, and is kept at the next step. None: no pass
@@ -348,19 +398,19 @@ class Ryusen:
         else:
             run_input = request.input  # the pass that goes on has its own; this one came fresh from JSON
             kept.resumed_by(request.run_id)
-        live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome))
+        live.on_late = lambda outcome: self._submit_late(request, _respond(request, outcome), window)
         give_up_s = None
-        if request.respond_by is not None:  # well after the server has stopped listening (kept.py)
-            give_up_s = max(request.respond_by - self.clock(), 0.0) + KEPT_GIVE_UP_AFTER_S
+        if (left := window.left()) is not None:  # well after the server has stopped listening (kept.py)
+            give_up_s = max(left, 0.0) + KEPT_GIVE_UP_AFTER_S
         try:
-            attempt, waiting_at = live.answer(lambda: _continuation_budget(request, self.clock()), give_up_s)
+            attempt, waiting_at = live.answer(lambda: _continuation_budget(window), give_up_s)
         except BaseException:
             if not live.abandoned:  # an abandoned pass still runs its callback, whose outcome goes late
                 live.end()  # the request is gone (an interrupt): the pass must not wait at a step
             raise
         if waiting_at is not None and live.waiting:
             if options is not None and options.on_divergence is not None:
-                replayed = self._continuation(registered, request, attempt, run_input)
+                replayed = self._continuation(registered, request, attempt, run_input, window)
                 if replayed is not None and _as_json(replayed) != _as_json(waiting_at):
                     options.on_divergence(
                         DiscoveryDivergence(request.run_id, request.function_id, request.step_id, waiting_at, replayed)
@@ -378,7 +428,7 @@ class Ryusen:
         # after the callback. What the run does then is what a replay from the top with the recorded results
         # does, as without a kept pass (a fault in code after a step is not the run's failure unless a
         # replay fails too); once a run, so its cost does not grow with the run.
-        following = self._continuation(registered, request, attempt, run_input)
+        following = self._continuation(registered, request, attempt, run_input, window)
         ended = live.final_report
         if isinstance(ended, FunctionFailed) and following is not None and not isinstance(following, FunctionFailed):
             log.warning(
@@ -404,17 +454,34 @@ class Ryusen:
             raised = exc
         return replay.report(output=output, raised=raised)
 
-    def _continuation(self, registered: RegisteredFunction, request: TaskRequest, outcome: Any, run_input: Any) -> Any:
+    def _continuation(
+        self,
+        registered: RegisteredFunction,
+        request: TaskRequest,
+        outcome: Any,
+        run_input: Any,
+        window: ResponseWindow,
+        *,
+        inline: bool = False,
+    ) -> Any:
         """After a successful forward callback (``continue_after``): a discovery pass, replayed from the top
         with the callback's result recorded, run within the same request but on a budget of its own. It is
-        the pass the server would otherwise send next; None (the server sends it) when it runs out of time."""
+        the pass the server would otherwise send next; None (the server sends it) when it runs out of time.
+
+        ``inline`` (on Lambda): on this thread, to its end, as nothing may go on after the handler returns; a pass
+        that outlasts its budget delays the answer, and the callback's outcome then goes as a late result."""
         discovery = _discovery_after(request, outcome, run_input)
         if discovery is None:
             return None
-        budget = _continuation_budget(request, self.clock())
+        budget = _continuation_budget(window)
         if budget <= 0:
             return None
         replay = _replay(discovery)
+        if inline:
+            try:
+                return self._pass(registered, discovery, replay)
+            except Exception:  # noqa: BLE001 - an interrupted pass: the server runs its own discovery
+                return None
         context = contextvars.copy_context()
         future = _continuations().submit(context.run, self._pass, registered, discovery, replay)
         try:
@@ -433,18 +500,24 @@ class Ryusen:
             return None
 
     async def execute_async(
-        self, request: TaskRequest, sent: TaskRequest | None = None, *, options: ServeOptions | None = None
+        self,
+        request: TaskRequest,
+        sent: TaskRequest | None = None,
+        *,
+        options: ServeOptions | None = None,
+        window: ResponseWindow | None = None,
     ) -> TaskResponse:
+        window = window or self._window(request)
         registered = self._functions.get(request.function_id)
         if registered is None:
             return self._not_found(request)
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
-            return await asyncio.to_thread(self.execute, request, sent, options=options)
+            return await asyncio.to_thread(self.execute, request, sent, options=options, window=window)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
         outcome = await self._pass_async(registered, request, _replay(request, registered))
         following: Any = None
         discovery = _discovery_after(request, outcome, pristine)
-        budget = _continuation_budget(request, self.clock()) if discovery is not None else 0.0
+        budget = _continuation_budget(window) if discovery is not None else 0.0
         if discovery is not None and budget > 0:
             replay = _replay(discovery)
             try:
@@ -500,6 +573,7 @@ class Ryusen:
         """:meth:`handle` with this app's keys ``keys`` (``ryusen.testing`` serves an app that has none of its
         own with the key its environment derives for it, or in-process and ``insecure``, unsigned), and with
         ``options`` (its environment's)."""
+        arrived, wall = time.monotonic(), self.clock()
         admitted = self._admit(method, headers, body, path, keys, insecure=insecure)
         if isinstance(admitted, HandlerResponse):
             return admitted
@@ -507,16 +581,20 @@ class Ryusen:
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        window = ResponseWindow.of(request, arrived=arrived, wall=wall)
+        if options is not None and options.lambda_context is not None:
+            _warn_short_invocation(request, window, options.lambda_context)
         try:
-            response = self.execute(request, sent, options=options)
+            response = self.execute(request, sent, options=options, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
-        self._submit_late(request, response)
+        self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
 
     async def handle_async(
         self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/"
     ) -> HandlerResponse:
+        arrived, wall = time.monotonic(), self.clock()
         admitted = self._admit(method, headers, body, path, self.signing_keys)
         if isinstance(admitted, HandlerResponse):
             return admitted
@@ -524,11 +602,12 @@ class Ryusen:
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
+        window = ResponseWindow.of(request, arrived=arrived, wall=wall)
         try:
-            response = await self.execute_async(request, sent)
+            response = await self.execute_async(request, sent, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
-        await asyncio.to_thread(self._submit_late, request, response)
+        await asyncio.to_thread(self._submit_late, request, response, window)
         return self._reply(200, encode_response(response), answering)
 
     def _admit(
@@ -643,7 +722,18 @@ class Ryusen:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
         return self._reply(status, body, answering)
 
-    def _submit_late(self, request: TaskRequest, response: TaskResponse) -> None:
+    def _window(self, request: TaskRequest) -> ResponseWindow:
+        """The response window of ``request``, counted from now (it is being served as it arrives)."""
+        return ResponseWindow.of(request, arrived=time.monotonic(), wall=self.clock())
+
+    def _submit_late(
+        self,
+        request: TaskRequest,
+        response: TaskResponse,
+        window: ResponseWindow | None = None,
+        *,
+        lambda_context: Any = None,
+    ) -> None:
         """Submit an effect outcome to the server when its response window has closed (decisions 6.15).
 
         The dispatcher stopped listening at ``respond_by`` (the attempt's timeout, or earlier when the
@@ -656,18 +746,24 @@ class Ryusen:
         response leaves: the dispatcher listens only a short grace past ``respond_by``, and a response that
         arrives after it would otherwise leave the attempt Unknown. The copy that lands second is a stale
         submission and changes nothing.
+
+        This runs on the request's thread, before the answer goes: on Lambda, which freezes the environment once
+        the handler returns, the result is delivered (or given up on) first. With the invocation's
+        ``lambda_context``, the retries end while the handler still has ``LAMBDA_RESERVE_S`` to return (Lambda
+        would otherwise end it mid-try, and with it the log that names the outcome).
         """
         attempt = response.attempt
+        left = (window or self._window(request)).left()  # when the server stops listening (ResponseWindow)
         if (
             request.result_url is None
-            or request.respond_by is None
+            or left is None
             or request.operation is None
             or request.step_id is None
             or not isinstance(attempt, CallbackSucceeded | CallbackFailed)
-            or self.clock() <= request.respond_by - LATE_MARGIN_S
+            or left >= LATE_MARGIN_S
         ):
             return
-        near = self.clock() <= request.respond_by  # the response may still arrive in time: one try, no retries
+        near = left >= 0  # the response may still arrive in time: one try, no retries
         what = f"run {request.run_id} step {request.step_id} {request.operation.phase} #{request.operation.generation}"
         if not request.result_url.startswith(("http://", "https://")):
             log.error("could not deliver the late result of %s: result URL %r is not http(s)", what, request.result_url)
@@ -683,6 +779,16 @@ class Ryusen:
         scope = late_result_scope(late, path=url_path(request.result_url), app_id=self.app_id)
         problem = ""
         for delay in (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S):
+            try_s = LATE_MARGIN_S if near else 30.0
+            if (remaining := _lambda_remaining_s(lambda_context)) is not None:
+                try_s = min(try_s, remaining - delay - LAMBDA_RESERVE_S)
+                if try_s < 0.1:  # no time for another try before the invocation ends
+                    problem = f"{problem}; " if problem else ""
+                    problem += f"{remaining:.1f}s left in the Lambda invocation, too little for another try"
+                    if near:  # the answer itself is still on its way
+                        log.info("no copy of the result of %s was sent ahead of its response (%s)", what, problem)
+                        return
+                    break
             time.sleep(delay)
             headers = {"content-type": "application/json"}
             key = self.signing_key
@@ -691,7 +797,7 @@ class Ryusen:
                 headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
             req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
             try:
-                with urllib.request.urlopen(req, timeout=LATE_MARGIN_S if near else 30) as resp:  # noqa: S310
+                with urllib.request.urlopen(req, timeout=try_s) as resp:  # noqa: S310
                     resp.read()
                 log.info("delivered the late result of %s", what)
                 return
@@ -731,10 +837,14 @@ class Ryusen:
         return wsgi_app(self)
 
     def lambda_handler(self, event: dict[str, Any], context: Any = None) -> dict[str, Any]:
-        """A Lambda handler for a Function URL or API Gateway (REST or HTTP API) event."""
+        """A Lambda handler for a Function URL or API Gateway (REST or HTTP API) event.
+
+        It returns only once everything it started has ended (Lambda freezes the environment then): the callback
+        runs on this thread, to its end, and an outcome the server no longer listens for is submitted as a late
+        result first (``ServeOptions.on_lambda``)."""
         from .serve import handle_lambda_event
 
-        return handle_lambda_event(self, event)
+        return handle_lambda_event(self, event, context)
 
 
 _SECRETS: dict[str, tuple[float, tuple[str | None, str | None]]] = {}
@@ -769,6 +879,40 @@ def _secret_keys(secret_id: str, now: float) -> tuple[str | None, str | None]:
         keys = cached[1]
     _SECRETS[secret_id] = (now, keys)
     return keys
+
+
+def _on_lambda(options: ServeOptions | None) -> bool:
+    """Served where the environment freezes when the handler returns: by ``lambda_handler``, or in a Lambda
+    function (the runtime sets ``AWS_LAMBDA_FUNCTION_NAME``; the app may be behind a web adapter there)."""
+    return (options is not None and options.on_lambda) or bool(os.environ.get(LAMBDA_ENV))
+
+
+def _lambda_remaining_s(context: Any) -> float | None:
+    """What the Lambda invocation has left, in seconds (None: no context, or one that does not say)."""
+    remaining = getattr(context, "get_remaining_time_in_millis", None)
+    if not callable(remaining):
+        return None
+    try:
+        return float(remaining()) / 1000.0
+    except (TypeError, ValueError):
+        return None
+
+
+def _warn_short_invocation(request: TaskRequest, window: ResponseWindow, context: Any) -> None:
+    """Say so when the Lambda invocation ends before the server stops listening: if the callback runs until then,
+    Lambda ends it, nothing answers and nothing is submitted late, and the attempt becomes Unknown."""
+    remaining, left = _lambda_remaining_s(context), window.left()
+    if request.operation is None or remaining is None or left is None or remaining >= left + LAMBDA_RESERVE_S:
+        return
+    log.warning(
+        "run %s step %s: this Lambda invocation has %.1fs left, and the server listens for %.1fs: a callback that"
+        " runs past the invocation's end is stopped there, and its attempt becomes Unknown. Give the app's function"
+        " a timeout above its longest step's, with time for a late result.",
+        request.run_id,
+        request.step_id,
+        remaining,
+        left,
+    )
 
 
 def _run_coroutine(coro: Any) -> TaskResponse:
@@ -826,10 +970,10 @@ def _discovery_after(request: TaskRequest, outcome: Any, run_input: Any) -> Task
     )
 
 
-def _continuation_budget(request: TaskRequest, now: float) -> float:
+def _continuation_budget(window: ResponseWindow) -> float:
     budget = CONTINUATION_MAX_S
-    if request.respond_by is not None:
-        budget = min(budget, request.respond_by - now - CONTINUATION_MARGIN_S)
+    if (left := window.left()) is not None:
+        budget = min(budget, left - CONTINUATION_MARGIN_S)
     return budget
 
 

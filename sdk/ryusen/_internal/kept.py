@@ -48,6 +48,10 @@ A pass is kept only while it is simple enough to be the same as a replay: no ``s
 (``ConcurrentStepError``). A ``step.run`` from a thread that is not the pass's own is always refused, kept
 pass or not (decisions 18, ``tests/conformance/test_steps_from_threads.py``), so a pass never spreads its
 steps over threads. Async functions are not kept (each request runs them on a loop of its own).
+
+No pass is kept on AWS Lambda (``ServeOptions.on_lambda``): Lambda freezes the environment when the handler
+returns, so a pass waiting there would hold the function's locks through the freeze, and a callback left
+running would stall. There every task replays from the top on the handler's thread.
 """
 
 from __future__ import annotations

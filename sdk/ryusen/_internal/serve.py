@@ -124,11 +124,15 @@ def wsgi_app(app: Ryusen) -> Callable[[dict[str, Any], Callable[..., Any]], Iter
     return wsgi
 
 
-def handle_lambda_event(app: Ryusen, event: dict[str, Any]) -> dict[str, Any]:
-    """Function URL and API Gateway HTTP API (payload 2.0) or REST API (1.0) events."""
+def handle_lambda_event(app: Ryusen, event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+    """Function URL and API Gateway HTTP API (payload 2.0) or REST API (1.0) events, served as on Lambda
+    (``ServeOptions.on_lambda``: nothing runs after the return), with the invocation's ``context``."""
+    from .app import ServeOptions
+
     method = event.get("httpMethod") or event.get("requestContext", {}).get("http", {}).get("method", "POST")
     raw = event.get("body") or ""
     body = base64.b64decode(raw) if event.get("isBase64Encoded") else raw.encode()
     headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
-    response = app.handle(method, headers, body, path=lambda_path(event))
+    options = ServeOptions(on_lambda=True, lambda_context=context)
+    response = app._serve(method, headers, body, lambda_path(event), app.signing_keys, options=options)
     return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}

@@ -30,13 +30,15 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results")
+SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results", "respond_within")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
 ``signing_v2``: messages are signed as decisions 21 says (``signing.py``): per-app keys with key ids, the
 scope of each message signed, answers bound to their request, replays refused. A server sends nothing to a
 release that does not announce it.
-``omitted_results``: a compensation request may carry ``forward_result_omitted`` (decisions 25)."""
+``omitted_results``: a compensation request may carry ``forward_result_omitted`` (decisions 25).
+``respond_within``: a request may carry ``respond_within_s``, the time the endpoint has, which it counts on its
+own clock from when the request arrived (``respond_by`` alone is read on the endpoint's clock: a skew error)."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -345,7 +347,11 @@ class TaskRequest(_Wire):
     result_url: str | None = None
     """Where to submit a result that could not be returned in the response (decisions 6.15)."""
     respond_by: float | None = None
-    """Unix time after which the server no longer waits for the HTTP response."""
+    """Unix time after which the server no longer waits for the HTTP response (on the server's clock)."""
+    respond_within_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """``respond_within``: how many seconds after the server sent this request it stops waiting for the HTTP
+    response (``respond_by``, as a span). The endpoint counts it on its own monotonic clock from when the request
+    arrived, so a wall clock that disagrees with the server's does not move it."""
     continue_after: bool = False
     """Forward: after the callback succeeds, keep replaying with its result, up to the next step with no
     recorded outcome (without running it), the function's end, or a conflict; report that as ``next``."""
@@ -415,13 +421,13 @@ def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     )
 
 
-FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base", "forward_result_omitted")
+FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base", "forward_result_omitted", "respond_within_s")
 """Request fields an SDK understands only if it announced their feature: sent only when set."""
 
 
 def encode_request(request: TaskRequest) -> bytes:
     """A request as JSON, without the feature fields it does not use (an older SDK refuses unknown fields)."""
-    unused = {name for name in FEATURE_FIELDS if not getattr(request, name)}
+    unused = {name for name in FEATURE_FIELDS if getattr(request, name) in (None, False)}  # a 0 s budget is sent
     return request.model_dump_json(exclude=unused or None).encode()
 
 
