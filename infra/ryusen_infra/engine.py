@@ -33,6 +33,7 @@ them on (tests/infra proves the list against what the handlers really call on mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import aws_cdk as cdk
 from aws_cdk import aws_apigateway as apigateway
@@ -103,6 +104,12 @@ class RyusenSettings:
     web_acl_arn: str | None = None
     """A WAF web ACL to associate with the API's stage (recommended: a rate-based rule per IP, since
     anyone can reach the result route; requests that fail the signature check are refused, but still count)."""
+    api_access_logs: bool = False
+    """Write the API stage's access log to a log group. API Gateway refuses such a stage until the account (in
+    this region) names a CloudWatch Logs role; off by default, so that a deploy to a fresh account works."""
+    api_account_logs_role: bool = False
+    """Create that role and set it as the account's (``AWS::ApiGateway::Account``, one per account and region:
+    it replaces any role set before, and stays after the stack is deleted). The stage is created after it."""
 
     def check(self) -> None:
         if not 2 <= self.dispatch_concurrency <= 1000:
@@ -289,23 +296,12 @@ class RyusenEngine(Construct):
                         throttling_burst_limit=settings.result_burst_limit,
                     )
                 },
-                access_log_destination=apigateway.LogGroupLogDestination(
-                    logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
-                ),
-                access_log_format=apigateway.AccessLogFormat.json_with_standard_fields(
-                    caller=True,
-                    http_method=True,
-                    ip=True,
-                    protocol=True,
-                    request_time=True,
-                    resource_path=True,
-                    response_length=True,
-                    status=True,
-                    user=True,
-                ),
+                **self._access_logs(settings),
             ),
             cloud_watch_role=False,
         )
+        if settings.api_account_logs_role:
+            self.api.deployment_stage.node.add_dependency(self._api_account_logs_role())
         if settings.web_acl_arn is not None:
             wafv2.CfnWebACLAssociation(
                 self, "ApiWebAcl", resource_arn=self.api.deployment_stage.stage_arn, web_acl_arn=settings.web_acl_arn
@@ -359,6 +355,44 @@ class RyusenEngine(Construct):
         self.dashboard = self._dashboard()
 
     # ---- pieces -------------------------------------------------------------------------------
+
+    def _access_logs(self, settings: RyusenSettings) -> dict[str, Any]:
+        """The stage's access-log options: none unless asked (they need the account's API Gateway logs role)."""
+        if not settings.api_access_logs:
+            return {}
+        return {
+            "access_log_destination": apigateway.LogGroupLogDestination(
+                logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
+            ),
+            "access_log_format": apigateway.AccessLogFormat.json_with_standard_fields(
+                caller=True,
+                http_method=True,
+                ip=True,
+                protocol=True,
+                request_time=True,
+                resource_path=True,
+                response_length=True,
+                status=True,
+                user=True,
+            ),
+        }
+
+    def _api_account_logs_role(self) -> apigateway.CfnAccount:
+        """The account-wide role API Gateway writes logs with, set as the account's (opt-in). The role is kept
+        when the stack is deleted: the account setting still names it, and other APIs may log through it."""
+        self.api_logs_role = iam.Role(
+            self,
+            "ApiGatewayLogsRole",
+            description="API Gateway writes the account's API logs to CloudWatch Logs (set by Ryusen's stack)",
+            assumed_by=iam.ServicePrincipal("apigateway.amazonaws.com"),
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonAPIGatewayPushToCloudWatchLogs")
+            ],
+        )
+        self.api_logs_role.apply_removal_policy(cdk.RemovalPolicy.RETAIN)
+        account = apigateway.CfnAccount(self, "ApiGatewayAccount", cloud_watch_role_arn=self.api_logs_role.role_arn)
+        account.node.add_dependency(self.api_logs_role)
+        return account
 
     def _function(
         self,

@@ -38,8 +38,8 @@ def suppress(engine: RyusenEngine) -> None:
             ),
             NagPackSuppression(
                 id="AwsSolutions-APIG6",
-                reason="access logs are on; execution logging needs the account-wide API Gateway CloudWatch role,"
-                " which one stack should not set for the whole account",
+                reason="execution logging needs the account-wide API Gateway CloudWatch Logs role, which a fresh"
+                " account does not have (the stage would be refused); the API's metrics count requests and errors",
             ),
             NagPackSuppression(
                 id="AwsSolutions-APIG3",
@@ -49,6 +49,31 @@ def suppress(engine: RyusenEngine) -> None:
         ],
         apply_to_children=True,
     )
+    if not engine.settings.api_access_logs:
+        NagSuppressions.add_resource_suppressions(
+            engine.api,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-APIG1",
+                    reason="access logs need the account-wide API Gateway CloudWatch Logs role, so they are opt-in"
+                    " (ryusen:api_access_logs, docs/deploy.md); the API's metrics count requests and errors, alarmed",
+                )
+            ],
+            apply_to_children=True,
+        )
+    if engine.settings.api_account_logs_role:
+        NagSuppressions.add_resource_suppressions(
+            engine.api_logs_role,
+            [
+                NagPackSuppression(
+                    id="AwsSolutions-IAM4",
+                    reason="AWS's policy made for exactly this role (API Gateway pushing logs), kept current by AWS",
+                    applies_to=[
+                        "Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AmazonAPIGatewayPushToCloudWatchLogs"
+                    ],
+                )
+            ],
+        )
     for function in (engine.api_function, engine.dispatch_function, engine.sweep_function):
         NagSuppressions.add_resource_suppressions(
             function.role,  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,3 +48,25 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
     assert "lambda_handler = app.lambda_handler" in (shop / "shop.py").read_text()
     report = (tmp_path / "AwsSolutions--Ryusen-NagReport.csv").read_text()
     assert "Non-Compliant" not in report
+
+
+def settings_from_context(context: dict[str, object]) -> object:
+    """What infra/app.py makes of ``cdk ... -c key=value`` (values arrive as strings from the command line)."""
+    import importlib.util
+
+    import aws_cdk as cdk
+
+    spec = importlib.util.spec_from_file_location("ryusen_infra_app", REPO / "infra" / "app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.settings_from(cdk.App(context=context))
+
+
+def test_the_api_logs_context_options_reach_the_settings() -> None:
+    default = settings_from_context({})
+    assert (default.api_access_logs, default.api_account_logs_role) == (False, False)  # type: ignore[attr-defined]
+    asked = settings_from_context({"ryusen:api_access_logs": "true", "ryusen:api_account_logs_role": "true"})
+    assert (asked.api_access_logs, asked.api_account_logs_role) == (True, True)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="ryusen:api_access_logs"):
+        settings_from_context({"ryusen:api_access_logs": "yes please"})

@@ -238,6 +238,11 @@ def test_cdk_nag_finds_nothing_unexplained(synthesized: Synthesized) -> None:
 
 
 def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> None:
+    assert cfn_lint(tmp_path, synthesized) == ""
+
+
+def cfn_lint(tmp_path: Path, synthesized: Synthesized) -> str:
+    """cfn-lint's findings on the template (empty: none)."""
     template = tmp_path / "Ryusen.template.json"
     template.write_text(json.dumps(synthesized.template))
     # W3005: CDK adds a DependsOn on each function's role policy next to the GetAtt of the role; harmless
@@ -247,7 +252,7 @@ def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> Non
         text=True,
         check=False,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
+    return "" if done.returncode == 0 else done.stdout + done.stderr
 
 
 def test_the_result_route_has_a_throttle_of_its_own(synthesized: Synthesized) -> None:
@@ -276,3 +281,36 @@ def test_the_sweeper_runs_every_minute(synthesized: Synthesized) -> None:
     assert [r["Properties"]["ScheduleExpression"] for r in rules] == ["rate(1 minute)"]
     assert rules[0]["Properties"]["Targets"][0]["Arn"] == {"Fn::GetAtt": [name, "Arn"]}
     assert sweep["Properties"]["Environment"]["Variables"]["RYUSEN_MASTER_KEY_SECRET_ARN"]
+
+
+def test_a_default_deploy_needs_no_api_gateway_account_setting(synthesized: Synthesized) -> None:
+    """Issue 24: a stage with access logs is refused until the account names a CloudWatch Logs role. By default
+    the stage logs nothing that needs that role, and the stack does not touch the account-wide setting."""
+    [stage] = synthesized.resources("AWS::ApiGateway::Stage").values()
+    assert "AccessLogSetting" not in stage["Properties"]
+    for method in stage["Properties"].get("MethodSettings", []):
+        assert method.get("LoggingLevel", "OFF") == "OFF" and not method.get("DataTraceEnabled"), method
+    synthesized.assertions.resource_count_is("AWS::ApiGateway::Account", 0)
+
+
+def test_access_logs_with_the_opt_in_account_role_come_after_the_account_setting(tmp_path: Path) -> None:
+    custom = synthesize(tmp_path, api_access_logs=True, api_account_logs_role=True)
+    [(account, setting)] = custom.resources("AWS::ApiGateway::Account").items()
+    role = setting["Properties"]["CloudWatchRoleArn"]["Fn::GetAtt"][0]
+    props = custom.template["Resources"][role]["Properties"]
+    assert props["AssumeRolePolicyDocument"]["Statement"] == [
+        {"Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": "apigateway.amazonaws.com"}}
+    ]
+    assert custom.template["Resources"][role]["DeletionPolicy"] == "Retain"  # the account setting outlives the stack
+    [stage] = custom.resources("AWS::ApiGateway::Stage").values()
+    assert "DestinationArn" in stage["Properties"]["AccessLogSetting"]
+    assert account in stage["DependsOn"]  # created once the account names the role
+    assert [f for f in custom.messages if "AwsSolutions" in str(f.entry.data)] == []
+    assert cfn_lint(tmp_path, custom) == ""
+
+
+def test_access_logs_alone_rely_on_the_account_role_being_set_already(tmp_path: Path) -> None:
+    custom = synthesize(tmp_path, api_access_logs=True)
+    [stage] = custom.resources("AWS::ApiGateway::Stage").values()
+    assert "DestinationArn" in stage["Properties"]["AccessLogSetting"]
+    custom.assertions.resource_count_is("AWS::ApiGateway::Account", 0)
