@@ -35,11 +35,12 @@ def settings_from(app: cdk.App) -> RyusenSettings:
 
     defaults = RyusenSettings()
     retention_days = app.node.try_get_context("ryusen:retention_days")
+    dispatch_concurrency = app.node.try_get_context("ryusen:dispatch_concurrency")
     return RyusenSettings(
         default_run_timeout=seconds("default_run_timeout_s"),
         max_run_timeout=seconds("max_run_timeout_s"),
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
-        dispatch_concurrency=int(app.node.try_get_context("ryusen:dispatch_concurrency") or 50),
+        dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
         retention=cdk.Duration.days(float(retention_days)) if retention_days else defaults.retention,
         api_access_logs=flag(app, "api_access_logs"),
         api_account_logs_role=flag(app, "api_account_logs_role"),

@@ -60,6 +60,9 @@ BLOCKED_INDEX = "runs_blocked_by_definition"
 CHECK_INDEX = "runs_to_check"
 LAMBDA_MAX_TIMEOUT = cdk.Duration.minutes(15)
 LEASE_GRACE = cdk.Duration.minutes(1)
+FRESH_ACCOUNT_CONCURRENCY = 10
+"""How many Lambda executions a new account may run at once in a region (AWS lowers new accounts' quota and
+raises it with use; the usual quota is 1,000). The default dispatch concurrency fits in it (docs/deploy.md)."""
 MAX_VISIBILITY = cdk.Duration.hours(12)
 """SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
 
@@ -83,8 +86,10 @@ class RyusenSettings:
     compensate_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
     retention: cdk.Duration | None = cdk.Duration.days(90)
     """How long a finished run is kept (DynamoDB TTL); None keeps runs forever."""
-    dispatch_concurrency: int = 50
-    """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000)."""
+    dispatch_concurrency: int = 4
+    """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000). Each
+    waits on one request to an app, which on Lambda is one more execution: the default, 4, leaves room in a
+    fresh account's quota of 10 for 4 app requests, the API and the sweeper. Raise it with the quota."""
     log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH
     alarm_topic: sns.ITopic | None = None
     """Where alarms notify (optional)."""

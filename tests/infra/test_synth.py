@@ -70,3 +70,10 @@ def test_the_api_logs_context_options_reach_the_settings() -> None:
     assert (asked.api_access_logs, asked.api_account_logs_role) == (True, True)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="ryusen:api_access_logs"):
         settings_from_context({"ryusen:api_access_logs": "yes please"})
+
+
+def test_the_dispatch_concurrency_context_reaches_the_settings_and_defaults_to_the_settings_default() -> None:
+    from ryusen_infra import RyusenSettings
+
+    assert settings_from_context({}).dispatch_concurrency == RyusenSettings().dispatch_concurrency  # type: ignore[attr-defined]
+    assert settings_from_context({"ryusen:dispatch_concurrency": "40"}).dispatch_concurrency == 40  # type: ignore[attr-defined]

@@ -24,9 +24,26 @@ def test_the_dispatch_event_source_reports_item_failures_one_record_at_a_time(sy
         {
             "BatchSize": 1,  # one attempt per invocation: each can use the whole 15 minutes
             "FunctionResponseTypes": ["ReportBatchItemFailures"],  # a kept message is an attempt's lease
-            "ScalingConfig": {"MaximumConcurrency": 50},
+            "ScalingConfig": {"MaximumConcurrency": Match.any_value()},
         },
     )
+
+
+def test_the_default_concurrency_fits_a_fresh_accounts_quota(synthesized: Synthesized) -> None:
+    """Issue 24: a new account may run as few as 10 Lambda executions at once, shared by every function. Each
+    dispatcher waits on one request to the app's function, and the API and the sweeper need one each: by
+    default, all of them at once fit. No function reserves concurrency (Lambda refuses a reservation that
+    leaves too little unreserved, which on such an account is any)."""
+    from ryusen_infra.engine import FRESH_ACCOUNT_CONCURRENCY
+
+    [mapping] = synthesized.resources("AWS::Lambda::EventSourceMapping").values()
+    dispatchers = mapping["Properties"]["ScalingConfig"]["MaximumConcurrency"]
+    app_requests, api, sweep = dispatchers, 1, 1
+    assert FRESH_ACCOUNT_CONCURRENCY == 10
+    assert dispatchers + app_requests + api + sweep <= FRESH_ACCOUNT_CONCURRENCY
+    assert dispatchers >= 2  # the event source's minimum
+    for name, function in synthesized.resources("AWS::Lambda::Function").items():
+        assert "ReservedConcurrentExecutions" not in function["Properties"], name
 
 
 def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(synthesized: Synthesized) -> None:
