@@ -196,7 +196,8 @@ class RyusenEngine(Construct):
                 point_in_time_recovery_enabled=True
             ),
             time_to_live_attribute="expires_at",
-            removal_policy=cdk.RemovalPolicy.RETAIN,
+            removal_policy=cdk.RemovalPolicy.RETAIN,  # the runs outlive the stack (docs/deploy.md, Removing)
+            deletion_protection=True,
         )
         self.table.add_global_secondary_index(
             index_name=LIST_INDEX,
@@ -248,6 +249,7 @@ class RyusenEngine(Construct):
             "SigningKey",  # the logical id of the secret since the first release: kept, so it is not replaced
             description="Ryusen's master key: each app's HMAC signing key is derived from it (read by the functions)",
             generate_secret_string=secretsmanager.SecretStringGenerator(password_length=64, exclude_punctuation=True),
+            removal_policy=cdk.RemovalPolicy.RETAIN,  # kept with the runs, whose late results it verifies
         )
 
         self.schedule_group = scheduler.CfnScheduleGroup(self, "ScheduleGroup")

@@ -331,3 +331,23 @@ def test_access_logs_alone_rely_on_the_account_role_being_set_already(tmp_path: 
     [stage] = custom.resources("AWS::ApiGateway::Stage").values()
     assert "DestinationArn" in stage["Properties"]["AccessLogSetting"]
     custom.assertions.resource_count_is("AWS::ApiGateway::Account", 0)
+
+
+def test_the_runs_table_and_the_master_key_outlive_the_stack(synthesized: Synthesized) -> None:
+    """Issue 24: docs/deploy.md says `cdk destroy` keeps the runs; the key that verifies their late results and
+    signs for every app is kept with them, and the table cannot be deleted by accident."""
+    [secret] = synthesized.resources("AWS::SecretsManager::Secret").values()
+    assert (secret["DeletionPolicy"], secret["UpdateReplacePolicy"]) == ("Retain", "Retain")
+    synthesized.assertions.has_resource(
+        "AWS::DynamoDB::Table",
+        {
+            "DeletionPolicy": "Retain",
+            "UpdateReplacePolicy": "Retain",
+            "Properties": Match.object_like(
+                {
+                    "DeletionProtectionEnabled": True,
+                    "KeySchema": Match.array_with([{"AttributeName": "sk", "KeyType": "RANGE"}]),
+                }
+            ),
+        },
+    )
