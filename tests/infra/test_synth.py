@@ -77,3 +77,40 @@ def test_the_dispatch_concurrency_context_reaches_the_settings_and_defaults_to_t
 
     assert settings_from_context({}).dispatch_concurrency == RyusenSettings().dispatch_concurrency  # type: ignore[attr-defined]
     assert settings_from_context({"ryusen:dispatch_concurrency": "40"}).dispatch_concurrency == 40  # type: ignore[attr-defined]
+
+
+def test_the_lambda_dependencies_are_pinned_whole_and_installed_without_upgrade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: the asset held whatever pip found newest that day. Now every package of the closure is pinned to
+    the version the tests ran against, pip installs exactly those (no dependency resolution, no ``--upgrade``)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    from ryusen_infra import bundling
+
+    lambda_env = {"python_version": bundling.PYTHON_VERSION, "python_full_version": f"{bundling.PYTHON_VERSION}.0"}
+    lambda_env |= {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "aarch64", "extra": ""}
+    pins = [Requirement(line) for line in bundling.RUNTIME_REQUIREMENTS]
+    pinned = {metadata.distribution(r.name).metadata["Name"].lower().replace("_", "-"): r for r in pins}
+    for requirement in pins:
+        [spec] = requirement.specifier
+        assert spec.operator == "==", requirement
+        installed = metadata.version(requirement.name)
+        assert spec.version == installed, f"{requirement} is not the {installed} the tests run with"
+        for needed in metadata.requires(requirement.name) or []:
+            dependency = Requirement(needed)
+            if dependency.marker is None or dependency.marker.evaluate(lambda_env):
+                name = dependency.name.lower().replace("_", "-")
+                assert name in pinned or name in ("boto3", "botocore"), f"{requirement.name} needs {needed}: unpinned"
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(bundling.subprocess, "run", lambda command, **_: commands.append(command))
+    source = Path(bundling._staged_sources("pins-test"))
+    assert bundling.LocalPip(str(source)).try_bundle(str(tmp_path / "out"))
+    [command] = commands
+    assert "--upgrade" not in command and "-U" not in command
+    assert "--no-deps" in command  # exactly the closure above, nothing resolved anew
+    requirements = Path(command[command.index("-r") + 1]).read_text().split()
+    assert requirements == list(bundling.RUNTIME_REQUIREMENTS)
