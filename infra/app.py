@@ -44,6 +44,8 @@ def settings_from(app: cdk.App) -> RyusenSettings:
         retention=cdk.Duration.days(float(retention_days)) if retention_days else defaults.retention,
         api_access_logs=flag(app, "api_access_logs"),
         api_account_logs_role=flag(app, "api_account_logs_role"),
+        alarm_email=app.node.try_get_context("ryusen:alarm_email") or None,
+        alarm_topic_arn=app.node.try_get_context("ryusen:alarm_topic_arn") or None,
     )
 
 

@@ -24,7 +24,8 @@ What it creates, and why each piece is shaped the way it is:
   deadline, probe and long-delay messages on the dispatch queue through a role that may do exactly
   that; a target that keeps failing leaves its input in a dead-letter queue, with an alarm.
 * **alarms** and **dashboard**: dead-letter queues not empty, API 5xx, dispatch errors, runs blocked for
-  long; and the figures an operator looks at first.
+  long, DynamoDB and Lambda throttles, a dispatch queue falling behind; and the figures an operator looks at
+  first. Alarms notify ``alarm_topic`` (or ``alarm_topic_arn``, or a topic made for ``alarm_email``).
 
 Every function gets a policy of its own, listing the actions its code calls on the resources it calls
 them on (tests/infra proves the list against what the handlers really call on moto).
@@ -32,6 +33,7 @@ them on (tests/infra proves the list against what the handlers really call on mo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_scheduler as scheduler
 from aws_cdk import aws_secretsmanager as secretsmanager
 from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as subscriptions
 from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
@@ -92,7 +95,15 @@ class RyusenSettings:
     fresh account's quota of 10 for 4 app requests, the API and the sweeper. Raise it with the quota."""
     log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH
     alarm_topic: sns.ITopic | None = None
-    """Where alarms notify (optional)."""
+    """Where alarms notify, as a topic of your CDK app (optional)."""
+    alarm_topic_arn: str | None = None
+    """Where alarms notify, as an existing SNS topic's ARN (``ryusen:alarm_topic_arn``), if no ``alarm_topic``."""
+    alarm_email: str | None = None
+    """An address subscribed to the alarm topic (``ryusen:alarm_email``); without a topic, the stack creates
+    one. SNS mails a confirmation link first: nothing is delivered until it is followed."""
+    queue_age_alarm_after: cdk.Duration | None = None
+    """Alarm when the dispatch queue's oldest message is older than this (default: the longest attempt's lease,
+    ``max_attempt_timeout`` plus a minute, and 15 minutes more): the dispatchers are not keeping up."""
     blocked_alarm_after: cdk.Duration = cdk.Duration.hours(1)
     """Alarm when a probed run has been blocked longer than this."""
     api_rate_limit: int = 50
@@ -127,9 +138,24 @@ class RyusenSettings:
             )
         if self.attempt_timeout.to_seconds() > self.max_attempt_timeout.to_seconds():
             raise ValueError("attempt_timeout must not exceed max_attempt_timeout")
+        if self.alarm_email is not None and not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", self.alarm_email):
+            raise ValueError(f"alarm_email must be an email address, not {self.alarm_email!r}")
+        if self.alarm_topic_arn is not None and not re.fullmatch(
+            r"arn:[\w-]+:sns:[\w-]+:\d{12}:[\w-]+", self.alarm_topic_arn
+        ):
+            raise ValueError(f"alarm_topic_arn must be an SNS topic's ARN, not {self.alarm_topic_arn!r}")
         default, maximum = self.default_run_timeout, self.max_run_timeout
         if default and maximum and default.to_seconds() > maximum.to_seconds():
             raise ValueError("default_run_timeout must not exceed max_run_timeout")
+
+    @property
+    def queue_age_threshold(self) -> cdk.Duration:
+        """When the dispatch queue's oldest message is late: a message kept as an attempt's lease timer is as old
+        as its lease; past the longest lease and 15 minutes, messages wait for a dispatcher."""
+        if self.queue_age_alarm_after is not None:
+            return self.queue_age_alarm_after
+        longest_lease = self.max_attempt_timeout.to_seconds() + LEASE_GRACE.to_seconds()
+        return cdk.Duration.seconds(longest_lease + cdk.Duration.minutes(15).to_seconds())
 
     @property
     def dispatch_timeout(self) -> cdk.Duration:
@@ -358,6 +384,7 @@ class RyusenEngine(Construct):
             targets=[events_targets.LambdaFunction(self.sweep_function, retry_attempts=0)],
         )
 
+        self.alarm_topic = self._alarm_topic(settings)
         self.alarms = self._alarms(settings)
         self.dashboard = self._dashboard()
 
@@ -493,6 +520,10 @@ class RyusenEngine(Construct):
                 treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             )
 
+        def throttles(*functions: aws_lambda.Function) -> cloudwatch.IMetric:
+            metrics = {f"t{i}": f.metric_throttles(period=period, statistic="Sum") for i, f in enumerate(functions)}
+            return cloudwatch.MathExpression(expression=" + ".join(metrics), using_metrics=metrics, period=period)
+
         alarms = [
             alarm(
                 "DeadLetterQueueNotEmpty",
@@ -526,11 +557,60 @@ class RyusenEngine(Construct):
                 ryusen_metric("BlockedRunAge", "Maximum", cdk.Duration.hours(1)),
                 threshold=settings.blocked_alarm_after.to_seconds(),
             ),
+            alarm(
+                "TableThrottles",
+                "DynamoDB throttled the engine's requests (a hot key, a new table's warm-up, the table's quota):"
+                " see docs/deploy.md",
+                self.table.metric_throttled_requests_for_operations(
+                    operations=[
+                        dynamodb.Operation.GET_ITEM,
+                        dynamodb.Operation.PUT_ITEM,
+                        dynamodb.Operation.UPDATE_ITEM,
+                        dynamodb.Operation.QUERY,
+                        dynamodb.Operation.BATCH_GET_ITEM,
+                        dynamodb.Operation.BATCH_WRITE_ITEM,
+                        dynamodb.Operation.TRANSACT_WRITE_ITEMS,
+                    ],
+                    period=period,
+                ),
+            ),
+            alarm(
+                "FunctionThrottles",
+                "Lambda throttled the engine's functions: the account's concurrency is used up (docs/deploy.md,"
+                " Concurrency)",
+                throttles(self.api_function, self.dispatch_function, self.sweep_function),
+            ),
+            alarm(
+                "DispatchQueueBehind",
+                "The dispatch queue's oldest message waits longer than the longest lease: the dispatchers do not"
+                " keep up (too few, or throttled)",
+                self.queue.metric_approximate_age_of_oldest_message(period=period, statistic="Maximum"),
+                threshold=settings.queue_age_threshold.to_seconds(),
+            ),
         ]
-        if settings.alarm_topic is not None:
-            for each in alarms:
-                each.add_alarm_action(cloudwatch_actions.SnsAction(settings.alarm_topic))
+        for each in alarms:
+            self.notify(each)
         return alarms
+
+    def notify(self, alarm: cloudwatch.Alarm) -> None:
+        """Send ``alarm`` to the alarm topic, if there is one (an app's construct may add its own alarms)."""
+        if self.alarm_topic is not None:
+            alarm.add_alarm_action(cloudwatch_actions.SnsAction(self.alarm_topic))
+
+    def _alarm_topic(self, settings: RyusenSettings) -> sns.ITopic | None:
+        topic = settings.alarm_topic
+        if topic is None and settings.alarm_topic_arn is not None:
+            topic = sns.Topic.from_topic_arn(self, "AlarmTopicImported", settings.alarm_topic_arn)
+        if topic is None and settings.alarm_email is not None:
+            topic = sns.Topic(self, "AlarmTopic", display_name="Ryusen alarms", enforce_ssl=True)
+        if settings.alarm_email is not None:
+            assert topic is not None
+            topic.add_subscription(subscriptions.EmailSubscription(settings.alarm_email))
+        return topic
+
+    def _alarm(self, construct_id: str) -> cloudwatch.Alarm:
+        [found] = [a for a in self.alarms if a.node.id == construct_id]
+        return found
 
     def _dashboard(self) -> cloudwatch.Dashboard:
         dashboard = cloudwatch.Dashboard(self, "Dashboard")
@@ -555,7 +635,11 @@ class RyusenEngine(Construct):
             ),
             cloudwatch.GraphWidget(
                 title="Runs blocked (seconds, max)",
-                left=[self.alarms[-1].metric],
+                left=[self._alarm("RunsBlockedForLong").metric],
+            ),
+            cloudwatch.GraphWidget(
+                title="Throttled (DynamoDB requests, Lambda invocations)",
+                left=[self._alarm("TableThrottles").metric, self._alarm("FunctionThrottles").metric],
             ),
         )
         return dashboard

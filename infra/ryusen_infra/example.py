@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 
 import aws_cdk as cdk
+from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_dynamodb as dynamodb
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda
@@ -68,3 +69,18 @@ class ShopExample(Construct):
             iam.PolicyStatement(actions=["dynamodb:PutItem"], resources=[self.replay_table.table_arn])
         )
         self.url = self.function.add_function_url(auth_type=aws_lambda.FunctionUrlAuthType.NONE)
+        period = cdk.Duration.minutes(5)
+        self.throttles_alarm = cloudwatch.Alarm(
+            self,
+            "Throttles",
+            alarm_description="Lambda throttled the example app: its Function URL answered 429 to dispatchers"
+            " (docs/deploy.md, Concurrency)",
+            metric=cloudwatch.MathExpression(
+                expression="t", using_metrics={"t": self.function.metric_throttles(statistic="Sum")}, period=period
+            ),
+            threshold=0,
+            comparison_operator=cloudwatch.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            evaluation_periods=1,
+            treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
+        )
+        engine.notify(self.throttles_alarm)

@@ -114,3 +114,13 @@ def test_the_lambda_dependencies_are_pinned_whole_and_installed_without_upgrade(
     assert "--no-deps" in command  # exactly the closure above, nothing resolved anew
     requirements = Path(command[command.index("-r") + 1]).read_text().split()
     assert requirements == list(bundling.RUNTIME_REQUIREMENTS)
+
+
+def test_the_alarm_notification_context_reaches_the_settings() -> None:
+    default = settings_from_context({})
+    assert (default.alarm_email, default.alarm_topic_arn) == (None, None)  # type: ignore[attr-defined]
+    asked = settings_from_context(
+        {"ryusen:alarm_email": "ops@example.com", "ryusen:alarm_topic_arn": "arn:aws:sns:us-east-1:123456789012:x"}
+    )
+    assert asked.alarm_email == "ops@example.com"  # type: ignore[attr-defined]
+    assert asked.alarm_topic_arn == "arn:aws:sns:us-east-1:123456789012:x"  # type: ignore[attr-defined]

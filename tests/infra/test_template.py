@@ -131,15 +131,19 @@ def test_the_scheduler_role_may_only_send_to_the_dispatch_queues(synthesized: Sy
 
 def test_alarms_watch_dead_letters_api_errors_dispatch_errors_and_blocked_runs(synthesized: Synthesized) -> None:
     alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
-    metrics = sorted(a["Properties"].get("MetricName") for a in alarms)
+    metrics = sorted(a["Properties"].get("MetricName", "(math)") for a in alarms)
     assert metrics == sorted(
         [
             "ApproximateNumberOfMessagesVisible",
             "ApproximateNumberOfMessagesVisible",
+            "ApproximateAgeOfOldestMessage",
             "5XXError",
             "DispatchErrors",
             "Errors",
             "BlockedRunAge",
+            "(math)",  # DynamoDB throttled requests
+            "(math)",  # engine functions throttled
+            "(math)",  # the example app's function throttled
         ]
     )
     synthesized.assertions.has_resource_properties(
@@ -147,6 +151,77 @@ def test_alarms_watch_dead_letters_api_errors_dispatch_errors_and_blocked_runs(s
         {"MetricName": "BlockedRunAge", "Namespace": "Ryusen", "Statistic": "Maximum", "Threshold": 3600},
     )
     synthesized.assertions.resource_count_is("AWS::CloudWatch::Dashboard", 1)
+
+
+def _alarm_metrics(alarm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics a math-expression alarm adds up."""
+    return [m["MetricStat"]["Metric"] for m in alarm["Properties"].get("Metrics", []) if "MetricStat" in m]
+
+
+def test_alarms_watch_throttles_and_the_dispatch_queues_oldest_message(synthesized: Synthesized) -> None:
+    """Issue 24: DynamoDB and Lambda throttles, and a dispatch queue falling behind, alarm."""
+    alarms = list(synthesized.resources("AWS::CloudWatch::Alarm").values())
+    table = next(
+        name
+        for name, t in synthesized.resources("AWS::DynamoDB::Table").items()
+        if len(t["Properties"]["KeySchema"]) == 2
+    )
+    [dynamodb] = [a for a in alarms if any(m["MetricName"] == "ThrottledRequests" for m in _alarm_metrics(a))]
+    operations = set()
+    for metric in _alarm_metrics(dynamodb):
+        dimensions = {d["Name"]: d["Value"] for d in metric["Dimensions"]}
+        assert (metric["Namespace"], dimensions["TableName"]) == ("AWS/DynamoDB", {"Ref": table})
+        operations.add(dimensions["Operation"])
+    assert {"GetItem", "PutItem", "UpdateItem", "Query", "TransactWriteItems", "BatchWriteItem"} <= operations
+    engine = {
+        name
+        for name, f in synthesized.resources("AWS::Lambda::Function").items()
+        if f["Properties"]["Handler"].startswith("ryusen_server.lambdas.")
+    }
+    [shop] = [
+        n
+        for n, f in synthesized.resources("AWS::Lambda::Function").items()
+        if f["Properties"]["Handler"] == "shop.lambda_handler"
+    ]
+    throttled = [
+        {d["Value"]["Ref"] for m in _alarm_metrics(a) for d in m["Dimensions"]}
+        for a in alarms
+        if any(m["MetricName"] == "Throttles" for m in _alarm_metrics(a))
+    ]
+    assert sorted(throttled, key=len) == [{shop}, engine]
+    [queue] = [
+        name for name, q in synthesized.resources("AWS::SQS::Queue").items() if "RedrivePolicy" in q["Properties"]
+    ]
+    [age] = [a for a in alarms if a["Properties"].get("MetricName") == "ApproximateAgeOfOldestMessage"]
+    assert age["Properties"]["Dimensions"] == [{"Name": "QueueName", "Value": {"Fn::GetAtt": [queue, "QueueName"]}}]
+    assert age["Properties"]["Threshold"] == (15 + 1 + 15) * 60  # the longest lease (15 min + 1), and 15 minutes
+    for alarm in alarms:
+        assert "AlarmActions" not in alarm["Properties"]  # nobody to notify unless asked
+
+
+def test_alarms_notify_an_email_address_or_a_topic_given_as_settings(tmp_path: Path) -> None:
+    by_email = synthesize(tmp_path / "email", alarm_email="ops@example.com")
+    [topic] = by_email.resources("AWS::SNS::Topic")
+    by_email.assertions.has_resource_properties(
+        "AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "ops@example.com", "TopicArn": {"Ref": topic}}
+    )
+    alarms = by_email.resources("AWS::CloudWatch::Alarm").values()
+    assert [a["Properties"]["AlarmActions"] for a in alarms] == [[{"Ref": topic}]] * len(alarms)
+    assert [f for f in by_email.messages if "AwsSolutions" in str(f.entry.data)] == []
+    assert cfn_lint(tmp_path, by_email) == ""
+
+    arn = "arn:aws:sns:us-east-1:123456789012:on-call"
+    by_topic = synthesize(tmp_path / "topic", alarm_topic_arn=arn)
+    by_topic.assertions.resource_count_is("AWS::SNS::Topic", 0)
+    alarms = by_topic.resources("AWS::CloudWatch::Alarm").values()
+    assert [a["Properties"]["AlarmActions"] for a in alarms] == [[arn]] * len(alarms)
+
+    from ryusen_infra import RyusenSettings
+
+    with pytest.raises(ValueError, match="alarm_email"):
+        RyusenSettings(alarm_email="not an address").check()
+    with pytest.raises(ValueError, match="alarm_topic_arn"):
+        RyusenSettings(alarm_topic_arn="on-call").check()
 
 
 def test_functions_are_arm64_on_a_current_python_with_their_own_log_groups(synthesized: Synthesized) -> None:
