@@ -363,6 +363,11 @@ class RyusenEngine(Construct):
         )
         for function in (self.api_function, self.dispatch_function):
             self._grant_runtime(function)
+            function.add_to_role_policy(
+                iam.PolicyStatement(
+                    sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.master_key.secret_arn]
+                )
+            )
         self.dispatch_function.add_to_role_policy(
             iam.PolicyStatement(actions=["sqs:ChangeMessageVisibility"], resources=[self.queue.queue_arn])
         )
@@ -375,6 +380,9 @@ class RyusenEngine(Construct):
             cdk.Duration.minutes(5),
             "sweep",
         )
+        # The sweeper signs and verifies nothing (it reads runs, sends messages and schedules): it may not read
+        # the master key. Its environment still names the secret, because the handler's wiring refuses to start
+        # a deployed engine without one; it is never read (tests/infra proves the sweeper's calls).
         self._grant_runtime(self.sweep_function)
         events.Rule(
             self,
@@ -486,9 +494,6 @@ class RyusenEngine(Construct):
                 actions=["iam:PassRole"],
                 resources=[self.scheduler_role.role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": "scheduler.amazonaws.com"}},
-            ),
-            iam.PolicyStatement(
-                sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.master_key.secret_arn]
             ),
         ]
         for statement in statements:

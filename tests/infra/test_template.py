@@ -426,3 +426,14 @@ def test_the_runs_table_and_the_master_key_outlive_the_stack(synthesized: Synthe
             ),
         },
     )
+
+
+def test_the_sweeper_may_not_read_the_master_key(synthesized: Synthesized) -> None:
+    """Issue 24: the sweeper only reads runs and sends their messages and schedules; it signs nothing."""
+    [secret] = [n for n, r in synthesized.resources("AWS::SecretsManager::Secret").items() if "SigningKey" in n]
+    _, sweep = synthesized.function("ryusen_server.lambdas.sweep.handler")
+    role = sweep["Properties"]["Role"]["Fn::GetAtt"][0]
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        if {"Ref": role} in policy["Properties"]["Roles"]:
+            for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+                assert {"Ref": secret} not in _as_list(statement["Resource"]), statement
