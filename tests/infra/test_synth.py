@@ -36,6 +36,7 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
         "ryusen_server.lambdas.dispatch.handler",
         "ryusen_server.lambdas.sweep.handler",
         "shop.lambda_handler",
+        "derive_app_key.handler",  # the example app's key, derived at deploy (in the example's asset)
     }
     assets = [p for p in tmp_path.glob("asset.*") if p.is_dir()]
     assert len(assets) == 2
@@ -46,6 +47,7 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
         assert "aarch64" in core.name and "314" in core.name  # built for the Lambda runtime, not this machine
     shop = next(a for a in assets if (a / "shop.py").exists())
     assert "lambda_handler = app.lambda_handler" in (shop / "shop.py").read_text()
+    assert (shop / "derive_app_key.py").exists()
     report = (tmp_path / "AwsSolutions--Ryusen-NagReport.csv").read_text()
     assert "Non-Compliant" not in report
 

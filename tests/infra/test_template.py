@@ -66,17 +66,53 @@ def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(s
 
 
 def test_no_secret_is_in_any_environment_variable(synthesized: Synthesized) -> None:
-    [secret] = synthesized.resources("AWS::SecretsManager::Secret")
+    [master] = [n for n in synthesized.resources("AWS::SecretsManager::Secret") if "SigningKey" in n]
     synthesized.assertions.has_resource_properties(
         "AWS::SecretsManager::Secret", {"GenerateSecretString": {"PasswordLength": 64, "ExcludePunctuation": True}}
     )
     for name, function in synthesized.resources("AWS::Lambda::Function").items():
-        variables: dict[str, Any] = function["Properties"]["Environment"]["Variables"]
+        variables: dict[str, Any] = function["Properties"].get("Environment", {}).get("Variables", {})
         assert "RYUSEN_SIGNING_KEY" not in variables and "RYUSEN_MASTER_KEY" not in variables, name
-        assert variables["RYUSEN_MASTER_KEY_SECRET_ARN"] == {"Ref": secret}, name  # where to read it, not it
+        if function["Properties"]["Handler"].startswith("ryusen_server."):
+            assert variables["RYUSEN_MASTER_KEY_SECRET_ARN"] == {"Ref": master}, name  # where to read it, not it
         for key, value in variables.items():
             if isinstance(value, str):  # a literal: a setting, never a long random string
                 assert not re.fullmatch(r"[A-Za-z0-9+/=_-]{24,}", value), (name, key)
+
+
+def test_the_example_app_holds_a_key_derived_for_it_and_may_not_read_the_master(synthesized: Synthesized) -> None:
+    """Issue 24: the example app held the master, which signs for every app. Now a custom resource derives the
+    app's key at deploy into a secret of the app's own, before the app's function is created."""
+    secrets = synthesized.resources("AWS::SecretsManager::Secret")
+    [master] = [n for n in secrets if "SigningKey" in n]
+    [app_secret] = [n for n in secrets if n != master]
+    shop_name, shop = synthesized.function("shop.lambda_handler")
+    variables = shop["Properties"]["Environment"]["Variables"]
+    assert variables["RYUSEN_SIGNING_KEY_SECRET_ARN"] == {"Ref": app_secret}
+    assert "RYUSEN_MASTER_KEY_SECRET_ARN" not in variables
+
+    def readable(handler: str) -> set[str]:
+        role = synthesized.function(handler)[1]["Properties"]["Role"]["Fn::GetAtt"][0]
+        return {
+            resource["Ref"]
+            for policy in synthesized.resources("AWS::IAM::Policy").values()
+            if {"Ref": role} in policy["Properties"]["Roles"]
+            for statement in policy["Properties"]["PolicyDocument"]["Statement"]
+            if "secretsmanager:GetSecretValue" in _as_list(statement["Action"])
+            for resource in _as_list(statement["Resource"])
+        }
+
+    assert readable("shop.lambda_handler") == {app_secret}
+    assert readable("derive_app_key.handler") == {master}
+    [(derived, resource)] = synthesized.resources("Custom::RyusenAppKey").items()
+    deriver, _ = synthesized.function("derive_app_key.handler")
+    assert resource["Properties"] == {
+        "ServiceToken": {"Fn::GetAtt": [deriver, "Arn"]},
+        "AppId": "shop",
+        "MasterKeySecretArn": {"Ref": master},
+        "AppKeySecretArn": {"Ref": app_secret},
+    }
+    assert derived in synthesized.template["Resources"][shop_name]["DependsOn"]
 
 
 def test_every_route_is_iam_authorized_but_the_late_result_route(synthesized: Synthesized) -> None:
@@ -411,7 +447,7 @@ def test_access_logs_alone_rely_on_the_account_role_being_set_already(tmp_path: 
 def test_the_runs_table_and_the_master_key_outlive_the_stack(synthesized: Synthesized) -> None:
     """Issue 24: docs/deploy.md says `cdk destroy` keeps the runs; the key that verifies their late results and
     signs for every app is kept with them, and the table cannot be deleted by accident."""
-    [secret] = synthesized.resources("AWS::SecretsManager::Secret").values()
+    [secret] = [r for n, r in synthesized.resources("AWS::SecretsManager::Secret").items() if "SigningKey" in n]
     assert (secret["DeletionPolicy"], secret["UpdateReplacePolicy"]) == ("Retain", "Retain")
     synthesized.assertions.has_resource(
         "AWS::DynamoDB::Table",
