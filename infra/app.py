@@ -18,6 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ryusen_infra import RyusenSettings, RyusenStack
 
 
+def flag(app: cdk.App, name: str, default: bool = False) -> bool:
+    """A yes/no context setting: ``true`` or ``false`` (``-c`` gives strings, cdk.json may give booleans)."""
+    value = app.node.try_get_context(f"ryusen:{name}")
+    if value is None:
+        return default
+    if str(value).lower() not in ("true", "false"):
+        raise ValueError(f"ryusen:{name} must be true or false, not {value!r}")
+    return str(value).lower() == "true"
+
+
 def settings_from(app: cdk.App) -> RyusenSettings:
     def seconds(name: str) -> cdk.Duration | None:
         value = app.node.try_get_context(f"ryusen:{name}")
@@ -25,18 +35,23 @@ def settings_from(app: cdk.App) -> RyusenSettings:
 
     defaults = RyusenSettings()
     retention_days = app.node.try_get_context("ryusen:retention_days")
+    dispatch_concurrency = app.node.try_get_context("ryusen:dispatch_concurrency")
     return RyusenSettings(
         default_run_timeout=seconds("default_run_timeout_s"),
         max_run_timeout=seconds("max_run_timeout_s"),
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
-        dispatch_concurrency=int(app.node.try_get_context("ryusen:dispatch_concurrency") or 50),
+        dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
         retention=cdk.Duration.days(float(retention_days)) if retention_days else defaults.retention,
+        api_access_logs=flag(app, "api_access_logs"),
+        api_account_logs_role=flag(app, "api_account_logs_role"),
+        alarm_email=app.node.try_get_context("ryusen:alarm_email") or None,
+        alarm_topic_arn=app.node.try_get_context("ryusen:alarm_topic_arn") or None,
     )
 
 
 def main() -> cdk.App:
     app = cdk.App(outdir=os.environ.get("CDK_OUTDIR") or str(Path(__file__).resolve().parent / "cdk.out"))
-    example = str(app.node.try_get_context("ryusen:example") or "true").lower() == "true"
+    example = flag(app, "example", default=True)
     RyusenStack(app, "Ryusen", settings=settings_from(app), example=example)
     cdk.Aspects.of(app).add(AwsSolutionsChecks())  # every finding is fixed or suppressed with its reason
     app.synth()

@@ -1,7 +1,7 @@
 """The Lambda code asset, built on this machine: no Docker, no AWS credentials.
 
 The asset is the ``ryusen`` SDK and the ``ryusen_server`` package, with the
-runtime's third-party dependencies installed by pip for the Lambda platform
+runtime's third-party dependencies (pinned, every one) installed by pip for the Lambda platform
 (``--platform manylinux2014_aarch64 --only-binary=:all:``: wheels only, so
 nothing is compiled here and nothing of this machine's architecture leaks in).
 boto3 and botocore come with the Lambda Python runtime and are not bundled.
@@ -26,11 +26,26 @@ from aws_cdk import aws_lambda
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (REPO / "sdk" / "ryusen", REPO / "handlers" / "ryusen_server")
 RUNTIME_REQUIREMENTS = (
-    "pydantic>=2.7,<3",
-    "aws-lambda-powertools>=3.0",
-    "httpx>=0.27",
+    # what the handlers import beyond the Lambda runtime's boto3 (the ``server`` extra without the CLI)
+    "pydantic==2.14.4",
+    "aws-lambda-powertools==3.37.0",
+    "httpx==0.29.0",
+    # and what those need, for Python 3.14 on Linux
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-extensions==4.16.0",
+    "typing-inspection==0.4.5",
+    "jmespath==1.1.0",
+    "httpcore==1.0.9",
+    "h11==0.16.0",
+    "anyio==4.16.0",
+    "idna==3.20",
+    "certifi==2026.10.19.post1",
 )
-"""What the handlers import beyond the Lambda runtime's boto3 (the ``server`` extra without the CLI)."""
+"""Every third-party package in the asset, pinned to the version the tests run with (tests/infra/test_synth.py
+checks the list is the whole closure and matches the development environment). pip installs exactly these,
+with ``--no-deps``: a deploy ships what was tested, whatever the index holds that day. To move a version,
+upgrade it in the development environment, run the tests, and change it here."""
 PYTHON_VERSION = "3.14"
 PLATFORM = "manylinux2014_aarch64"
 RUNTIME = aws_lambda.Runtime.PYTHON_3_14
@@ -82,7 +97,7 @@ class LocalPip:
             "--python-version",
             PYTHON_VERSION,
             "--only-binary=:all:",
-            "--upgrade",
+            "--no-deps",
             "-r",
             str(self._source / "requirements.txt"),
         ]

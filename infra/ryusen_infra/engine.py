@@ -24,7 +24,8 @@ What it creates, and why each piece is shaped the way it is:
   deadline, probe and long-delay messages on the dispatch queue through a role that may do exactly
   that; a target that keeps failing leaves its input in a dead-letter queue, with an alarm.
 * **alarms** and **dashboard**: dead-letter queues not empty, API 5xx, dispatch errors, runs blocked for
-  long; and the figures an operator looks at first.
+  long, DynamoDB and Lambda throttles, a dispatch queue falling behind; and the figures an operator looks at
+  first. Alarms notify ``alarm_topic`` (or ``alarm_topic_arn``, or a topic made for ``alarm_email``).
 
 Every function gets a policy of its own, listing the actions its code calls on the resources it calls
 them on (tests/infra proves the list against what the handlers really call on moto).
@@ -32,7 +33,9 @@ them on (tests/infra proves the list against what the handlers really call on mo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import aws_cdk as cdk
 from aws_cdk import aws_apigateway as apigateway
@@ -48,6 +51,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_scheduler as scheduler
 from aws_cdk import aws_secretsmanager as secretsmanager
 from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as subscriptions
 from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
@@ -59,6 +63,9 @@ BLOCKED_INDEX = "runs_blocked_by_definition"
 CHECK_INDEX = "runs_to_check"
 LAMBDA_MAX_TIMEOUT = cdk.Duration.minutes(15)
 LEASE_GRACE = cdk.Duration.minutes(1)
+FRESH_ACCOUNT_CONCURRENCY = 10
+"""How many Lambda executions a new account may run at once in a region (AWS lowers new accounts' quota and
+raises it with use; the usual quota is 1,000). The default dispatch concurrency fits in it (docs/deploy.md)."""
 MAX_VISIBILITY = cdk.Duration.hours(12)
 """SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
 
@@ -82,11 +89,21 @@ class RyusenSettings:
     compensate_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
     retention: cdk.Duration | None = cdk.Duration.days(90)
     """How long a finished run is kept (DynamoDB TTL); None keeps runs forever."""
-    dispatch_concurrency: int = 50
-    """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000)."""
+    dispatch_concurrency: int = 4
+    """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000). Each
+    waits on one request to an app, which on Lambda is one more execution: the default, 4, leaves room in a
+    fresh account's quota of 10 for 4 app requests, the API and the sweeper. Raise it with the quota."""
     log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH
     alarm_topic: sns.ITopic | None = None
-    """Where alarms notify (optional)."""
+    """Where alarms notify, as a topic of your CDK app (optional)."""
+    alarm_topic_arn: str | None = None
+    """Where alarms notify, as an existing SNS topic's ARN (``ryusen:alarm_topic_arn``), if no ``alarm_topic``."""
+    alarm_email: str | None = None
+    """An address subscribed to the alarm topic (``ryusen:alarm_email``); without a topic, the stack creates
+    one. SNS mails a confirmation link first: nothing is delivered until it is followed."""
+    queue_age_alarm_after: cdk.Duration | None = None
+    """Alarm when the dispatch queue's oldest message is older than this (default: the longest attempt's lease,
+    ``max_attempt_timeout`` plus a minute, and 15 minutes more): the dispatchers are not keeping up."""
     blocked_alarm_after: cdk.Duration = cdk.Duration.hours(1)
     """Alarm when a probed run has been blocked longer than this."""
     api_rate_limit: int = 50
@@ -103,6 +120,12 @@ class RyusenSettings:
     web_acl_arn: str | None = None
     """A WAF web ACL to associate with the API's stage (recommended: a rate-based rule per IP, since
     anyone can reach the result route; requests that fail the signature check are refused, but still count)."""
+    api_access_logs: bool = False
+    """Write the API stage's access log to a log group. API Gateway refuses such a stage until the account (in
+    this region) names a CloudWatch Logs role; off by default, so that a deploy to a fresh account works."""
+    api_account_logs_role: bool = False
+    """Create that role and set it as the account's (``AWS::ApiGateway::Account``, one per account and region:
+    it replaces any role set before, and stays after the stack is deleted). The stage is created after it."""
 
     def check(self) -> None:
         if not 2 <= self.dispatch_concurrency <= 1000:
@@ -115,9 +138,24 @@ class RyusenSettings:
             )
         if self.attempt_timeout.to_seconds() > self.max_attempt_timeout.to_seconds():
             raise ValueError("attempt_timeout must not exceed max_attempt_timeout")
+        if self.alarm_email is not None and not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", self.alarm_email):
+            raise ValueError(f"alarm_email must be an email address, not {self.alarm_email!r}")
+        if self.alarm_topic_arn is not None and not re.fullmatch(
+            r"arn:[\w-]+:sns:[\w-]+:\d{12}:[\w-]+", self.alarm_topic_arn
+        ):
+            raise ValueError(f"alarm_topic_arn must be an SNS topic's ARN, not {self.alarm_topic_arn!r}")
         default, maximum = self.default_run_timeout, self.max_run_timeout
         if default and maximum and default.to_seconds() > maximum.to_seconds():
             raise ValueError("default_run_timeout must not exceed max_run_timeout")
+
+    @property
+    def queue_age_threshold(self) -> cdk.Duration:
+        """When the dispatch queue's oldest message is late: a message kept as an attempt's lease timer is as old
+        as its lease; past the longest lease and 15 minutes, messages wait for a dispatcher."""
+        if self.queue_age_alarm_after is not None:
+            return self.queue_age_alarm_after
+        longest_lease = self.max_attempt_timeout.to_seconds() + LEASE_GRACE.to_seconds()
+        return cdk.Duration.seconds(longest_lease + cdk.Duration.minutes(15).to_seconds())
 
     @property
     def dispatch_timeout(self) -> cdk.Duration:
@@ -184,7 +222,8 @@ class RyusenEngine(Construct):
                 point_in_time_recovery_enabled=True
             ),
             time_to_live_attribute="expires_at",
-            removal_policy=cdk.RemovalPolicy.RETAIN,
+            removal_policy=cdk.RemovalPolicy.RETAIN,  # the runs outlive the stack (docs/deploy.md, Removing)
+            deletion_protection=True,
         )
         self.table.add_global_secondary_index(
             index_name=LIST_INDEX,
@@ -236,6 +275,7 @@ class RyusenEngine(Construct):
             "SigningKey",  # the logical id of the secret since the first release: kept, so it is not replaced
             description="Ryusen's master key: each app's HMAC signing key is derived from it (read by the functions)",
             generate_secret_string=secretsmanager.SecretStringGenerator(password_length=64, exclude_punctuation=True),
+            removal_policy=cdk.RemovalPolicy.RETAIN,  # kept with the runs, whose late results it verifies
         )
 
         self.schedule_group = scheduler.CfnScheduleGroup(self, "ScheduleGroup")
@@ -289,23 +329,12 @@ class RyusenEngine(Construct):
                         throttling_burst_limit=settings.result_burst_limit,
                     )
                 },
-                access_log_destination=apigateway.LogGroupLogDestination(
-                    logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
-                ),
-                access_log_format=apigateway.AccessLogFormat.json_with_standard_fields(
-                    caller=True,
-                    http_method=True,
-                    ip=True,
-                    protocol=True,
-                    request_time=True,
-                    resource_path=True,
-                    response_length=True,
-                    status=True,
-                    user=True,
-                ),
+                **self._access_logs(settings),
             ),
             cloud_watch_role=False,
         )
+        if settings.api_account_logs_role:
+            self.api.deployment_stage.node.add_dependency(self._api_account_logs_role())
         if settings.web_acl_arn is not None:
             wafv2.CfnWebACLAssociation(
                 self, "ApiWebAcl", resource_arn=self.api.deployment_stage.stage_arn, web_acl_arn=settings.web_acl_arn
@@ -334,6 +363,11 @@ class RyusenEngine(Construct):
         )
         for function in (self.api_function, self.dispatch_function):
             self._grant_runtime(function)
+            function.add_to_role_policy(
+                iam.PolicyStatement(
+                    sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.master_key.secret_arn]
+                )
+            )
         self.dispatch_function.add_to_role_policy(
             iam.PolicyStatement(actions=["sqs:ChangeMessageVisibility"], resources=[self.queue.queue_arn])
         )
@@ -346,6 +380,9 @@ class RyusenEngine(Construct):
             cdk.Duration.minutes(5),
             "sweep",
         )
+        # The sweeper signs and verifies nothing (it reads runs, sends messages and schedules): it may not read
+        # the master key. Its environment still names the secret, because the handler's wiring refuses to start
+        # a deployed engine without one; it is never read (tests/infra proves the sweeper's calls).
         self._grant_runtime(self.sweep_function)
         events.Rule(
             self,
@@ -355,10 +392,49 @@ class RyusenEngine(Construct):
             targets=[events_targets.LambdaFunction(self.sweep_function, retry_attempts=0)],
         )
 
+        self.alarm_topic = self._alarm_topic(settings)
         self.alarms = self._alarms(settings)
         self.dashboard = self._dashboard()
 
     # ---- pieces -------------------------------------------------------------------------------
+
+    def _access_logs(self, settings: RyusenSettings) -> dict[str, Any]:
+        """The stage's access-log options: none unless asked (they need the account's API Gateway logs role)."""
+        if not settings.api_access_logs:
+            return {}
+        return {
+            "access_log_destination": apigateway.LogGroupLogDestination(
+                logs.LogGroup(self, "ApiAccessLogs", retention=settings.log_retention)
+            ),
+            "access_log_format": apigateway.AccessLogFormat.json_with_standard_fields(
+                caller=True,
+                http_method=True,
+                ip=True,
+                protocol=True,
+                request_time=True,
+                resource_path=True,
+                response_length=True,
+                status=True,
+                user=True,
+            ),
+        }
+
+    def _api_account_logs_role(self) -> apigateway.CfnAccount:
+        """The account-wide role API Gateway writes logs with, set as the account's (opt-in). The role is kept
+        when the stack is deleted: the account setting still names it, and other APIs may log through it."""
+        self.api_logs_role = iam.Role(
+            self,
+            "ApiGatewayLogsRole",
+            description="API Gateway writes the account's API logs to CloudWatch Logs (set by Ryusen's stack)",
+            assumed_by=iam.ServicePrincipal("apigateway.amazonaws.com"),
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("service-role/AmazonAPIGatewayPushToCloudWatchLogs")
+            ],
+        )
+        self.api_logs_role.apply_removal_policy(cdk.RemovalPolicy.RETAIN)
+        account = apigateway.CfnAccount(self, "ApiGatewayAccount", cloud_watch_role_arn=self.api_logs_role.role_arn)
+        account.node.add_dependency(self.api_logs_role)
+        return account
 
     def _function(
         self,
@@ -419,9 +495,6 @@ class RyusenEngine(Construct):
                 resources=[self.scheduler_role.role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": "scheduler.amazonaws.com"}},
             ),
-            iam.PolicyStatement(
-                sid="SigningKey", actions=["secretsmanager:GetSecretValue"], resources=[self.master_key.secret_arn]
-            ),
         ]
         for statement in statements:
             function.add_to_role_policy(statement)
@@ -451,6 +524,10 @@ class RyusenEngine(Construct):
                 evaluation_periods=1,
                 treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING,
             )
+
+        def throttles(*functions: aws_lambda.Function) -> cloudwatch.IMetric:
+            metrics = {f"t{i}": f.metric_throttles(period=period, statistic="Sum") for i, f in enumerate(functions)}
+            return cloudwatch.MathExpression(expression=" + ".join(metrics), using_metrics=metrics, period=period)
 
         alarms = [
             alarm(
@@ -485,11 +562,60 @@ class RyusenEngine(Construct):
                 ryusen_metric("BlockedRunAge", "Maximum", cdk.Duration.hours(1)),
                 threshold=settings.blocked_alarm_after.to_seconds(),
             ),
+            alarm(
+                "TableThrottles",
+                "DynamoDB throttled the engine's requests (a hot key, a new table's warm-up, the table's quota):"
+                " see docs/deploy.md",
+                self.table.metric_throttled_requests_for_operations(
+                    operations=[
+                        dynamodb.Operation.GET_ITEM,
+                        dynamodb.Operation.PUT_ITEM,
+                        dynamodb.Operation.UPDATE_ITEM,
+                        dynamodb.Operation.QUERY,
+                        dynamodb.Operation.BATCH_GET_ITEM,
+                        dynamodb.Operation.BATCH_WRITE_ITEM,
+                        dynamodb.Operation.TRANSACT_WRITE_ITEMS,
+                    ],
+                    period=period,
+                ),
+            ),
+            alarm(
+                "FunctionThrottles",
+                "Lambda throttled the engine's functions: the account's concurrency is used up (docs/deploy.md,"
+                " Concurrency)",
+                throttles(self.api_function, self.dispatch_function, self.sweep_function),
+            ),
+            alarm(
+                "DispatchQueueBehind",
+                "The dispatch queue's oldest message waits longer than the longest lease: the dispatchers do not"
+                " keep up (too few, or throttled)",
+                self.queue.metric_approximate_age_of_oldest_message(period=period, statistic="Maximum"),
+                threshold=settings.queue_age_threshold.to_seconds(),
+            ),
         ]
-        if settings.alarm_topic is not None:
-            for each in alarms:
-                each.add_alarm_action(cloudwatch_actions.SnsAction(settings.alarm_topic))
+        for each in alarms:
+            self.notify(each)
         return alarms
+
+    def notify(self, alarm: cloudwatch.Alarm) -> None:
+        """Send ``alarm`` to the alarm topic, if there is one (an app's construct may add its own alarms)."""
+        if self.alarm_topic is not None:
+            alarm.add_alarm_action(cloudwatch_actions.SnsAction(self.alarm_topic))
+
+    def _alarm_topic(self, settings: RyusenSettings) -> sns.ITopic | None:
+        topic = settings.alarm_topic
+        if topic is None and settings.alarm_topic_arn is not None:
+            topic = sns.Topic.from_topic_arn(self, "AlarmTopicImported", settings.alarm_topic_arn)
+        if topic is None and settings.alarm_email is not None:
+            topic = sns.Topic(self, "AlarmTopic", display_name="Ryusen alarms", enforce_ssl=True)
+        if settings.alarm_email is not None:
+            assert topic is not None
+            topic.add_subscription(subscriptions.EmailSubscription(settings.alarm_email))
+        return topic
+
+    def _alarm(self, construct_id: str) -> cloudwatch.Alarm:
+        [found] = [a for a in self.alarms if a.node.id == construct_id]
+        return found
 
     def _dashboard(self) -> cloudwatch.Dashboard:
         dashboard = cloudwatch.Dashboard(self, "Dashboard")
@@ -514,7 +640,11 @@ class RyusenEngine(Construct):
             ),
             cloudwatch.GraphWidget(
                 title="Runs blocked (seconds, max)",
-                left=[self.alarms[-1].metric],
+                left=[self._alarm("RunsBlockedForLong").metric],
+            ),
+            cloudwatch.GraphWidget(
+                title="Throttled (DynamoDB requests, Lambda invocations)",
+                left=[self._alarm("TableThrottles").metric, self._alarm("FunctionThrottles").metric],
             ),
         )
         return dashboard

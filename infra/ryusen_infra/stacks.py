@@ -32,4 +32,6 @@ class RyusenStack(cdk.Stack):
         cdk.CfnOutput(self, "DashboardName", value=self.engine.dashboard.dashboard_name)
         if example:
             self.shop = ShopExample(self, "Shop", engine=self.engine)
+            nag.suppress_example(self.shop)
             cdk.CfnOutput(self, "ShopUrl", value=self.shop.url.url, description="ryusen sync <this URL>")
+            cdk.CfnOutput(self, "ShopKeySecret", value=self.shop.app_key.secret_arn)

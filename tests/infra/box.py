@@ -162,6 +162,48 @@ class Box:
             return separator.join(str(self.resolve(p)) for p in parts)
         raise KeyError(f"unsupported intrinsic {value!r}")
 
+    def run_custom_resources(self) -> None:
+        """CloudFormation's Create of each custom resource: its function (a module of infra/ryusen_infra) is
+        called with the event CloudFormation sends, and must answer SUCCESS at the response URL."""
+        answers: list[dict[str, Any]] = []
+
+        def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+            answers.append(json.loads(Request(environ).get_data()))
+            return Response("")(environ, start_response)
+
+        server = make_server("127.0.0.1", 0, wsgi)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            for name, resource in self.template["Resources"].items():
+                if not resource["Type"].startswith("Custom::"):
+                    continue
+                properties = {k: self.resolve(v) for k, v in resource["Properties"].items()}
+                function = self.template["Resources"][resource["Properties"]["ServiceToken"]["Fn::GetAtt"][0]]
+                module_name, handler = function["Properties"]["Handler"].split(".")
+                path = REPO / "infra" / "ryusen_infra" / f"{module_name}.py"
+                spec = importlib.util.spec_from_file_location(f"box_{module_name}", path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                event = {
+                    "RequestType": "Create",
+                    "ResponseURL": f"http://127.0.0.1:{server.server_port}/",
+                    "StackId": f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/box/1",
+                    "RequestId": uuid.uuid4().hex,
+                    "LogicalResourceId": name,
+                    "ResourceType": resource["Type"],
+                    "ResourceProperties": properties,
+                }
+                token = caller.set(module_name)
+                try:
+                    getattr(module, handler)(event, LambdaContext())
+                finally:
+                    caller.reset(token)
+                answer = answers.pop()
+                assert answer["Status"] == "SUCCESS", answer
+        finally:
+            server.shutdown()
+
     # ---- functions ---------------------------------------------------------------------------
 
     def function(self, handler: str) -> dict[str, Any]:

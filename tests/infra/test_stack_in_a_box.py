@@ -144,6 +144,7 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         session.get_component("event_emitter").register(
             "before-parameter-build", lambda **kw: box.record(caller.get())(**kw)
         )
+        box.run_custom_resources()  # the example app's key, derived at deploy
 
         from ryusen_server.lambdas import api as api_lambda
         from ryusen_server.lambdas import dispatch as dispatch_lambda
@@ -338,7 +339,14 @@ KEPT = {
         "sqs:GetQueueUrl",
     },
     "shop": {"secretsmanager:GetSecretValue", "dynamodb:PutItem", "logs:CreateLogStream", "logs:PutLogEvents"},
-    "sweep": ENGINE_RUNTIME,
+    "sweep": ENGINE_RUNTIME - {"secretsmanager:GetSecretValue"},  # it signs and verifies nothing: no key
+    # the custom resource that derives the example app's key at deploy: reads the master, writes the app's secret
+    "derive_app_key": {
+        "secretsmanager:GetSecretValue",
+        "secretsmanager:PutSecretValue",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+    },
 }
 """Every action each role grants. A new grant must be added here on purpose (and be needed by the code)."""
 HANDLER_OF = {
@@ -346,6 +354,7 @@ HANDLER_OF = {
     "dispatch": "ryusen_server.lambdas.dispatch.handler",
     "shop": "shop.lambda_handler",
     "sweep": "ryusen_server.lambdas.sweep.handler",
+    "derive_app_key": "derive_app_key.handler",
 }
 
 
@@ -430,6 +439,7 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
         ("dispatch", "GetSecretValue"),
         ("shop", "GetSecretValue"),
         ("shop", "PutItem"),  # what it accepted, in the replay table its containers share
+        ("derive_app_key", "PutSecretValue"),  # the example app's key, derived at deploy
         ("api", "Query"),
         ("sweep", "Query"),  # the index of runs to check
     ]:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,6 +36,7 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
         "ryusen_server.lambdas.dispatch.handler",
         "ryusen_server.lambdas.sweep.handler",
         "shop.lambda_handler",
+        "derive_app_key.handler",  # the example app's key, derived at deploy (in the example's asset)
     }
     assets = [p for p in tmp_path.glob("asset.*") if p.is_dir()]
     assert len(assets) == 2
@@ -44,5 +47,82 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
         assert "aarch64" in core.name and "314" in core.name  # built for the Lambda runtime, not this machine
     shop = next(a for a in assets if (a / "shop.py").exists())
     assert "lambda_handler = app.lambda_handler" in (shop / "shop.py").read_text()
+    assert (shop / "derive_app_key.py").exists()
     report = (tmp_path / "AwsSolutions--Ryusen-NagReport.csv").read_text()
     assert "Non-Compliant" not in report
+
+
+def settings_from_context(context: dict[str, object]) -> object:
+    """What infra/app.py makes of ``cdk ... -c key=value`` (values arrive as strings from the command line)."""
+    import importlib.util
+
+    import aws_cdk as cdk
+
+    spec = importlib.util.spec_from_file_location("ryusen_infra_app", REPO / "infra" / "app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.settings_from(cdk.App(context=context))
+
+
+def test_the_api_logs_context_options_reach_the_settings() -> None:
+    default = settings_from_context({})
+    assert (default.api_access_logs, default.api_account_logs_role) == (False, False)  # type: ignore[attr-defined]
+    asked = settings_from_context({"ryusen:api_access_logs": "true", "ryusen:api_account_logs_role": "true"})
+    assert (asked.api_access_logs, asked.api_account_logs_role) == (True, True)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="ryusen:api_access_logs"):
+        settings_from_context({"ryusen:api_access_logs": "yes please"})
+
+
+def test_the_dispatch_concurrency_context_reaches_the_settings_and_defaults_to_the_settings_default() -> None:
+    from ryusen_infra import RyusenSettings
+
+    assert settings_from_context({}).dispatch_concurrency == RyusenSettings().dispatch_concurrency  # type: ignore[attr-defined]
+    assert settings_from_context({"ryusen:dispatch_concurrency": "40"}).dispatch_concurrency == 40  # type: ignore[attr-defined]
+
+
+def test_the_lambda_dependencies_are_pinned_whole_and_installed_without_upgrade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: the asset held whatever pip found newest that day. Now every package of the closure is pinned to
+    the version the tests ran against, pip installs exactly those (no dependency resolution, no ``--upgrade``)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    from ryusen_infra import bundling
+
+    lambda_env = {"python_version": bundling.PYTHON_VERSION, "python_full_version": f"{bundling.PYTHON_VERSION}.0"}
+    lambda_env |= {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "aarch64", "extra": ""}
+    pins = [Requirement(line) for line in bundling.RUNTIME_REQUIREMENTS]
+    pinned = {metadata.distribution(r.name).metadata["Name"].lower().replace("_", "-"): r for r in pins}
+    for requirement in pins:
+        [spec] = requirement.specifier
+        assert spec.operator == "==", requirement
+        installed = metadata.version(requirement.name)
+        assert spec.version == installed, f"{requirement} is not the {installed} the tests run with"
+        for needed in metadata.requires(requirement.name) or []:
+            dependency = Requirement(needed)
+            if dependency.marker is None or dependency.marker.evaluate(lambda_env):
+                name = dependency.name.lower().replace("_", "-")
+                assert name in pinned or name in ("boto3", "botocore"), f"{requirement.name} needs {needed}: unpinned"
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(bundling.subprocess, "run", lambda command, **_: commands.append(command))
+    source = Path(bundling._staged_sources("pins-test"))
+    assert bundling.LocalPip(str(source)).try_bundle(str(tmp_path / "out"))
+    [command] = commands
+    assert "--upgrade" not in command and "-U" not in command
+    assert "--no-deps" in command  # exactly the closure above, nothing resolved anew
+    requirements = Path(command[command.index("-r") + 1]).read_text().split()
+    assert requirements == list(bundling.RUNTIME_REQUIREMENTS)
+
+
+def test_the_alarm_notification_context_reaches_the_settings() -> None:
+    default = settings_from_context({})
+    assert (default.alarm_email, default.alarm_topic_arn) == (None, None)  # type: ignore[attr-defined]
+    asked = settings_from_context(
+        {"ryusen:alarm_email": "ops@example.com", "ryusen:alarm_topic_arn": "arn:aws:sns:us-east-1:123456789012:x"}
+    )
+    assert asked.alarm_email == "ops@example.com"  # type: ignore[attr-defined]
+    assert asked.alarm_topic_arn == "arn:aws:sns:us-east-1:123456789012:x"  # type: ignore[attr-defined]

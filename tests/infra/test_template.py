@@ -24,9 +24,26 @@ def test_the_dispatch_event_source_reports_item_failures_one_record_at_a_time(sy
         {
             "BatchSize": 1,  # one attempt per invocation: each can use the whole 15 minutes
             "FunctionResponseTypes": ["ReportBatchItemFailures"],  # a kept message is an attempt's lease
-            "ScalingConfig": {"MaximumConcurrency": 50},
+            "ScalingConfig": {"MaximumConcurrency": Match.any_value()},
         },
     )
+
+
+def test_the_default_concurrency_fits_a_fresh_accounts_quota(synthesized: Synthesized) -> None:
+    """Issue 24: a new account may run as few as 10 Lambda executions at once, shared by every function. Each
+    dispatcher waits on one request to the app's function, and the API and the sweeper need one each: by
+    default, all of them at once fit. No function reserves concurrency (Lambda refuses a reservation that
+    leaves too little unreserved, which on such an account is any)."""
+    from ryusen_infra.engine import FRESH_ACCOUNT_CONCURRENCY
+
+    [mapping] = synthesized.resources("AWS::Lambda::EventSourceMapping").values()
+    dispatchers = mapping["Properties"]["ScalingConfig"]["MaximumConcurrency"]
+    app_requests, api, sweep = dispatchers, 1, 1
+    assert FRESH_ACCOUNT_CONCURRENCY == 10
+    assert dispatchers + app_requests + api + sweep <= FRESH_ACCOUNT_CONCURRENCY
+    assert dispatchers >= 2  # the event source's minimum
+    for name, function in synthesized.resources("AWS::Lambda::Function").items():
+        assert "ReservedConcurrentExecutions" not in function["Properties"], name
 
 
 def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(synthesized: Synthesized) -> None:
@@ -49,17 +66,53 @@ def test_the_queue_outlives_the_dispatcher_and_redrives_to_a_dead_letter_queue(s
 
 
 def test_no_secret_is_in_any_environment_variable(synthesized: Synthesized) -> None:
-    [secret] = synthesized.resources("AWS::SecretsManager::Secret")
+    [master] = [n for n in synthesized.resources("AWS::SecretsManager::Secret") if "SigningKey" in n]
     synthesized.assertions.has_resource_properties(
         "AWS::SecretsManager::Secret", {"GenerateSecretString": {"PasswordLength": 64, "ExcludePunctuation": True}}
     )
     for name, function in synthesized.resources("AWS::Lambda::Function").items():
-        variables: dict[str, Any] = function["Properties"]["Environment"]["Variables"]
+        variables: dict[str, Any] = function["Properties"].get("Environment", {}).get("Variables", {})
         assert "RYUSEN_SIGNING_KEY" not in variables and "RYUSEN_MASTER_KEY" not in variables, name
-        assert variables["RYUSEN_MASTER_KEY_SECRET_ARN"] == {"Ref": secret}, name  # where to read it, not it
+        if function["Properties"]["Handler"].startswith("ryusen_server."):
+            assert variables["RYUSEN_MASTER_KEY_SECRET_ARN"] == {"Ref": master}, name  # where to read it, not it
         for key, value in variables.items():
             if isinstance(value, str):  # a literal: a setting, never a long random string
                 assert not re.fullmatch(r"[A-Za-z0-9+/=_-]{24,}", value), (name, key)
+
+
+def test_the_example_app_holds_a_key_derived_for_it_and_may_not_read_the_master(synthesized: Synthesized) -> None:
+    """Issue 24: the example app held the master, which signs for every app. Now a custom resource derives the
+    app's key at deploy into a secret of the app's own, before the app's function is created."""
+    secrets = synthesized.resources("AWS::SecretsManager::Secret")
+    [master] = [n for n in secrets if "SigningKey" in n]
+    [app_secret] = [n for n in secrets if n != master]
+    shop_name, shop = synthesized.function("shop.lambda_handler")
+    variables = shop["Properties"]["Environment"]["Variables"]
+    assert variables["RYUSEN_SIGNING_KEY_SECRET_ARN"] == {"Ref": app_secret}
+    assert "RYUSEN_MASTER_KEY_SECRET_ARN" not in variables
+
+    def readable(handler: str) -> set[str]:
+        role = synthesized.function(handler)[1]["Properties"]["Role"]["Fn::GetAtt"][0]
+        return {
+            resource["Ref"]
+            for policy in synthesized.resources("AWS::IAM::Policy").values()
+            if {"Ref": role} in policy["Properties"]["Roles"]
+            for statement in policy["Properties"]["PolicyDocument"]["Statement"]
+            if "secretsmanager:GetSecretValue" in _as_list(statement["Action"])
+            for resource in _as_list(statement["Resource"])
+        }
+
+    assert readable("shop.lambda_handler") == {app_secret}
+    assert readable("derive_app_key.handler") == {master}
+    [(derived, resource)] = synthesized.resources("Custom::RyusenAppKey").items()
+    deriver, _ = synthesized.function("derive_app_key.handler")
+    assert resource["Properties"] == {
+        "ServiceToken": {"Fn::GetAtt": [deriver, "Arn"]},
+        "AppId": "shop",
+        "MasterKeySecretArn": {"Ref": master},
+        "AppKeySecretArn": {"Ref": app_secret},
+    }
+    assert derived in synthesized.template["Resources"][shop_name]["DependsOn"]
 
 
 def test_every_route_is_iam_authorized_but_the_late_result_route(synthesized: Synthesized) -> None:
@@ -114,15 +167,19 @@ def test_the_scheduler_role_may_only_send_to_the_dispatch_queues(synthesized: Sy
 
 def test_alarms_watch_dead_letters_api_errors_dispatch_errors_and_blocked_runs(synthesized: Synthesized) -> None:
     alarms = synthesized.resources("AWS::CloudWatch::Alarm").values()
-    metrics = sorted(a["Properties"].get("MetricName") for a in alarms)
+    metrics = sorted(a["Properties"].get("MetricName", "(math)") for a in alarms)
     assert metrics == sorted(
         [
             "ApproximateNumberOfMessagesVisible",
             "ApproximateNumberOfMessagesVisible",
+            "ApproximateAgeOfOldestMessage",
             "5XXError",
             "DispatchErrors",
             "Errors",
             "BlockedRunAge",
+            "(math)",  # DynamoDB throttled requests
+            "(math)",  # engine functions throttled
+            "(math)",  # the example app's function throttled
         ]
     )
     synthesized.assertions.has_resource_properties(
@@ -130,6 +187,77 @@ def test_alarms_watch_dead_letters_api_errors_dispatch_errors_and_blocked_runs(s
         {"MetricName": "BlockedRunAge", "Namespace": "Ryusen", "Statistic": "Maximum", "Threshold": 3600},
     )
     synthesized.assertions.resource_count_is("AWS::CloudWatch::Dashboard", 1)
+
+
+def _alarm_metrics(alarm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics a math-expression alarm adds up."""
+    return [m["MetricStat"]["Metric"] for m in alarm["Properties"].get("Metrics", []) if "MetricStat" in m]
+
+
+def test_alarms_watch_throttles_and_the_dispatch_queues_oldest_message(synthesized: Synthesized) -> None:
+    """Issue 24: DynamoDB and Lambda throttles, and a dispatch queue falling behind, alarm."""
+    alarms = list(synthesized.resources("AWS::CloudWatch::Alarm").values())
+    table = next(
+        name
+        for name, t in synthesized.resources("AWS::DynamoDB::Table").items()
+        if len(t["Properties"]["KeySchema"]) == 2
+    )
+    [dynamodb] = [a for a in alarms if any(m["MetricName"] == "ThrottledRequests" for m in _alarm_metrics(a))]
+    operations = set()
+    for metric in _alarm_metrics(dynamodb):
+        dimensions = {d["Name"]: d["Value"] for d in metric["Dimensions"]}
+        assert (metric["Namespace"], dimensions["TableName"]) == ("AWS/DynamoDB", {"Ref": table})
+        operations.add(dimensions["Operation"])
+    assert {"GetItem", "PutItem", "UpdateItem", "Query", "TransactWriteItems", "BatchWriteItem"} <= operations
+    engine = {
+        name
+        for name, f in synthesized.resources("AWS::Lambda::Function").items()
+        if f["Properties"]["Handler"].startswith("ryusen_server.lambdas.")
+    }
+    [shop] = [
+        n
+        for n, f in synthesized.resources("AWS::Lambda::Function").items()
+        if f["Properties"]["Handler"] == "shop.lambda_handler"
+    ]
+    throttled = [
+        {d["Value"]["Ref"] for m in _alarm_metrics(a) for d in m["Dimensions"]}
+        for a in alarms
+        if any(m["MetricName"] == "Throttles" for m in _alarm_metrics(a))
+    ]
+    assert sorted(throttled, key=len) == [{shop}, engine]
+    [queue] = [
+        name for name, q in synthesized.resources("AWS::SQS::Queue").items() if "RedrivePolicy" in q["Properties"]
+    ]
+    [age] = [a for a in alarms if a["Properties"].get("MetricName") == "ApproximateAgeOfOldestMessage"]
+    assert age["Properties"]["Dimensions"] == [{"Name": "QueueName", "Value": {"Fn::GetAtt": [queue, "QueueName"]}}]
+    assert age["Properties"]["Threshold"] == (15 + 1 + 15) * 60  # the longest lease (15 min + 1), and 15 minutes
+    for alarm in alarms:
+        assert "AlarmActions" not in alarm["Properties"]  # nobody to notify unless asked
+
+
+def test_alarms_notify_an_email_address_or_a_topic_given_as_settings(tmp_path: Path) -> None:
+    by_email = synthesize(tmp_path / "email", alarm_email="ops@example.com")
+    [topic] = by_email.resources("AWS::SNS::Topic")
+    by_email.assertions.has_resource_properties(
+        "AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "ops@example.com", "TopicArn": {"Ref": topic}}
+    )
+    alarms = by_email.resources("AWS::CloudWatch::Alarm").values()
+    assert [a["Properties"]["AlarmActions"] for a in alarms] == [[{"Ref": topic}]] * len(alarms)
+    assert [f for f in by_email.messages if "AwsSolutions" in str(f.entry.data)] == []
+    assert cfn_lint(tmp_path, by_email) == ""
+
+    arn = "arn:aws:sns:us-east-1:123456789012:on-call"
+    by_topic = synthesize(tmp_path / "topic", alarm_topic_arn=arn)
+    by_topic.assertions.resource_count_is("AWS::SNS::Topic", 0)
+    alarms = by_topic.resources("AWS::CloudWatch::Alarm").values()
+    assert [a["Properties"]["AlarmActions"] for a in alarms] == [[arn]] * len(alarms)
+
+    from ryusen_infra import RyusenSettings
+
+    with pytest.raises(ValueError, match="alarm_email"):
+        RyusenSettings(alarm_email="not an address").check()
+    with pytest.raises(ValueError, match="alarm_topic_arn"):
+        RyusenSettings(alarm_topic_arn="on-call").check()
 
 
 def test_functions_are_arm64_on_a_current_python_with_their_own_log_groups(synthesized: Synthesized) -> None:
@@ -238,6 +366,11 @@ def test_cdk_nag_finds_nothing_unexplained(synthesized: Synthesized) -> None:
 
 
 def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> None:
+    assert cfn_lint(tmp_path, synthesized) == ""
+
+
+def cfn_lint(tmp_path: Path, synthesized: Synthesized) -> str:
+    """cfn-lint's findings on the template (empty: none)."""
     template = tmp_path / "Ryusen.template.json"
     template.write_text(json.dumps(synthesized.template))
     # W3005: CDK adds a DependsOn on each function's role policy next to the GetAtt of the role; harmless
@@ -247,7 +380,7 @@ def test_cfn_lint_finds_nothing(tmp_path: Path, synthesized: Synthesized) -> Non
         text=True,
         check=False,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
+    return "" if done.returncode == 0 else done.stdout + done.stderr
 
 
 def test_the_result_route_has_a_throttle_of_its_own(synthesized: Synthesized) -> None:
@@ -276,3 +409,67 @@ def test_the_sweeper_runs_every_minute(synthesized: Synthesized) -> None:
     assert [r["Properties"]["ScheduleExpression"] for r in rules] == ["rate(1 minute)"]
     assert rules[0]["Properties"]["Targets"][0]["Arn"] == {"Fn::GetAtt": [name, "Arn"]}
     assert sweep["Properties"]["Environment"]["Variables"]["RYUSEN_MASTER_KEY_SECRET_ARN"]
+
+
+def test_a_default_deploy_needs_no_api_gateway_account_setting(synthesized: Synthesized) -> None:
+    """Issue 24: a stage with access logs is refused until the account names a CloudWatch Logs role. By default
+    the stage logs nothing that needs that role, and the stack does not touch the account-wide setting."""
+    [stage] = synthesized.resources("AWS::ApiGateway::Stage").values()
+    assert "AccessLogSetting" not in stage["Properties"]
+    for method in stage["Properties"].get("MethodSettings", []):
+        assert method.get("LoggingLevel", "OFF") == "OFF" and not method.get("DataTraceEnabled"), method
+    synthesized.assertions.resource_count_is("AWS::ApiGateway::Account", 0)
+
+
+def test_access_logs_with_the_opt_in_account_role_come_after_the_account_setting(tmp_path: Path) -> None:
+    custom = synthesize(tmp_path, api_access_logs=True, api_account_logs_role=True)
+    [(account, setting)] = custom.resources("AWS::ApiGateway::Account").items()
+    role = setting["Properties"]["CloudWatchRoleArn"]["Fn::GetAtt"][0]
+    props = custom.template["Resources"][role]["Properties"]
+    assert props["AssumeRolePolicyDocument"]["Statement"] == [
+        {"Action": "sts:AssumeRole", "Effect": "Allow", "Principal": {"Service": "apigateway.amazonaws.com"}}
+    ]
+    assert custom.template["Resources"][role]["DeletionPolicy"] == "Retain"  # the account setting outlives the stack
+    [stage] = custom.resources("AWS::ApiGateway::Stage").values()
+    assert "DestinationArn" in stage["Properties"]["AccessLogSetting"]
+    assert account in stage["DependsOn"]  # created once the account names the role
+    assert [f for f in custom.messages if "AwsSolutions" in str(f.entry.data)] == []
+    assert cfn_lint(tmp_path, custom) == ""
+
+
+def test_access_logs_alone_rely_on_the_account_role_being_set_already(tmp_path: Path) -> None:
+    custom = synthesize(tmp_path, api_access_logs=True)
+    [stage] = custom.resources("AWS::ApiGateway::Stage").values()
+    assert "DestinationArn" in stage["Properties"]["AccessLogSetting"]
+    custom.assertions.resource_count_is("AWS::ApiGateway::Account", 0)
+
+
+def test_the_runs_table_and_the_master_key_outlive_the_stack(synthesized: Synthesized) -> None:
+    """Issue 24: docs/deploy.md says `cdk destroy` keeps the runs; the key that verifies their late results and
+    signs for every app is kept with them, and the table cannot be deleted by accident."""
+    [secret] = [r for n, r in synthesized.resources("AWS::SecretsManager::Secret").items() if "SigningKey" in n]
+    assert (secret["DeletionPolicy"], secret["UpdateReplacePolicy"]) == ("Retain", "Retain")
+    synthesized.assertions.has_resource(
+        "AWS::DynamoDB::Table",
+        {
+            "DeletionPolicy": "Retain",
+            "UpdateReplacePolicy": "Retain",
+            "Properties": Match.object_like(
+                {
+                    "DeletionProtectionEnabled": True,
+                    "KeySchema": Match.array_with([{"AttributeName": "sk", "KeyType": "RANGE"}]),
+                }
+            ),
+        },
+    )
+
+
+def test_the_sweeper_may_not_read_the_master_key(synthesized: Synthesized) -> None:
+    """Issue 24: the sweeper only reads runs and sends their messages and schedules; it signs nothing."""
+    [secret] = [n for n, r in synthesized.resources("AWS::SecretsManager::Secret").items() if "SigningKey" in n]
+    _, sweep = synthesized.function("ryusen_server.lambdas.sweep.handler")
+    role = sweep["Properties"]["Role"]["Fn::GetAtt"][0]
+    for policy in synthesized.resources("AWS::IAM::Policy").values():
+        if {"Ref": role} in policy["Properties"]["Roles"]:
+            for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+                assert {"Ref": secret} not in _as_list(statement["Resource"]), statement
