@@ -699,7 +699,8 @@ class Engine:
         # the blocked runs are woken by dispatchers (a sync returns at once, however many are blocked), and
         # looked up again once the index has caught up with runs that blocked just before this sync
         for fn in manifest.functions:
-            self.queue.wake(WakeOrder(function_id=fn.id))
+            if self.store.runs_blocked_by_definition(fn.id):  # one index query; the wakes are the dispatchers'
+                self.queue.wake(WakeOrder(function_id=fn.id))
             if self.settings.index_settle_s > 0:
                 self.queue.wake(WakeOrder(function_id=fn.id), self.settings.index_settle_s)
         return release
