@@ -206,7 +206,8 @@ class SecretKey:
 
     def fresh_keys(self) -> tuple[str | None, str | None]:
         """:meth:`keys`, read from the secret again unless it was read in the last ``recheck_s`` (by default:
-        always; what asks for fresh keys is rare, and only ever after a message verified)."""
+        always). What asks for it is rare: a sync (an IAM caller), and a late result that already verified
+        with the cached keys, so a flood of unsigned messages never costs a read of the secret."""
         return self._keys(self._recheck_s)
 
     def _keys(self, max_age_s: float) -> tuple[str | None, str | None]:
