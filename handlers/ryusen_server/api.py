@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
@@ -100,8 +101,35 @@ def _json(status: int, body: Any) -> Response[str]:
     return Response(status_code=status, content_type="application/json", body=json.dumps(body, default=str))
 
 
+_CURRENT_EVENT: ContextVar[Any] = ContextVar("ryusen_api_event", default=None)
+
+
+class RequestResolver(APIGatewayRestResolver):
+    """Powertools' REST resolver with the event it is resolving kept per request.
+
+    Powertools keeps the current event on the class (``BaseRouter.current_event``): where requests are
+    resolved at once (``ryusen dev`` serves its API from threads), one request would route, read its body and
+    log by another's event. Here each request's event is its own (a context variable: per thread, per task).
+    """
+
+    @property
+    def current_event(self) -> Any:
+        return _CURRENT_EVENT.get()
+
+    @current_event.setter
+    def current_event(self, value: Any) -> None:
+        _CURRENT_EVENT.set(value)
+
+    def resolve(self, event: Any, context: Any) -> dict[str, Any]:
+        token = _CURRENT_EVENT.set(self._to_proxy_event(event))
+        try:
+            return super().resolve(event, context)
+        finally:
+            _CURRENT_EVENT.reset(token)
+
+
 def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRestResolver:
-    api = APIGatewayRestResolver(strip_prefixes=[])
+    api = RequestResolver(strip_prefixes=[])
 
     def body_of(model: type[_Body], *, optional: bool = False) -> Any:
         raw = api.current_event.body

@@ -54,7 +54,8 @@ class CliError(click.ClickException):
     """A failure to report as ``error: ...`` on stderr, with exit status 1."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        # what a server or an endpoint said is data: its control characters are shown, never acted on
+        click.echo(f"error: {printable(self.format_message())}", err=True)
 
 
 # --- talking to the server -------------------------------------------------------------------------------------------
@@ -601,6 +602,15 @@ _CONTROL = str.maketrans({c: f"\\x{c:02x}" for c in (*range(32), *range(0x7F, 0x
 window), shown as ``\\x1b`` instead: what a run holds is data, never instructions to the terminal."""
 
 
+_CONTROL_ALL = str.maketrans({c: f"\\x{c:02x}" for c in (*range(32), *range(0x7F, 0xA0))})
+
+
+def said(value: Any) -> str:
+    """A value someone else chose (an endpoint's release id, a function id), for one line of output: every
+    control character shown as ``\\x..``, line breaks included."""
+    return str(value).translate(_CONTROL_ALL)
+
+
 def printable(value: Any) -> Any:
     """A JSON value with every string's control characters made visible (keys too)."""
     if isinstance(value, str):
@@ -720,11 +730,12 @@ def sync(api: Api, url: str, app_id: str | None) -> None:
     if app_id is None:
         app_id = str(api.manifest(url)["app_id"])
     release = api.sync(app_id, url)
-    functions = ", ".join(str(f.get("id")) for f in release.get("functions") or []) or "none"
     signed = "" if release.get("signed", True) else " (unsigned: the app has no signing key)"
+    # every value here is what the endpoint said: one line each, its control characters shown, never acted on
+    functions = ", ".join(said(f.get("id")) for f in release.get("functions") or []) or "none"
     click.echo(
-        f"synced app {release.get('app_id', app_id)}: release {release.get('release_id')} "
-        f"(build {release.get('build_id')}){signed}\nfunctions: {functions}"
+        f"synced app {said(release.get('app_id', app_id))}: release {said(release.get('release_id'))} "
+        f"(build {said(release.get('build_id'))}){signed}\nfunctions: {functions}"
     )
 
 
@@ -958,6 +969,50 @@ def derive(app_id: str, master_secret: str | None) -> None:
     derived = app_key(master, app_id)
     click.echo(derived)
     click.echo(f"key id {key_id(derived)} (app {printable(app_id)})", err=True)
+
+
+@key.command()
+@click.option(
+    "--secret", "secret_id", metavar="SECRET_ID", required=True, help="The key secret (the stack's MasterKeySecret)."
+)
+@click.option(
+    "--emergency",
+    is_flag=True,
+    help="Keep no previous key: the old key is refused from now on (a leaked key). In-flight work may be disturbed.",
+)
+def rotate(secret_id: str, emergency: bool) -> None:
+    """Put a new random key in SECRET_ID (its old value becomes AWSPREVIOUS).
+
+    A normal rotation keeps the old key valid for RYUSEN_PREVIOUS_KEY_WINDOW_S (a day by default) after now;
+    --emergency detaches AWSPREVIOUS, so nothing accepts the old key (docs/security.md#keys). The new key is
+    never printed: its key id goes to stderr."""
+    import secrets as random_secrets
+
+    import boto3
+
+    from ryusen._internal.signing import key_id
+
+    client = boto3.client("secretsmanager")
+    new = random_secrets.token_hex(32)
+    version = client.put_secret_value(SecretId=secret_id, SecretString=new)["VersionId"]
+    if emergency:
+        stages = client.describe_secret(SecretId=secret_id).get("VersionIdsToStages") or {}
+        for old, labels in stages.items():
+            if "AWSPREVIOUS" in labels and old != version:
+                client.update_secret_version_stage(
+                    SecretId=secret_id, VersionStage="AWSPREVIOUS", RemoveFromVersionId=old
+                )
+        click.echo(
+            f"rotated {printable(secret_id)} in an emergency: version {version}, no previous key kept. Engines"
+            " refuse the old key for late results and syncs now and sign with the new key within 5 minutes; give"
+            " every app its new key now (ryusen key derive)."
+        )
+    else:
+        click.echo(
+            f"rotated {printable(secret_id)}: version {version}. The previous key stays valid for"
+            " RYUSEN_PREVIOUS_KEY_WINDOW_S (a day by default), then is refused."
+        )
+    click.echo(f"key id {key_id(new)}", err=True)
 
 
 def _usage(ctx: click.Context, message: str) -> NoReturn:

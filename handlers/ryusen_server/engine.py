@@ -24,12 +24,14 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from ryusen._internal.signing import (
+    PREVIOUS_KEY_WINDOW_S,
     SIGNATURE_HEADER,
     Scope,
     Signature,
     SignatureError,
     answer_binding,
     app_key,
+    key_id,
     parse,
     sign,
     split_keys,
@@ -106,6 +108,13 @@ MAX_DEFERRAL_DELAY_S = 900
 RESPONSE_GRACE_FRACTION = 0.1
 RESPONSE_GRACE_MIN_S = 0.5
 RESPONSE_GRACE_MAX_S = 2.0
+MAX_MANIFEST_FUNCTIONS = 200
+"""The most functions one release (one app's manifest) may declare."""
+MAX_MANIFEST_BYTES = 128 * 1024
+"""The largest manifest a release is recorded from (its JSON): room for ``MAX_MANIFEST_FUNCTIONS`` functions
+with the longest ids, and well under one store item (DynamoDB's 400 KB)."""
+MAX_LATE_RESULT_BYTES = 1024 * 1024
+"""The largest late result the server reads (a result is at most ``MAX_VALUE_BYTES``; the rest is room)."""
 DISPATCH_MARGIN_S = 10.0
 """What a dispatcher keeps of its time budget to record an answer after it arrives."""
 MIN_DISPATCH_BUDGET_S = DISPATCH_MARGIN_S + RESPONSE_GRACE_MAX_S + 3.0
@@ -253,7 +262,12 @@ class ServerSettings:
     master_keys_source: Callable[[], tuple[str | None, str | None]] | None = None
     """Where the master keys are read from when they are not fixed (a deployment's secret, cached and re-read
     so that a rotation takes effect): (the key to sign with, the one it replaced, still accepted when
-    verifying). It wins over ``master_key``."""
+    verifying while its window lasts). It wins over ``master_key``."""
+    fresh_master_keys_source: Callable[[], tuple[str | None, str | None]] | None = None
+    """The same keys, read again now (a few seconds' cache at most): what verifies an unsolicited message (a
+    late result, a manifest) uses, so that an emergency rotation refuses the old key at once there."""
+    previous_key_window_s: float = PREVIOUS_KEY_WINDOW_S
+    """How long after a rotation a key secret's previous key is still accepted (``RYUSEN_PREVIOUS_KEY_WINDOW_S``)."""
     result_url: str | None = None
     """The server's late-result endpoint handed to SDKs (decisions 6.15)."""
     default_run_timeout_s: float | None = None
@@ -429,17 +443,20 @@ class Engine:
             return seen[1]
         return self._read_release(function_id)
 
-    def master_keys(self) -> list[str]:
-        """The valid master keys, the one to sign with first (during a rotation, also the one it replaced)."""
+    def master_keys(self, *, fresh: bool = False) -> list[str]:
+        """The valid master keys, the one to sign with first (during a rotation's window, also the one it
+        replaced). ``fresh``: read from the secret again now, not from the cache (for an unsolicited message)."""
         source = self.settings.master_keys_source
+        if fresh and self.settings.fresh_master_keys_source is not None:
+            source = self.settings.fresh_master_keys_source
         if source is not None:
             return [key for key in source() if key]
         return split_keys(self.settings.master_key)
 
-    def app_keys(self, app_id: str) -> list[str]:
+    def app_keys(self, app_id: str, *, fresh: bool = False) -> list[str]:
         """App ``app_id``'s keys, derived from the master keys: what its messages are signed and verified with
         (empty: this engine signs nothing)."""
-        return [app_key(master, app_id) for master in self.master_keys()]
+        return [app_key(master, app_id) for master in self.master_keys(fresh=fresh)]
 
     # ---- the decide/write/act loop ---------------------------------------------
 
@@ -663,7 +680,12 @@ class Engine:
     def sync_release(
         self, app_id: str, url: str, manifest: Manifest, features: frozenset[str] = frozenset()
     ) -> Release:
-        """Record a release and wake the blocked runs of its functions (R3, D5)."""
+        """Record a release and wake the blocked runs of its functions (R3, D5).
+
+        The manifest is bounded before anything is read or written: at most ``MAX_MANIFEST_FUNCTIONS``
+        functions, ``MAX_MANIFEST_BYTES`` in all, and every id (app, release, build, function) 1 to
+        ``MAX_ID_LENGTH`` printable characters: a release is stored, and served to every client."""
+        _check_manifest_bounds(manifest)
         if manifest.app_id != app_id:
             raise InvalidRequestError(
                 f"the endpoint serves app {manifest.app_id!r}, not {app_id!r}", code="app_id_mismatch"
@@ -1087,27 +1109,48 @@ class Engine:
 
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
         """The SDK's late submission (decisions 6.15): signed with the key of the app whose run it is about, for
-        that run's attempt at the result URL, and fenced like any result."""
+        that run's attempt at the result URL, and fenced like any result.
+
+        Before the body is parsed, its size is checked (at most ``MAX_LATE_RESULT_BYTES``) and, on a keyed
+        server, its signature header's form. Every refusal of the signature, whether the run exists or not,
+        is the same answer: a caller without the run's key learns nothing about which runs exist. A late
+        result that verifies is verified again with the keys read afresh, so an emergency rotation refuses the
+        old key at once (a message that does not verify never costs a read of the secret).
+        """
+        if len(body) > MAX_LATE_RESULT_BYTES:
+            raise PayloadTooLargeError(
+                f"a late result is at most {MAX_LATE_RESULT_BYTES} bytes", limit=MAX_LATE_RESULT_BYTES
+            )
+        masters = self.master_keys()
+        header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
+        signature: Signature | None = None
+        if masters:
+            try:
+                signature = parse(header)  # an unsigned or malformed header: the body is not even parsed
+            except SignatureError:
+                raise _late_result_refused() from None
         try:
             late = LateResult.model_validate_json(body)
         except ValidationError as exc:
-            if self.master_keys():
-                raise SignatureRejectedError("not a signed late result") from None
+            if masters:
+                raise _late_result_refused() from None
             raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
-        if self.master_keys():
+        if signature is not None:
             ids = (late.run_id, late.step_id)
             if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in ids):
-                raise SignatureRejectedError("not signed by the app of any run")  # no such id: nothing is read
+                raise _late_result_refused()  # no such id: nothing is read
             state = self.store.get(late.run_id)
-            if state is None:
-                raise SignatureRejectedError("not signed by the app of any run")  # says nothing about which runs exist
-            lowered = {k.lower(): v for k, v in headers.items()}
+            keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
+            if signature.key_id not in {key_id(key) for key in keys}:
+                raise _late_result_refused()  # no such run, or a key this server does not hold for its app
+            assert state is not None
             path = url_path(self.settings.result_url or "/v1/results")
             scope = late_result_scope(late, path=path, app_id=state.app_id)
             try:
-                verify(self.app_keys(state.app_id), scope, body, lowered.get(SIGNATURE_HEADER.lower()), now=time.time())
-            except SignatureError as exc:
-                raise SignatureRejectedError(exc.reason) from None
+                verify(keys, scope, body, header, now=time.time())
+                verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
+            except SignatureError:
+                raise _late_result_refused() from None
         if (problem := _values_problem(late.attempt)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         decision = self.apply(
@@ -1206,9 +1249,45 @@ class Engine:
         return self.apply(timer.run_id, WakeRequested(source="probe"))
 
 
+def _check_manifest_bounds(manifest: Manifest) -> None:
+    """A manifest within the limits a release is stored with, or a 4xx that says which it breaks."""
+    if len(manifest.functions) > MAX_MANIFEST_FUNCTIONS:
+        raise InvalidRequestError(
+            f"the manifest declares {len(manifest.functions)} functions; a release has at most"
+            f" {MAX_MANIFEST_FUNCTIONS}: split the app",
+            code="manifest_too_large",
+            functions=len(manifest.functions),
+            limit=MAX_MANIFEST_FUNCTIONS,
+        )
+    named = [("app id", manifest.app_id), ("release id", manifest.release_id), ("build id", manifest.build_id)]
+    for what, value in [*named, *(("function id", fn.id) for fn in manifest.functions)]:
+        if not 0 < len(value) <= MAX_ID_LENGTH or not value.isprintable():
+            raise InvalidRequestError(
+                f"the manifest's {what} must be 1 to {MAX_ID_LENGTH} printable characters"
+                f" (it has {len(value)}; it is not repeated here)",
+                code="invalid_manifest",
+                limit=MAX_ID_LENGTH,
+            )
+    size = len(manifest.model_dump_json().encode())
+    if size > MAX_MANIFEST_BYTES:
+        raise InvalidRequestError(
+            f"the manifest is {size} bytes; a release is at most {MAX_MANIFEST_BYTES}",
+            code="manifest_too_large",
+            limit=MAX_MANIFEST_BYTES,
+        )
+
+
 class SignatureRejectedError(ServerError):
     code = "invalid_signature"
     status = 401
+
+
+def _late_result_refused() -> SignatureRejectedError:
+    """The one answer to a late result whose signature does not hold, for whatever reason (no such run included)."""
+    return SignatureRejectedError(
+        "not a late result signed by the app of its run with a key this server holds (checked: the signature"
+        " header, the run's app, the key id, the attempt, the result URL's path, the time)"
+    )
 
 
 TASK_ADAPTER: TypeAdapter[TaskRef] = TypeAdapter(TaskRef)

@@ -7,6 +7,8 @@ then timed out or dropped: ``lost``), as decisions 6.4 requires.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,52 @@ from ryusen._internal.app import HandlerResponse
 from .ports import InvokeResult, RequestCounter
 from .urls import EndpointPolicy, EndpointRefusedError
 
+WORKER_SLACK_S = 0.25
+"""How long past the deadline the caller waits for the worker's own answer (a timeout it reports itself
+names what timed out better)."""
+
+
+class _Call:
+    """One invocation on its worker thread: its result, whether the request had begun to be sent (before
+    that, nothing of it can have reached the endpoint), and the connections it opened (shut if abandoned)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result = InvokeResult(kind="lost", detail="no result")
+        self.sending = False
+        self._streams: list[Any] = []
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith("send_request_headers.started"):
+            self.sending = True
+        elif event == "connection.connect_tcp.complete":
+            with self._lock:
+                self._streams.append(info.get("return_value"))
+                abandoned = self._abandoned
+            if abandoned:
+                self.abandon()
+
+    def run(self, send: Callable[..., InvokeResult], *args: Any) -> None:
+        try:
+            self.result = send(*args)
+        except Exception as exc:  # noqa: BLE001 - reported as the invocation's outcome, never raised in a thread
+            self.result = InvokeResult(kind="lost" if self.sending else "unreachable", detail=type(exc).__name__)
+        finally:
+            self.done.set()
+
+    def abandon(self) -> None:
+        """Shut the sockets this call opened: a worker blocked reading a trickle ends now."""
+        with self._lock:
+            self._abandoned = True
+            streams = list(self._streams)
+        for stream in streams:
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
 
 class HttpInvoker:
     def __init__(self, counter: RequestCounter | None = None, *, policy: EndpointPolicy | None = None) -> None:
@@ -29,19 +77,46 @@ class HttpInvoker:
         self.policy = policy
 
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
-        """POST the task and read the answer within ``timeout_s`` in all (an answer that trickles in counts
-        as timed out once the time is up, as a silent one does)."""
+        """POST the task and have its whole answer within ``timeout_s``: one deadline for the connection, the
+        request, the status line and headers, and the body. An endpoint that trickles its answer, a byte now
+        and then inside every read timeout, is timed out when the time is up, as a silent one is.
+
+        The call runs on a worker thread while this one waits for the deadline; at the deadline the
+        connection is shut (when this call opened it) and the worker is left to end on its own."""
         self.counter.add("endpoint.invoke", len(body))
-        extensions: dict[str, Any] | None = None
+        extensions: dict[str, Any] = {}
         if self.policy is not None:
             try:
                 target = self.policy.check(url)
             except EndpointRefusedError as exc:
                 return InvokeResult(kind="unreachable", detail=f"not sent: {exc.message}")
             url, headers = target.url, {**headers, "Host": target.host_header}
-            extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
-        timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
+            if target.sni_hostname:
+                extensions["sni_hostname"] = target.sni_hostname
         deadline = time.monotonic() + timeout_s
+        call = _Call()
+        extensions["trace"] = call.trace
+        worker = threading.Thread(
+            target=call.run, args=(self._send, url, body, headers, timeout_s, extensions, deadline), daemon=True
+        )
+        worker.start()
+        if call.done.wait(max(0.0, deadline - time.monotonic()) + WORKER_SLACK_S):
+            return call.result
+        call.abandon()
+        if not call.sending:
+            return InvokeResult(kind="unreachable", detail=f"no connection within {timeout_s:g}s (nothing sent)")
+        return InvokeResult(kind="timed_out", detail=f"no complete response within {timeout_s:g}s")
+
+    def _send(
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout_s: float,
+        extensions: dict[str, Any],
+        deadline: float,
+    ) -> InvokeResult:
+        timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
         try:
             with self._client.stream(
                 "POST", url, content=body, headers=headers, timeout=timeout, extensions=extensions

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from ryusen._internal.signing import PREVIOUS_KEY_WINDOW_S
 from ryusen._internal.wire import RetryPolicyWire
 
 from .core.events import EngineSettings
@@ -104,6 +105,7 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         release_recheck_s=_seconds_or_never(env, "RYUSEN_RELEASE_RECHECK_S", RELEASE_RECHECK_S),
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
         store_retry_s=_req(env, "RYUSEN_STORE_RETRY_S", STORE_RETRY_S),
+        previous_key_window_s=_seconds_or_never(env, "RYUSEN_PREVIOUS_KEY_WINDOW_S", PREVIOUS_KEY_WINDOW_S),
     )
 
 

@@ -121,6 +121,10 @@ class EndpointPolicy:
             raise EndpointRefusedError("the endpoint URL has no host")
         if "%" in host:  # a zone, or an encoding: either way a name the check would not be the one connected to
             raise EndpointRefusedError("an endpoint host may not contain '%'")
+        if not _is_ip(host) and not _is_host_name(host):
+            raise EndpointRefusedError(
+                "the endpoint host is not a DNS name: labels of 1 to 63 characters, at most 253 in all"
+            )
         if parts.fragment:
             raise EndpointRefusedError("an endpoint URL may not have a #fragment")
         path = parts.path or "/"
@@ -139,7 +143,7 @@ class EndpointPolicy:
         else:
             try:
                 candidates = self.resolver(host, port)
-            except OSError:
+            except (OSError, UnicodeError):  # UnicodeError: a name the resolver's IDNA codec cannot encode
                 raise EndpointRefusedError(f"the endpoint host {host!r} does not resolve") from None
         if not candidates:
             raise EndpointRefusedError(f"the endpoint host {host!r} does not resolve")
@@ -177,6 +181,12 @@ class EndpointPolicy:
             f"the endpoint host {host!r} is {what} ({address}); allow its network with"
             " RYUSEN_ENDPOINT_ALLOWED_NETWORKS if the server should reach it"
         )
+
+
+def _is_host_name(host: str) -> bool:
+    """``host`` can be a DNS name: labels of 1 to 63 characters (one trailing dot allowed), 253 in all."""
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(0 < len(label) <= 63 for label in name.split("."))
 
 
 def _is_ip(host: str) -> bool:

@@ -6,9 +6,11 @@ constructs boto3 clients.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,13 +21,25 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from ryusen._internal.signing import CHALLENGE_HEADER, SIGNATURE_HEADER, Scope, SignatureError, url_path, verify
+from ryusen._internal.signing import (
+    CHALLENGE_HEADER,
+    KEY_IDS_HEADER,
+    PREVIOUS_KEY_WINDOW_S,
+    SIGNATURE_HEADER,
+    Scope,
+    SecretRead,
+    SignatureError,
+    key_ids_header,
+    read_secret,
+    url_path,
+    verify,
+)
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
 from .aws.queue import DelayHold, SqsQueue
 from .aws.store import DynamoStore
 from .aws.timers import SchedulerTimers
-from .engine import Engine, ServerSettings
+from .engine import MAX_MANIFEST_BYTES, Engine, ServerSettings
 from .invoker import HttpInvoker
 from .ports import InvalidRequestError, RequestCounter
 from .settings import server_settings
@@ -84,8 +98,10 @@ class AwsEngine:
     """What an app may register as its endpoint (decisions 22), for the manifest fetch and every task."""
 
     def fetcher(self) -> Callable[[str, str], tuple[Manifest, frozenset[str]]]:
-        """The manifest fetch the API syncs releases with: under the URL policy, verified with the app's keys."""
-        return manifest_fetcher(self.policy, self.engine.app_keys)
+        """The manifest fetch the API syncs releases with: under the URL policy, verified with the app's keys,
+        read afresh (an emergency rotation refuses the old key at once)."""
+        engine = self.engine
+        return manifest_fetcher(self.policy, lambda app_id: engine.app_keys(app_id, fresh=True))
 
 
 def aws_engine(
@@ -123,8 +139,12 @@ def aws_engine(
             " RYUSEN_MASTER_KEY_SECRET_ARN (the CDK stack does); there is no unsigned mode on AWS"
         )
     if resources.master_key_secret_arn is not None:
-        key = SecretKey(client("secretsmanager", resources), resources.master_key_secret_arn)
-        settings = replace(settings, master_keys_source=key.keys)
+        key = SecretKey(
+            client("secretsmanager", resources),
+            resources.master_key_secret_arn,
+            window_s=settings.previous_key_window_s,
+        )
+        settings = replace(settings, master_keys_source=key.keys, fresh_master_keys_source=key.fresh_keys)
     engine = Engine(
         store=DynamoStore(
             client("dynamodb", resources),
@@ -145,17 +165,34 @@ log = logging.getLogger("ryusen.wiring")
 
 class SecretKey:
     """The signing key in a Secrets Manager secret: read on first use (the Lambda's cold start) and again once
-    ``ttl_s`` has passed, so a rotated key takes effect within that time without a redeploy."""
+    ``ttl_s`` has passed, so a rotated key takes effect within that time without a redeploy.
+
+    The key a rotation replaced (AWSPREVIOUS) is still accepted for ``window_s`` after the rotation (the time
+    the current version was made, on ``wall``'s clock), then never. An emergency rotation detaches AWSPREVIOUS
+    (``ryusen key rotate --emergency``): there is no previous key to accept. :meth:`fresh_keys` reads the
+    secret again first (unless it was read in the last ``recheck_s``): an unsolicited message that verifies
+    (a late result, a manifest) is verified again with it, so an emergency rotation refuses the old key at
+    once there."""
 
     def __init__(
-        self, client: Any, secret_id: str, *, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+        self,
+        client: Any,
+        secret_id: str,
+        *,
+        ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float = PREVIOUS_KEY_WINDOW_S,
+        wall: Callable[[], float] = time.time,
+        recheck_s: float = 0.0,
     ) -> None:
         self._client = client
         self._secret_id = secret_id
         self._ttl_s = ttl_s
         self._clock = clock
-        self._value: str | None = None
-        self._previous: str | None = None
+        self._window_s = window_s
+        self._wall = wall
+        self._recheck_s = recheck_s
+        self._read: SecretRead | None = None
         self._read_at = 0.0
         self._lock = threading.Lock()
 
@@ -163,36 +200,80 @@ class SecretKey:
         return self.keys()[0]
 
     def keys(self) -> tuple[str | None, str | None]:
-        """(current, previous): the key to sign with, and the one a rotation just replaced, which is still
-        accepted when verifying so that a rotation fails nothing in flight."""
+        """(current, previous): the key to sign with, and the one a rotation replaced while its window lasts,
+        still accepted when verifying so that a rotation fails nothing in flight."""
+        return self._keys(self._ttl_s)
+
+    def fresh_keys(self) -> tuple[str | None, str | None]:
+        """:meth:`keys`, read from the secret again unless it was read in the last ``recheck_s`` (by default:
+        always). What asks for it is rare: a sync (an IAM caller), and a late result that already verified
+        with the cached keys, so a flood of unsigned messages never costs a read of the secret."""
+        return self._keys(self._recheck_s)
+
+    def _keys(self, max_age_s: float) -> tuple[str | None, str | None]:
         with self._lock:
-            if self._value is None or self._clock() - self._read_at > self._ttl_s:
+            if self._read is None or self._clock() - self._read_at >= max_age_s:
                 try:
-                    current = self._read("AWSCURRENT")
-                    if current is None:  # an empty secret is no key: fail closed, never unsigned
+                    read = read_secret(self._client, self._secret_id)
+                    if read.current is None:  # an empty secret is no key: fail closed, never unsigned
                         raise RuntimeError(f"the signing key secret {self._secret_id} is empty")
-                    previous = self._read("AWSPREVIOUS")
                 except Exception:
-                    if self._value is None:
+                    if self._read is None:
                         raise  # a cold start without the key: fail closed, the message comes back
                     log.warning("could not re-read the signing key; keeping the one read before", exc_info=True)
                     self._read_at = self._clock()
-                    return self._value, self._previous
-                self._value, self._previous, self._read_at = current, previous, self._clock()
-            return self._value, self._previous
-
-    def _read(self, stage: str) -> str | None:
-        try:
-            secret = self._client.get_secret_value(SecretId=self._secret_id, VersionStage=stage)
-        except self._client.exceptions.ResourceNotFoundException:
-            if stage == "AWSPREVIOUS":
-                return None  # never rotated
-            raise
-        return str(secret["SecretString"]).strip() or None
+                else:
+                    self._read, self._read_at = read, self._clock()
+            return self._read.keys(self._wall(), self._window_s)
 
 
-MANIFEST_MAX_BYTES = 1024 * 1024
+MANIFEST_MAX_BYTES = MAX_MANIFEST_BYTES
+"""The largest manifest a sync reads (what a release is recorded from, at most)."""
 MANIFEST_TIMEOUT_S = 10.0
+"""One deadline for the whole manifest fetch: connecting, the headers and the body together."""
+
+
+class _Deadline:
+    """Cuts a fetch's connection when its deadline passes, wherever the fetch is: httpx's timeouts are per
+    read, so an endpoint that trickles its headers (or body) a byte at a time would hold the caller without
+    end. The socket is learned from httpx's ``trace`` extension, and shut down from a timer thread; the
+    blocked read then fails at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        if event not in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            return
+        stream = info.get("return_value")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            with self._lock:
+                self._sockets.append(sock)
+                if self.expired:
+                    _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def fetch_manifest(
@@ -206,35 +287,47 @@ def fetch_manifest(
     SDK announced in ``X-Ryusen-Features`` (none from an SDK that predates them).
 
     The URL must pass ``policy`` (decisions 22; by default only public addresses) and is fetched at the
-    address the policy checked. With ``keys`` (an app id's keys: the server's), the manifest must be signed
-    by app ``app_id`` as the answer to a GET of this URL's path, with the features it announces: an app the
-    server cannot verify is refused here, not left to fail every task later. Nothing
+    address the policy checked, within ``MANIFEST_TIMEOUT_S`` in all and ``MANIFEST_MAX_BYTES``. With ``keys``
+    (an app id's keys: the server's), the manifest must be signed by app ``app_id`` as the answer to a GET of
+    this URL's path, with the features it announces: an app the server cannot verify is refused here, not
+    left to fail every task later. The request names the ids of the keys the server holds
+    (``X-Ryusen-Key-Ids``), so an app that already holds a newer key signs with one the server holds. Nothing
     the endpoint answered is repeated in an error unless it is a well-formed, verified manifest: the
     fetch must not be a way to read what some other service would answer.
     """
     target = (policy or EndpointPolicy()).check(url)
+    valid_keys = keys(app_id) if keys is not None else []
     challenge = secrets.token_hex(16)  # the manifest must be signed for this fetch: an older one is no answer
     headers = {"Host": target.host_header, "Accept": "application/json", CHALLENGE_HEADER: challenge}
-    extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else None
-    give_up = time.monotonic() + MANIFEST_TIMEOUT_S
+    if valid_keys:
+        headers[KEY_IDS_HEADER] = key_ids_header(valid_keys)
+    slow = InvalidRequestError(f"{url} took over {MANIFEST_TIMEOUT_S:g}s to answer", code="endpoint_unreachable")
     try:
         with (
+            _Deadline(MANIFEST_TIMEOUT_S) as deadline,
             httpx.Client(follow_redirects=False, timeout=MANIFEST_TIMEOUT_S) as http,
-            http.stream("GET", target.url, headers=headers, extensions=extensions) as response,
         ):
-            received = bytearray()
-            for chunk in response.iter_bytes():
-                if time.monotonic() > give_up:  # the timeout is per read: a slow drip must not hold the API
-                    raise InvalidRequestError(
-                        f"{url} took over {MANIFEST_TIMEOUT_S:g}s to answer", code="endpoint_unreachable"
-                    )
-                received += chunk
-                if len(received) > MANIFEST_MAX_BYTES:
-                    raise InvalidRequestError(
-                        f"{url} answered with over {MANIFEST_MAX_BYTES} bytes; a manifest is smaller",
-                        code="invalid_manifest",
-                    )
-            body = bytes(received)
+            extensions: dict[str, Any] = {"trace": deadline.trace}
+            if target.sni_hostname:
+                extensions["sni_hostname"] = target.sni_hostname
+            try:
+                with http.stream("GET", target.url, headers=headers, extensions=extensions) as response:
+                    received = bytearray()
+                    for chunk in response.iter_bytes():
+                        received += chunk
+                        if len(received) > MANIFEST_MAX_BYTES:
+                            raise InvalidRequestError(
+                                f"{url} answered with over {MANIFEST_MAX_BYTES} bytes; a manifest is at most that",
+                                code="manifest_too_large",
+                                limit=MANIFEST_MAX_BYTES,
+                            )
+                    if deadline.expired:
+                        raise slow
+                    body = bytes(received)
+            except httpx.HTTPError:
+                if deadline.expired:
+                    raise slow from None
+                raise
     except httpx.HTTPError as exc:
         raise InvalidRequestError(f"cannot reach {url}: {type(exc).__name__}", code="endpoint_unreachable") from None
     if response.status_code != 200:
@@ -248,7 +341,6 @@ def fetch_manifest(
             f"{url} did not answer with a Ryusen manifest (its answer is not repeated here)", code="invalid_manifest"
         ) from None
     announced = response.headers.get(FEATURES_HEADER, "")
-    valid_keys = keys(app_id) if keys is not None else []
     if valid_keys:
         scope = Scope("response", "GET", url_path(url), app_id, extra=announced)
         try:

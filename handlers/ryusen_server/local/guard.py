@@ -43,6 +43,23 @@ class RefusedError(Exception):
         return [body]
 
 
+def loopback_only(app: Callable[..., Iterable[bytes]], port: Callable[[], int]) -> Callable[..., Iterable[bytes]]:
+    """``app`` (a dev app server's endpoint) answering only requests that name it by a loopback ``Host``: a page
+    whose name was rebound to ``127.0.0.1`` (DNS rebinding) reaches nothing, not even the manifest. A refusal
+    is a 421 ``foreign_host``, before the app sees the request."""
+
+    def only_loopback(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        host = str(environ.get("HTTP_HOST", "")).lower()
+        if host not in loopback_hosts(port()):
+            refused = RefusedError(
+                421, "foreign_host", f"this app server answers only to 127.0.0.1:{port()} or localhost:{port()}"
+            )
+            return refused.answer(start_response)
+        return app(environ, start_response)
+
+    return only_loopback
+
+
 def _browser(environ: dict[str, Any]) -> bool:
     """Sent by a browser: a page's request carries at least one of these; the CLI, boto3 and the SDK none."""
     return any(k in environ for k in ("HTTP_ORIGIN", "HTTP_SEC_FETCH_SITE", "HTTP_REFERER", "HTTP_COOKIE"))

@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = make_server("127.0.0.1", args.port, app.wsgi(), threaded=True)
+    from .guard import loopback_only
+
+    # only a loopback Host: a page rebound to 127.0.0.1 (DNS rebinding) reaches nothing
+    server = make_server("127.0.0.1", args.port, loopback_only(app.wsgi(), lambda: args.port), threaded=True)
     print(f"serving app {app.app_id!r} ({args.spec}) on http://127.0.0.1:{args.port}/", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()

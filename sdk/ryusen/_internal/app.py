@@ -34,15 +34,21 @@ from .replay import DynamoSeenRequests, ReplayCheckUnavailableError, SeenStore
 from .serve import MAX_REQUEST_BYTES
 from .signing import (
     CHALLENGE_HEADER,
+    KEY_IDS_HEADER,
+    PREVIOUS_KEY_WINDOW_S,
     SIGNATURE_HEADER,
     Scope,
+    SecretRead,
     SeenRequests,
     SignatureError,
     StaleSignatureError,
     answer_binding,
     app_key,
+    choose_key,
     is_nonce,
     parse,
+    parse_key_ids,
+    read_secret,
     sign,
     split_keys,
     url_path,
@@ -197,6 +203,9 @@ class Ryusen:
             raise DefinitionError(f"app id must be a string of 1 to {MAX_ID_LENGTH} characters")
         self.app_id = app_id
         self._signing_keys = [signing_key] if isinstance(signing_key, str) else list(signing_key or [])
+        self._server_key_id: str | None = None
+        """The id of the key the server signed the last request this process verified with: a key the server
+        holds, which what this app sends unasked (a late result) is signed with (:func:`choose_key`)."""
         self._master_key = master_key
         self._insecure = insecure
         self._warned_insecure = False
@@ -618,8 +627,9 @@ class Ryusen:
         mode, a malformed request, a signature that is not this app's for this request at this path, a replay."""
         insecure = insecure or self.insecure
         if method == "GET":
-            challenge = {k.lower(): v for k, v in headers.items()}.get(CHALLENGE_HEADER.lower())
-            return self._manifest_reply(path, keys, insecure, challenge)
+            lowered = {k.lower(): v for k, v in headers.items()}
+            held = choose_key(keys, parse_key_ids(lowered.get(KEY_IDS_HEADER.lower())))  # mid-rotation: the server's
+            return self._manifest_reply(path, [held] if held else keys, insecure, lowered.get(CHALLENGE_HEADER.lower()))
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
@@ -659,6 +669,7 @@ class Ryusen:
                 return self._error(401, "invalid_signature", exc.reason, refusal)
             assert header is not None
             answering = _Answering(secret, scope.answer(), signature.nonce, answer_binding(header, body))
+            self._server_key_id = signature.key_id
             try:
                 first = self.seen_requests.first_time(signature, self.clock())
             except ReplayCheckUnavailableError as exc:
@@ -791,7 +802,7 @@ class Ryusen:
                     break
             time.sleep(delay)
             headers = {"content-type": "application/json"}
-            key = self.signing_key
+            key = choose_key(self.signing_keys, [self._server_key_id] if self._server_key_id else [])
             if key is not None:
                 nonce = os.urandom(16).hex()
                 headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
@@ -847,38 +858,41 @@ class Ryusen:
         return handle_lambda_event(self, event, context)
 
 
-_SECRETS: dict[str, tuple[float, tuple[str | None, str | None]]] = {}
+_SECRETS: dict[str, tuple[float, SecretRead]] = {}
 SECRET_TTL_S = 300.0
+PREVIOUS_KEY_WINDOW_ENV = "RYUSEN_PREVIOUS_KEY_WINDOW_S"
 
 
 def _secret_keys(secret_id: str, now: float) -> tuple[str | None, str | None]:
     """(current, previous) signing keys from the secret, read again after ``SECRET_TTL_S``; a failed
-    re-read keeps the keys read before."""
+    re-read keeps the keys read before. The previous key (AWSPREVIOUS) holds only for the window after the
+    rotation (``RYUSEN_PREVIOUS_KEY_WINDOW_S``, default a day), and not at all once an emergency rotation
+    detached it."""
     cached = _SECRETS.get(secret_id)
-    if cached is not None and now - cached[0] <= SECRET_TTL_S:
-        return cached[1]
-    import boto3  # only here: the Lambda runtime has it; the SDK does not depend on it
+    if cached is None or now - cached[0] > SECRET_TTL_S:
+        import boto3  # only here: the Lambda runtime has it; the SDK does not depend on it
 
-    client = boto3.client("secretsmanager")
-
-    def read(stage: str) -> str | None:
         try:
-            value = client.get_secret_value(SecretId=secret_id, VersionStage=stage)["SecretString"]
-        except client.exceptions.ResourceNotFoundException:
-            if stage == "AWSPREVIOUS":
-                return None
-            raise
-        return str(value).strip() or None
+            read = read_secret(boto3.client("secretsmanager"), secret_id)
+        except Exception:
+            if cached is None:
+                raise
+            log.warning(
+                "could not re-read the signing key from %s; keeping the one read before", secret_id, exc_info=True
+            )
+            read = cached[1]
+        cached = (now, read)
+        _SECRETS[secret_id] = cached
+    return cached[1].keys(time.time(), _previous_key_window_s())
 
+
+def _previous_key_window_s() -> float:
+    raw = os.environ.get(PREVIOUS_KEY_WINDOW_ENV, "").strip()
     try:
-        keys = (read("AWSCURRENT"), read("AWSPREVIOUS"))
-    except Exception:
-        if cached is None:
-            raise
-        log.warning("could not re-read the signing key from %s; keeping the one read before", secret_id, exc_info=True)
-        keys = cached[1]
-    _SECRETS[secret_id] = (now, keys)
-    return keys
+        return float(raw) if raw else PREVIOUS_KEY_WINDOW_S
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; using %g", PREVIOUS_KEY_WINDOW_ENV, raw, PREVIOUS_KEY_WINDOW_S)
+        return PREVIOUS_KEY_WINDOW_S
 
 
 def _on_lambda(options: ServeOptions | None) -> bool:

@@ -13,6 +13,10 @@ Keys:
 * A key is named by its key id (:func:`key_id`, a fingerprint of the key), and several keys may be valid at
   once: the first signs, any verifies. A rotation adds the new key everywhere before it signs with it, so
   nothing in flight fails.
+* A key read from a secret keeps the key it replaced (AWSPREVIOUS) valid for a window after the rotation
+  only (:class:`SecretRead`); an emergency rotation leaves no previous version, so the old key is refused.
+* What a side sends unasked (a late result, a manifest) it signs with a key the other side holds
+  (:func:`choose_key`): mid-rotation an app may hold a newer key than the server does yet.
 """
 
 from __future__ import annotations
@@ -24,15 +28,22 @@ import string
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 SIGNATURE_HEADER = "X-Ryusen-Signature"
 CHALLENGE_HEADER = "X-Ryusen-Challenge"
 """Sent with a manifest request: 32 fresh hex digits the manifest's signature must carry as its nonce, so a
 manifest signed earlier (an older release's) cannot be played back to a sync."""
+KEY_IDS_HEADER = "X-Ryusen-Key-Ids"
+"""Sent with a manifest request: the ids of the app's keys the server holds, the one it signs with first, so
+the app signs its manifest with a key the server can verify (mid-rotation the app may already hold a newer
+key the server does not)."""
 VERSION = "v2"
 MAX_SKEW_S = 300.0
+PREVIOUS_KEY_WINDOW_S = 86_400.0
+"""How long after a rotation a key read from a secret still accepts the key it replaced (AWSPREVIOUS):
+``RYUSEN_PREVIOUS_KEY_WINDOW_S``. After it, the previous key is refused."""
 
 _HEX = frozenset("0123456789abcdef")
 KEY_ID_LENGTH = 16
@@ -75,6 +86,69 @@ def app_key(master: str, app_id: str) -> str:
 def split_keys(value: str | None) -> list[str]:
     """Keys from a setting: comma-separated, the first the one to sign with (empty entries are no key)."""
     return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def choose_key(keys: Sequence[str], wanted_ids: Sequence[str]) -> str | None:
+    """The key to sign an unsolicited message with: the first of ``wanted_ids`` (the ids of keys the other side
+    holds, its own signing key first) that is one of ``keys``; else the first of ``keys`` (None: no key).
+
+    >>> choose_key(["new", "old"], [key_id("old")]) == "old"
+    True
+    >>> choose_key(["new", "old"], ["0" * 16])
+    'new'
+    """
+    by_id = {key_id(key): key for key in keys}
+    return next((by_id[wanted] for wanted in wanted_ids if wanted in by_id), keys[0] if keys else None)
+
+
+def key_ids_header(keys: Sequence[str]) -> str:
+    """The value of :data:`KEY_IDS_HEADER` for ``keys``: their ids, comma-separated, in order."""
+    return ",".join(key_id(key) for key in keys)
+
+
+def parse_key_ids(value: str | None) -> list[str]:
+    """The key ids a :data:`KEY_IDS_HEADER` names (at most 8; anything malformed is left out)."""
+    ids = [part.strip() for part in (value or "").split(",")[:8]]
+    return [part for part in ids if _plain(part, _HEX, KEY_ID_LENGTH, exactly=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRead:
+    """A key secret as read: its current key, the key it replaced (None: never rotated, or an emergency
+    rotation detached it), and when the current version was made (unix seconds; None: not known)."""
+
+    current: str | None
+    previous: str | None
+    rotated_at: float | None
+
+    def keys(self, now: float, window_s: float) -> tuple[str | None, str | None]:
+        """(the key to sign with, the previous key while it is still accepted): the previous key holds for
+        ``window_s`` after the rotation (``now`` in unix seconds), then it is refused. A rotation of unknown
+        time keeps it (a real secret always says when its version was made)."""
+        previous = self.previous
+        if previous is not None and self.rotated_at is not None and now - self.rotated_at > window_s:
+            previous = None
+        return self.current, previous
+
+
+def read_secret(client: Any, secret_id: str) -> SecretRead:
+    """Read a key secret with a boto3 Secrets Manager ``client``: AWSCURRENT, and AWSPREVIOUS when there is one.
+    An empty current value is no key: the caller fails closed."""
+
+    def read(stage: str) -> tuple[str | None, float | None]:
+        try:
+            secret = client.get_secret_value(SecretId=secret_id, VersionStage=stage)
+        except client.exceptions.ResourceNotFoundException:
+            if stage == "AWSPREVIOUS":
+                return None, None  # never rotated, or rotated in an emergency
+            raise
+        created = secret.get("CreatedDate")
+        made = created.timestamp() if hasattr(created, "timestamp") else None
+        return str(secret["SecretString"]).strip() or None, made
+
+    current, made = read("AWSCURRENT")
+    previous, _ = read("AWSPREVIOUS")
+    return SecretRead(current=current, previous=previous, rotated_at=made)
 
 
 @dataclass(frozen=True, slots=True)
