@@ -34,9 +34,24 @@ class FlakyStore:
             self.refused += 1
             raise StoreUnavailableError("DynamoDB: ProvisionedThroughputExceededException after retries")
 
+    commit_then_down = False
+    """The next save commits, its answer is lost, and the store is down from then on (botocore's retries of it
+    and every later write are throttled)."""
+
+    reads_too = False
+    """While ``down``, reads fail too (a partition in trouble, not only write throttling)."""
+
+    def get(self, run_id: str) -> Any:
+        if self.reads_too:
+            self._gate()
+        return self.inner.get(run_id)
+
     def save(self, state: Any, *, expected_version: int) -> None:
         self._gate()
         self.inner.save(state, expected_version=expected_version)
+        if self.commit_then_down:
+            self.commit_then_down, self.down = False, True
+            raise StoreUnavailableError("DynamoDB: 500 after the write committed; retries throttled")
 
     def create(self, state: Any) -> None:
         self._gate()
@@ -280,3 +295,93 @@ def test_a_deferred_answer_survives_an_emergency_key_rotation() -> None:
     run = env.wait(run_id)
     assert calls["charge"] == 1
     assert run.attempts("charge")[0]["status"] == "succeeded", run.attempts("charge")
+
+
+# ---- 5. a write that committed but whose answer was lost, then throttles: a false Unknown --------------------
+
+
+def two_step_app(calls: Counter[str], on_charge: Any = None) -> Ryusen:
+    app = Ryusen("shop2")
+
+    def charge() -> dict[str, Any]:
+        calls["charge"] += 1
+        if on_charge is not None:
+            on_charge()
+        return {"charged": True}
+
+    @app.function("order")
+    def order(data: Any, step: Step) -> Any:
+        step.run("charge", charge)
+        return step.run("ship", lambda: calls.update(["ship"]) or {"shipped": True})
+
+    return app
+
+
+def test_a_chained_next_step_authorized_by_a_write_whose_answer_was_lost_is_not_made_unknown() -> None:
+    """With chaining, the write that records "charge" also authorizes "ship" (AttemptReported with a chain). That
+    write commits, its answer is lost, and the retries are throttled: the dispatcher defers the answer (without the
+    chain) and keeps its message away for 15 minutes. "ship" is AUTHORIZED in the store but was never sent, and
+    nothing will send it: the deferred answer is a stale report (it re-sends only QUEUED work), so when the
+    message comes back after the lease, "ship" is expired as lost -> Unknown, blocking on a person although the
+    engine knows it never invoked it.
+
+    What should happen: "ship" runs once, never Unknown. (Fix: when a deferred answer meets an attempt that its
+    own first try authorized by chaining (same delivery), re-queue it; or carry the chained authorization's
+    delivery id in the deferred answer and let the receiver invoke it; or never chain on a write that is being
+    retried after an unknown result.)"""
+    calls: Counter[str] = Counter()
+    holder: dict[str, FlakyStore] = {}
+    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
+    env = WorkflowEnvironment(app, chain_steps=True)
+    flaky = FlakyStore(env.store)
+    holder["store"] = flaky
+    env.engine.store = flaky  # type: ignore[assignment]
+    env.engine.sleep = lambda _s: None
+    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
+    run_id = env.start("order")
+    for _ in range(20):
+        env.step_once()
+        if _pending_deferred(env):
+            break
+    assert _pending_deferred(env), "the answer was never deferred"
+    flaky.down = False  # the table recovers at once
+    run = env.wait(run_id)
+    ship = env.store.peek(run_id).step("ship")  # type: ignore[union-attr]
+    assert ship is not None
+    unknown = [a.generation for a in ship.attempts if a.unknown_at is not None]
+    assert calls["charge"] == 1
+    assert not unknown, f"ship #{unknown} went Unknown though it was never sent; run {run.outcome} {run.blockers}"
+    assert run.outcome == "completed" and calls["ship"] == 1
+
+
+# ---- 6. an authorization that committed but whose answer was lost, then throttles ----------------------------
+
+
+def test_an_authorization_whose_answer_was_lost_is_invoked_when_its_message_returns() -> None:
+    """deliver() retries the authorization write with the same delivery id, so a retry that meets its own
+    committed write invokes the task. But when every retry is throttled, the message comes back in 5 s with a
+    NEW delivery id (uuid4 per receive): it finds the attempt authorized by someone else, waits for the lease,
+    and expires it as lost -> Unknown, although nothing was ever sent.
+
+    What should happen: the attempt is invoked once and succeeds, never Unknown. (Fix: make the delivery id a
+    function of the message (the SQS message id), so the same message coming back recognises its own
+    authorization and invokes it.) Holds up when only writes are throttled: the retry reads its own write.)"""
+    calls: Counter[str] = Counter()
+    env, flaky = _flaky_env(charge_app(calls))
+    run_id = env.start("order")
+    # discovery first (queue-driven), until the charge attempt is queued
+    for _ in range(20):
+        state = env.store.peek(run_id)
+        if state is not None and state.step("charge") is not None:
+            break
+        env.step_once()
+    flaky.commit_then_down = True  # the next save (the charge's authorization) commits; its answer is lost
+    flaky.reads_too = True  # and the partition refuses reads too while the dispatcher retries
+    env.step_once()
+    attempt = env.store.peek(run_id).step("charge").attempts[0]  # type: ignore[union-attr]
+    assert attempt.status.value == "authorized" and calls["charge"] == 0  # authorized, never sent
+    flaky.down = False
+    run = env.wait(run_id)
+    [attempt] = env.store.peek(run_id).step("charge").attempts[:1]  # type: ignore[union-attr]
+    assert attempt.unknown_at is None, f"never sent, yet Unknown: {attempt.detail}"
+    assert run.outcome == "completed" and calls["charge"] == 1
