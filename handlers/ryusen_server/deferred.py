@@ -8,8 +8,10 @@ another service: a throttled table does not throttle it), and whichever dispatch
 as it would have been recorded then (:meth:`Engine.apply_deferred`). The core fences it like any answer: one
 that finds its attempt already settled changes nothing.
 
-A deferred answer is sealed with a key derived from the deployment's master key, so a message someone else put
-on the queue (a role allowed ``sqs:SendMessage``) cannot settle a step. The answer is the one the endpoint
+A deferred answer (and a wake order) is sealed with the deployment's seal key, kept in the store and never
+rotated with the signing keys, so a message someone else put on the queue (a role allowed
+``sqs:SendMessage``) cannot settle a step or make the engine call an endpoint, and an emergency rotation of
+the signing key voids nothing on the queue. The answer is the one the endpoint
 signed; its signature was verified before it was deferred and is not kept (it binds the request's timestamp,
 which is stale by the time the answer is received again).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
@@ -33,7 +36,7 @@ _ADAPTERS: dict[str, TypeAdapter[Any]] = {
     "discovery": TypeAdapter(DiscoveryReported),
     "invocation_failed": TypeAdapter(InvocationFailed),
 }
-_SEAL_CONTEXT = b"ryusen deferred answer v1"
+_SEAL_CONTEXT = b"ryusen queue seal v1"
 
 
 class DeferredAnswer(BaseModel):
@@ -47,43 +50,33 @@ class DeferredAnswer(BaseModel):
     tries: int = 0
     """How many receives found the store still unavailable (each puts it back a little later)."""
     seal: str = ""
-    """HMAC of the rest with the deferred-answer key (empty where the engine has no master key: local only)."""
+    """HMAC of the rest with the deployment's seal key (:meth:`RunStore.seal_key`)."""
 
     @staticmethod
-    def of(run_id: str, event: DeferredEvent, master_keys: list[str]) -> DeferredAnswer:
-        """The deferred form of ``event``, sealed with the first master key. What a dispatcher decided only for
-        itself is left out: the chained authorization (the receiver does not invoke) and what the replay
-        found after the callback (a release may be synced meanwhile; a discovery pass finds it again)."""
+    def of(run_id: str, event: DeferredEvent, seal_key: str) -> DeferredAnswer:
+        """The deferred form of ``event``, sealed. What the replay found after the callback is left out (a
+        release may be synced meanwhile; a discovery pass finds it again); the chained authorization is kept,
+        so that the receiver recognises a next task this dispatcher's first try authorized, and invokes it."""
         if isinstance(event, AttemptReported):
             kind: Literal["attempt", "discovery", "invocation_failed"] = "attempt"
-            event = AttemptReported(
-                step_id=event.step_id,
-                phase=event.phase,
-                generation=event.generation,
-                response=event.response,
-                source=event.source,
-            )
+            event = replace(event, next=None)
         elif isinstance(event, DiscoveryReported):
-            kind, event = "discovery", DiscoveryReported(seq=event.seq, response=event.response)
+            kind = "discovery"
         else:
             kind = "invocation_failed"
         body = _ADAPTERS[kind].dump_python(event, mode="json")
-        unsealed = DeferredAnswer(run_id=run_id, kind=kind, event=body)
-        return unsealed.sealed(master_keys[0]) if master_keys else unsealed
+        return DeferredAnswer(run_id=run_id, kind=kind, event=body).sealed(seal_key)
 
-    def again(self, master_keys: list[str]) -> DeferredAnswer:
+    def again(self, seal_key: str) -> DeferredAnswer:
         """This answer after one more receive that could not record it."""
-        unsealed = self.model_copy(update={"tries": self.tries + 1, "seal": ""})
-        return unsealed.sealed(master_keys[0]) if master_keys else unsealed
+        return self.model_copy(update={"tries": self.tries + 1}).sealed(seal_key)
 
-    def sealed(self, master_key: str) -> DeferredAnswer:
-        return self.model_copy(update={"seal": _seal(master_key, self)})
+    def sealed(self, seal_key: str) -> DeferredAnswer:
+        return self.model_copy(update={"seal": _seal(seal_key, self)})
 
-    def verify(self, master_keys: list[str]) -> bool:
-        """Sealed by one of ``master_keys`` (without keys, only an unsealed answer is accepted: local mode)."""
-        if not master_keys:
-            return self.seal == ""
-        return any(hmac.compare_digest(_seal(key, self), self.seal) for key in master_keys)
+    def verify(self, seal_key: str) -> bool:
+        """Sealed by this deployment (see :meth:`RunStore.seal_key`)."""
+        return hmac.compare_digest(_seal(seal_key, self), self.seal)
 
     def decoded(self) -> DeferredEvent:
         event: DeferredEvent = _ADAPTERS[self.kind].validate_python(self.event)
@@ -98,10 +91,11 @@ class DeferredAnswer(BaseModel):
         return f"deferred answer ({self.kind}) for run {self.run_id} {what}".rstrip()
 
 
-def _seal(master_key: str, deferred: DeferredAnswer) -> str:
-    key = hmac.new(master_key.encode(), _SEAL_CONTEXT, hashlib.sha256).digest()
+def _seal(seal_key: str, message: BaseModel) -> str:
+    """HMAC-SHA256 of everything in ``message`` but its seal, by kind of message, under the seal key."""
+    key = hmac.new(seal_key.encode(), _SEAL_CONTEXT, hashlib.sha256).digest()
     content = json.dumps(
-        {"run_id": deferred.run_id, "kind": deferred.kind, "event": deferred.event, "tries": deferred.tries},
+        {"kind": type(message).__name__, **message.model_dump(mode="json", exclude={"seal"})},
         sort_keys=True,
         separators=(",", ":"),
     )
@@ -128,6 +122,16 @@ class WakeOrder(BaseModel):
 
     function_id: str | None = None
     run_id: str | None = None
+    after: str | None = None
+    """Of a function's order: the run id this order's last message stopped at (the next one goes on after it)."""
+    seal: str = ""
+    """HMAC of the rest with the deployment's seal key: only the engine orders wakes."""
+
+    def sealed(self, seal_key: str) -> WakeOrder:
+        return self.model_copy(update={"seal": _seal(seal_key, self)})
+
+    def verify(self, seal_key: str) -> bool:
+        return hmac.compare_digest(_seal(seal_key, self), self.seal)
 
     def describe(self) -> str:
         return f"wake run {self.run_id}" if self.run_id else f"wake the blocked runs of {self.function_id}"

@@ -104,7 +104,9 @@ log = logging.getLogger("ryusen.engine")
 MAX_RACES = 50
 WAKES_PER_MESSAGE = 100
 """Blocked runs one wake message wakes; more are woken by the next (the index lists those still blocked)."""
-MAX_DEFERRAL_DELAY_S = 900
+MAX_DEFERRAL_DELAY_S = 30.0
+"""The longest a deferred answer waits before it is tried again: once the store takes writes again it is
+recorded within this long, well inside the sweeper's grace past an attempt's lease."""
 RESPONSE_GRACE_FRACTION = 0.1
 RESPONSE_GRACE_MIN_S = 0.5
 RESPONSE_GRACE_MAX_S = 2.0
@@ -204,6 +206,20 @@ NOTHING_RAN_ANYWHERE = frozenset(
 """Signed refusals that mean no instance of the endpoint runs this request: its signature does not verify
 with the app's keys (not the request the engine sent, or a key the endpoint does not hold yet), or it is not
 a task request. Anything else signed and not a 200 leaves the outcome not known."""
+
+
+def _front_end_refusal(headers: dict[str, str]) -> bool:
+    """The answer carries the mark AWS's front ends (a Lambda Function URL, API Gateway) put on a request they
+    refused before any code ran: ``x-amzn-ErrorType: TooManyRequestsException``. A 429 without it (a proxy
+    of yours, a load balancer) may come after the app ran, and is not known to mean nothing ran."""
+    for name, value in headers.items():
+        if name.lower() == "x-amzn-errortype":
+            return value.split(":", 1)[0].strip() == "TooManyRequestsException"
+    return False
+
+
+def _signed(result: Any) -> bool:
+    return any(name.lower() == SIGNATURE_HEADER.lower() for name in result.headers)
 
 
 def _error_code(body: bytes) -> str:
@@ -517,36 +533,60 @@ class Engine:
         try:
             decision = self._apply_retrying(run_id, event, known=known, deadline=deadline)
         except StoreUnavailableError as exc:
-            deferred = DeferredAnswer.of(run_id, event, self.master_keys())
-            try:
-                self.queue.defer(deferred, 1.0)
-            except Exception as refused:  # too large for a message, or the queue failing too
-                self._emit("answer_dropped", (run_id, event, f"{type(refused).__name__}: {refused}"))
-                log.error("run %s: could not record an answer (%s) nor defer it (%s)", run_id, exc, refused)
-                raise exc from refused
-            self._emit("answer_deferred", (run_id, event))
-            log.warning("run %s: the store is unavailable (%s); %s", run_id, exc, deferred.describe())
+            if not self._defer(run_id, event, exc):
+                raise
             return None
         self._emit("answer_recorded", (run_id, event))
         return decision
 
-    def apply_deferred(self, deferred: DeferredAnswer) -> Decision | None:
-        """Record an answer a dispatcher deferred while the store would not take it (a deferred message). Still
-        unavailable: the answer goes back on the queue, later each time (the message in hand is then done)."""
-        keys = self.master_keys()
-        if not deferred.verify(keys):
-            log.error("refused a deferred answer not sealed by this deployment: %s", deferred.describe())
-            return None
-        event = deferred.decoded()
+    def _defer(self, run_id: str, event: DeferredEvent, cause: StoreUnavailableError) -> bool:
+        """Put ``event`` on the queue for a later dispatcher to record; False when the queue would not take it."""
+        deferred = DeferredAnswer.of(run_id, event, self.store.seal_key())  # read at delivery: cached
         try:
-            decision = self._apply_retrying(deferred.run_id, event, known=None, deadline=None)
+            self.queue.defer(deferred, 1.0)
+        except Exception as refused:  # noqa: BLE001 - too large for a message, or the queue failing too; reported
+            self._emit("answer_dropped", (run_id, event, f"{type(refused).__name__}: {refused}"))
+            log.error("run %s: could not record an answer (%s) nor defer it (%s)", run_id, cause, refused)
+            return False
+        self._emit("answer_deferred", (run_id, event))
+        log.warning("run %s: the store is unavailable (%s); %s", run_id, cause, deferred.describe())
+        return True
+
+    def apply_deferred(
+        self,
+        deferred: DeferredAnswer,
+        *,
+        budget_s: float | None = None,
+        on_authorized: Callable[[float], None] | None = None,
+    ) -> Delivered:
+        """Record an answer a dispatcher deferred while the store would not take it (a deferred message). Still
+        unavailable: the answer goes back on the queue, a little later each time (the message in hand is then
+        done). A next task the deferring dispatcher authorized in a write whose answer was lost is invoked
+        here, as that dispatcher would have."""
+        deadline = time.monotonic() + budget_s if budget_s is not None else None
+        seal_key = self.store.seal_key()
+        if not deferred.verify(seal_key):
+            log.error("refused a deferred answer not sealed by this deployment: %s", deferred.describe())
+            return Delivered(done=True)
+        event = deferred.decoded()
+        if isinstance(event, AttemptReported | DiscoveryReported) and event.delivery_id is not None:
+            # this receiver authorizes under its own delivery id, and claims what the deferring one authorized
+            event = replace(event, delivery_id=uuid.uuid4().hex, claims=event.delivery_id)
+        try:
+            decision = self._apply_retrying(deferred.run_id, event, known=None, deadline=deadline)
         except NotFoundError:
-            return None  # the run is gone (retention): nothing to record
+            return Delivered(done=True)  # the run is gone (retention): nothing to record
         except StoreUnavailableError:
-            self.queue.defer(deferred.again(keys), min(float(MAX_DEFERRAL_DELAY_S), 2.0 ** min(deferred.tries + 1, 10)))
-            return None
+            self.queue.defer(deferred.again(seal_key), min(MAX_DEFERRAL_DELAY_S, 2.0 ** min(deferred.tries + 1, 10)))
+            return Delivered(done=True)
         self._emit("answer_recorded", (deferred.run_id, event))
-        return decision
+        chain = getattr(event, "chain", None)
+        if chain is None or not any(isinstance(c, InvokeTask) for c in decision.commands):
+            return Delivered(done=True)
+        release = self._read_release(decision.state.function_id)
+        if release is None or (release.release_id, release.build_id) != (chain.release_id, chain.build_id):
+            return Delivered(done=True)  # not the code it was authorized for: its lease decides
+        return self._carry_on(decision, release, deadline, on_authorized)
 
     def _send(self, decision: Decision) -> None:
         for command in decision.commands:
@@ -721,27 +761,34 @@ class Engine:
         # the blocked runs are woken by dispatchers (a sync returns at once, however many are blocked), and
         # looked up again once the index has caught up with runs that blocked just before this sync
         for fn in manifest.functions:
+            order = WakeOrder(function_id=fn.id).sealed(self.store.seal_key())
             if self.store.runs_blocked_by_definition(fn.id):  # one index query; the wakes are the dispatchers'
-                self.queue.wake(WakeOrder(function_id=fn.id))
+                self.queue.wake(order)
             if self.settings.index_settle_s > 0:
-                self.queue.wake(WakeOrder(function_id=fn.id), self.settings.index_settle_s)
+                self.queue.wake(order, self.settings.index_settle_s)
         return release
 
     def carry_out_wake(self, order: WakeOrder) -> None:
         """A release sync's wake: each run of the function that a definition blocks (a second wake of a run is
         ignored), at most ``WAKES_PER_MESSAGE`` here and the rest by the same order sent again."""
+        seal_key = self.store.seal_key()
+        if not order.verify(seal_key):
+            log.error("refused a wake order not sealed by this deployment: %s", order.describe())
+            return
         if order.run_id is not None:
             self.apply(order.run_id, WakeRequested(source="release_sync"))
             return
         assert order.function_id is not None
-        blocked = self.store.runs_blocked_by_definition(order.function_id)
+        # in run id order, from where the last message of this order stopped: a woken run stays listed while
+        # its discovery is on its way (or blocks again), so reading from the top would wake the same ones
+        blocked = sorted(r for r in self.store.runs_blocked_by_definition(order.function_id) if r > (order.after or ""))
         for run_id in blocked[:WAKES_PER_MESSAGE]:
             try:
                 self.apply(run_id, WakeRequested(source="release_sync"))
             except NotFoundError:
                 continue  # gone since the index was read
         if len(blocked) > WAKES_PER_MESSAGE:
-            self.queue.wake(order)  # the index no longer lists the runs woken here
+            self.queue.wake(order.model_copy(update={"after": blocked[WAKES_PER_MESSAGE - 1]}).sealed(seal_key))
 
     # ---- dispatch ---------------------------------------------------------------------
 
@@ -767,13 +814,19 @@ class Engine:
         if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
             return Delivered(done=False)  # too little time left to hear an answer: the message comes back
         self.master_keys()  # read now (a cold start's secret): a failure leaves nothing authorized and unsent
+        delivery_id = uuid.uuid4().hex
         try:
+            self.store.seal_key()  # read now too (once per process): deferring an answer must not need a read
             state = self.store.get(task.run_id)
             if state is None:
                 return Delivered(done=True)
             release = self._read_release(state.function_id)  # a new message reads the release afresh
             ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
-            delivered = TaskDelivered(task=task, release=ref, delivery_id=uuid.uuid4().hex)
+            delivered = TaskDelivered(task=task, release=ref, delivery_id=delivery_id)
+        except StoreUnavailableError as exc:
+            log.warning("%s: the store is unavailable (%s); the message comes back", task.describe(), exc)
+            return Delivered(done=False, redeliver_after_s=STORE_UNAVAILABLE_RETRY_S)
+        try:
             # tried again on the same delivery id: a try whose write committed is recognised as this
             # dispatcher's own authorization, and its task is invoked, not left to the lease's expiry
             decision = self._apply_retrying(task.run_id, delivered, known=state, deadline=deadline)
@@ -781,7 +834,26 @@ class Engine:
             log.warning(
                 "%s: the store is unavailable (%s); nothing was sent, the message comes back", task.describe(), exc
             )
+            # A try may have committed the authorization, unseen: then only this delivery may invoke it, and it
+            # never did. Say so, for when the store takes writes again (ignored unless it is this delivery's).
+            never_sent = InvocationFailed(
+                task=task,
+                failure=InvocationFailure.UNREACHABLE,
+                detail="never sent: the store did not confirm its authorization",
+                delivery_id=delivery_id,
+            )
+            self._defer(task.run_id, never_sent, exc)
             return Delivered(done=False, redeliver_after_s=STORE_UNAVAILABLE_RETRY_S)
+        return self._carry_on(decision, release, deadline, on_authorized)
+
+    def _carry_on(
+        self,
+        decision: Decision,
+        release: Release | None,
+        deadline: float | None,
+        on_authorized: Callable[[float], None] | None,
+    ) -> Delivered:
+        """Invoke what ``decision`` authorized, record the answer, and go on while it authorizes the next."""
         lease = _MessageLease(on_authorized)
         chain_until = time.monotonic() + self.settings.chain_window_s
         while True:
@@ -1046,7 +1118,7 @@ class Engine:
         if result.kind != "response":
             return InvocationFailed(task=task, failure=InvocationFailure.LOST, detail=result.detail)
         keys = sent is not None
-        if result.status == FRONT_END_THROTTLED and (not keys or self._signature_problem(result, sent) is not None):
+        if result.status == FRONT_END_THROTTLED and _front_end_refusal(result.headers) and not _signed(result):
             # refused in front of the app (a Lambda Function URL's concurrency, an API Gateway's rate limit):
             # no code ran. An SDK never answers 429, and a signed answer would be checked as any other.
             return InvocationFailed(

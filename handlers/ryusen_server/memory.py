@@ -8,6 +8,7 @@ until deleted or its visibility lapses, then comes back.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class MemoryStore:
         self._check: dict[str, datetime] = {}
         """Run id -> check time (the DynamoDB store's sparse index), set by each write from the state's clock."""
         self._lock = threading.Lock()
+        self._seal: str | None = None
         self.counter = counter or RequestCounter()
 
     def _read(self, run_id: str) -> RunState | None:
@@ -162,6 +164,12 @@ class MemoryStore:
         with self._lock:
             for fn in release.functions:
                 self._releases[fn.id] = release
+
+    def seal_key(self) -> str:
+        with self._lock:
+            if self._seal is None:
+                self._seal = secrets.token_hex(32)
+            return self._seal
 
     def get_release(self, function_id: str) -> Release | None:
         self.counter.add("store.read")

@@ -143,6 +143,12 @@ class RequestCounter:
 class RunStore(Protocol):
     def get(self, run_id: str) -> RunState | None: ...
 
+    def seal_key(self) -> str:
+        """The deployment's key for sealing what the engine puts on its own queue (deferred answers, wake
+        orders): made at random the first time, kept in the store, never rotated with the signing keys (an
+        emergency rotation must not void what is on the queue). Whoever may read the store may act on runs
+        anyway; whoever may only send to the queue (the Scheduler's role) cannot forge a seal."""
+
     def create(self, state: RunState) -> None:
         """Write a new run; raise :class:`RunExistsError` if its id or idempotency key is taken."""
 

@@ -131,8 +131,8 @@ def process_message(
             return False, STORE_UNAVAILABLE_RETRY_S
         return True, 0.0
     if isinstance(message, DeferredMessage):
-        engine.apply_deferred(message.deferred)
-        return True, 0.0
+        delivered = engine.apply_deferred(message.deferred, budget_s=budget_s, on_authorized=on_authorized)
+        return delivered.done, delivered.redeliver_after_s
     if isinstance(message, WakeMessage):
         try:
             engine.carry_out_wake(message.wake)

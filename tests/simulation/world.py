@@ -96,6 +96,9 @@ SCHEDULE_FAULTS = ("crash_before", "crash_after", "error_before", "lost")
 INVOKE_FAULTS = ("crash_before", "unreachable", "bad_gateway", "duplicate_request", "front_end_throttled")
 ANSWER_FAULTS = ("crash_after", "answer_lost", "answer_late", "bad_gateway_after")
 DELIVERY_FAULTS = ("duplicate_delivery", "reordered")
+OUTAGE_FAULTS = ("store_outage",)
+"""A stretch of time in which DynamoDB refuses every write (a hot partition, a new table's warm-up), and half
+the time every read too: long enough that a dispatcher's retries run out and it defers what it has."""
 TIMER_FAULTS = ("fired_late", "fired_twice")
 ALL_FAULTS = frozenset(
     WRITE_FAULTS
@@ -106,6 +109,7 @@ ALL_FAULTS = frozenset(
     + ANSWER_FAULTS
     + DELIVERY_FAULTS
     + TIMER_FAULTS
+    + OUTAGE_FAULTS
 )
 
 
@@ -259,6 +263,8 @@ class Simulation:
         self.starts: list[tuple[int, Any, float | None]] = []
         """Starts whose client heard no answer: it sends the same start again (same idempotency key)."""
         self.next_sweep = self.now + timedelta(seconds=SWEEP_EVERY_S)
+        self.outage_until: datetime | None = None
+        self.outage_reads = False
 
         master = f"{self.rng.getrandbits(256):064x}"
         self.master = master
@@ -281,6 +287,7 @@ class Simulation:
         self.answers: dict[str, set[tuple[Any, ...]]] = {}
         """Answers each dispatcher had in hand and has not yet recorded, deferred or given up on (by actor)."""
         self.deferred_answers: set[tuple[Any, ...]] = set()
+        self.unknown_deferred: set[tuple[Any, ...]] = set()
         """Answers on the queue, deferred while the store would not take them, not yet recorded."""
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
@@ -328,6 +335,15 @@ class Simulation:
                 for held in self.answers.values():
                     held.discard(key)
                 self.deferred_answers.discard(key)
+            for waiting in self.deferred_answers:
+                if waiting[0] != decision.state.id or waiting[1] != "attempt" or waiting in self.unknown_deferred:
+                    continue
+                step = decision.state.step(waiting[2])
+                attempt = step.attempt(Phase(waiting[3]), waiting[4]) if step is not None else None
+                if attempt is not None and attempt.status is AttemptStatus.UNKNOWN:
+                    self.unknown_deferred.add(waiting)
+                    self.note(f"  {waiting} went Unknown while its answer was deferred")
+                    self.cases["an attempt went Unknown while its answer was deferred"] += 1
             return
         if kind not in ("answer", "answer_deferred", "answer_dropped"):
             return
@@ -472,6 +488,8 @@ class Simulation:
                 choices.append((0.2, "operator", None))
             if self.chaos and self.profile.releases and self.releases < 3:
                 choices.append((0.05, "release", None))
+        if self.chaos and "store_outage" in self.profile.kinds and self.outage_until is None:
+            choices.append((0.03, "store outage", None))
         if self.chaos:
             choices.append((0.3, "time passes", None))
             if self.profile.jumps:
@@ -514,6 +532,13 @@ class Simulation:
             self._operator()
         elif what == "release":
             self._release()
+        elif what == "store outage":
+            seconds = self.rng.choice([5.0, 60.0, 300.0, 900.0])
+            self.outage_until = self.now + timedelta(seconds=seconds)
+            self.outage_reads = self.rng.random() < 0.5
+            self.faults["store_outage"] += 1
+            reads = "reads and writes" if self.outage_reads else "writes"
+            self.note(f"dynamodb: refuses {reads} for {seconds:.0f}s")
         elif what == "time passes":
             self.advance(self.rng.uniform(0.5, 40), "while work is in flight")
         elif what == "clock jumps":
@@ -712,6 +737,7 @@ class Simulation:
                 if not self.step() or self.violations:
                     break
             self.chaos = False
+            self.outage_until = None
             self.calm_since = self.now
             for run_id in self.run_ids:
                 due = self._due_at(run_id)
@@ -820,7 +846,8 @@ class Simulation:
         return state.model_copy(update={"probe_due_at": None}).work_due_at()
 
     def _all_settled(self) -> bool:
-        return not self.actors and len(self.run_ids) == self.profile.runs and not self._unsettled()
+        deferred = any(isinstance(m.body, DeferredMessage) for m in self.queue.messages.values())
+        return not self.actors and not deferred and len(self.run_ids) == self.profile.runs and not self._unsettled()
 
     def _remedies_worked(self) -> None:
         """After the operator did what each blocker said, no run waits on an Unknown, and none waits on nothing;
@@ -934,19 +961,32 @@ class SimStore:
     def peek(self, run_id: str) -> RunState | None:
         return self.inner.peek(run_id)
 
+    def _down(self, reading: bool) -> bool:
+        sim = self.sim
+        if sim.outage_until is None or sim.now >= sim.outage_until:
+            return False
+        return sim.outage_reads or not reading
+
     def _read(self, what: str) -> None:
         # what the DynamoDB store raises for a call throttled or failing past botocore's retries
         verdict = self.sim.boundary("store.read", what, READ_FAULTS)
         _fail_before(verdict, f"DynamoDB {what}: ProvisionedThroughputExceeded after retries", StoreUnavailableError)
+        if self._down(reading=True):
+            raise StoreUnavailableError(f"DynamoDB {what}: throttled (an outage) after retries")
 
     def _write(self, what: str, commit: Callable[[], None]) -> None:
         verdict = self.sim.boundary("store.write", what, WRITE_FAULTS)
         _fail_before(verdict, f"DynamoDB {what}: throttled after retries", StoreUnavailableError)
+        if self._down(reading=False):
+            raise StoreUnavailableError(f"DynamoDB {what}: throttled (an outage) after retries")
         commit()
         if verdict == "crash_after":
             raise Crash()
         if verdict == "error_after":
             raise StoreUnavailableError(f"DynamoDB {what}: committed, but the answer was lost after retries")
+
+    def seal_key(self) -> str:
+        return self.inner.seal_key()  # read once per process on AWS (cached): not a boundary here
 
     def get(self, run_id: str) -> RunState | None:
         self._read(f"GetItem {run_id}")

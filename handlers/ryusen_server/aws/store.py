@@ -617,6 +617,7 @@ class DynamoStore:
         """How long a finished run's items are kept (the table's TTL attribute ``expires_at``); None: forever."""
         self._values = _ValueCache(VALUE_CACHE_BYTES)
         self._runs = _RunCache(RUN_CACHE_RUNS)
+        self._seal_key: str | None = None
         self._release_bodies = _ReleaseCache(RELEASE_CACHE)
         self.list_scan_items = LIST_SCAN_ITEMS
         """The most index items one listing page reads from each shard (see ``list_runs``)."""
@@ -1236,6 +1237,31 @@ class DynamoStore:
         ]
         keys.append({"pk": {"S": APPS_PARTITION}, "sk": {"S": f"APP#{release.app_id}"}})
         self._batch_write([{**key, "release_ref": {"S": digest}} for key in keys])
+
+    def seal_key(self) -> str:
+        """The queue's seal key (:meth:`RunStore.seal_key`): read once per process; made by the first process
+        that finds none (a conditional put, so racing processes agree on one)."""
+        if self._seal_key is None:
+            key = {"pk": {"S": "CONFIG"}, "sk": {"S": "SEAL"}}
+            self.counter.add("dynamodb.read")
+            item = self._client.get_item(TableName=self.table_name, Key=key, ConsistentRead=True).get("Item")
+            if item is None:
+                made = secrets.token_hex(32)
+                self.counter.add("dynamodb.write", items=[64])
+                try:
+                    self._client.put_item(
+                        TableName=self.table_name,
+                        Item={**key, "seal_key": {"S": made}},
+                        ConditionExpression="attribute_not_exists(pk)",
+                    )
+                except ClientError as exc:
+                    if _error_code(exc) != "ConditionalCheckFailedException":
+                        raise
+                self.counter.add("dynamodb.read")
+                item = self._client.get_item(TableName=self.table_name, Key=key, ConsistentRead=True).get("Item")
+            assert item is not None
+            self._seal_key = str(item["seal_key"]["S"])
+        return self._seal_key
 
     def get_release(self, function_id: str) -> Release | None:
         """One strongly consistent read of one of the function's pointers, picked at random (a release just

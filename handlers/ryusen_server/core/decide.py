@@ -198,11 +198,11 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.delivery_id = event.delivery_id
         t.task_delivered(event.task, event.release)
     elif isinstance(event, DiscoveryReported):
-        t.chain, t.delivery_id = event.chain, event.delivery_id
+        t.chain, t.delivery_id, t.claims = event.chain, event.delivery_id, event.claims
         t.discovery_reported(event.seq, event.response)
         t.invoke_own_authorization()
     elif isinstance(event, AttemptReported):
-        t.chain, t.delivery_id = event.chain, event.delivery_id
+        t.chain, t.delivery_id, t.claims = event.chain, event.delivery_id, event.claims
         t.attempt_reported(event)
         t.invoke_own_authorization()
     elif isinstance(event, InvocationFailed):
@@ -232,6 +232,7 @@ class _Transition:
         self.rejection: Rejection | None = None
         self.note: str | None = None
         self.delivery_id: str | None = None
+        self.claims: str | None = None
         self.chain: ReleaseRef | None = None
         """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
         self.next: DiscoveryResponse | None = None
@@ -346,22 +347,35 @@ class _Transition:
         if self.delivery_id is None or self.chain is None or any(isinstance(c, InvokeTask) for c in self.commands):
             return
         d = self.s.discovery
-        if d is not None and self.owns(d):
+        if d is not None and self.take_own(d):
             self.commands.append(InvokeTask(task=TaskRef(run_id=self.s.id, kind=TaskKind.DISCOVER, seq=d.seq)))
             return
-        for step in self.s.steps:
+        for i, step in enumerate(self.s.steps):
             for phase in (Phase.FORWARD, Phase.COMPENSATION):
                 attempt = step.current(phase)
-                if attempt is not None and self.owns(attempt):
+                if attempt is not None and self.owns(attempt, self.claims) and not self.owns(attempt):
+                    attempt = self.own(i).current(phase)  # to be re-stamped: this decision's copy
+                if attempt is not None and self.take_own(attempt):
                     kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
                     task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
                     self.commands.append(InvokeTask(task=task))
                     return
 
-    def owns(self, task: DiscoveryTask | Attempt) -> bool:
+    def take_own(self, task: DiscoveryTask | Attempt) -> bool:
+        """``task`` is this delivery's to invoke: authorized by it, or by the delivery it claims (a deferred
+        answer's), which it then re-stamps as its own in this write."""
+        if self.owns(task):
+            return True
+        if self.claims is None or not self.owns(task, self.claims):
+            return False
+        task.delivery_id = self.delivery_id
+        self.touch()
+        return True
+
+    def owns(self, task: DiscoveryTask | Attempt, delivery_id: str | None = None) -> bool:
         return (
             task.status is AttemptStatus.AUTHORIZED
-            and task.delivery_id == self.delivery_id
+            and task.delivery_id == (delivery_id or self.delivery_id)
             and task.lease_expires_at is not None
             and self.now < task.lease_expires_at
         )
@@ -755,6 +769,8 @@ class _Transition:
             d = self.s.discovery
             if d is None or d.seq != task.seq or d.status is not AttemptStatus.AUTHORIZED:
                 return self.ignore(f"discovery #{task.seq} is no longer in flight")
+            if event.delivery_id is not None and d.delivery_id != event.delivery_id:
+                return self.ignore(f"discovery #{task.seq} was authorized by another delivery")
             if self.stopping:
                 self.s.discovery = None
                 self.touch()
@@ -772,6 +788,8 @@ class _Transition:
         attempt = step.attempt(phase, task.generation or 0) if step else None
         if step is None or attempt is None or attempt.status is not AttemptStatus.AUTHORIZED:
             return self.ignore(f"{task.describe()} is no longer in flight")
+        if event.delivery_id is not None and attempt.delivery_id != event.delivery_id:
+            return self.ignore(f"{task.describe()} was authorized by another delivery")
         if event.failure is InvocationFailure.UNREACHABLE:
             # nothing was sent: the callback provably did not run; same generation again
             attempt.status = AttemptStatus.QUEUED

@@ -101,6 +101,10 @@ class DiscoveryReported:
     delivery_id: str | None = None
     """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
     lost, another write landed) recognises the task it authorized itself and invokes it."""
+    claims: str | None = None
+    """Set by the receiver of a deferred answer: the delivery id of the dispatcher that deferred it. A task
+    that delivery authorized and never saw confirmed (so never invoked) becomes this delivery's, re-stamped in
+    this write (so that of two receivers of the same answer, one invokes it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +121,10 @@ class AttemptReported:
     delivery_id: str | None = None
     """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
     lost, another write landed) recognises the task it authorized itself and invokes it."""
+    claims: str | None = None
+    """Set by the receiver of a deferred answer: the delivery id of the dispatcher that deferred it. A task
+    that delivery authorized and never saw confirmed (so never invoked) becomes this delivery's, re-stamped in
+    this write (so that of two receivers of the same answer, one invokes it)."""
 
 
 class InvocationFailure(StrEnum):
@@ -131,6 +139,9 @@ class InvocationFailed:
     task: TaskRef
     failure: InvocationFailure
     detail: str
+    delivery_id: str | None = None
+    """Given, the failure is about the task as that delivery authorized it, and only then (a dispatcher
+    that never saw its authorization's write confirmed says it never sent it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

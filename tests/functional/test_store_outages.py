@@ -1,7 +1,11 @@
-"""Adversarial review of issue 24 (what real AWS does that moto hides). Each test here FAILS on the merged
-result and names what should happen instead. They use ``ryusen.testing`` (memory store, virtual clock) with a
-store wrapper that refuses writes the way the DynamoDB store does past botocore's retries
-(``StoreUnavailableError``)."""
+"""Issue 24: what a store outage (DynamoDB refusing writes, and reads, past botocore's retries) must not do.
+
+Found by a review of the first fixes, each failed on that code: a deferred answer made Unknown by the sweeper,
+a wake order looping over the first 100 blocked runs, forged wake orders, an unsigned 429 after the callback
+ran, a deferred answer voided by an emergency rotation, a chained next step left authorized and never sent,
+an authorization whose answer was lost. Then the simulator found a duplicated deferred answer invoking a
+chained step twice. They use ``ryusen.testing`` (memory store, virtual clock) with a store wrapper that refuses
+writes the way the DynamoDB store does past botocore's retries (``StoreUnavailableError``)."""
 
 from __future__ import annotations
 
@@ -221,9 +225,11 @@ def test_a_forged_wake_order_on_the_queue_is_refused() -> None:
     assert env.store.peek(run_id).blocked_by_definition  # type: ignore[union-attr]
     discoveries: list[str] = []
     env.engine.hooks.append(
-        lambda kind, payload: discoveries.append(payload[0].describe())
-        if kind == "invoke" and isinstance(payload[0], TaskRef) and payload[0].kind.value == "discover"
-        else None
+        lambda kind, payload: (
+            discoveries.append(payload[0].describe())
+            if kind == "invoke" and isinstance(payload[0], TaskRef) and payload[0].kind.value == "discover"
+            else None
+        )
     )
     env.queue.wake(WakeOrder(run_id=run_id))  # what anyone with sqs:SendMessage can put on the queue
     while env.step_once():
@@ -385,3 +391,39 @@ def test_an_authorization_whose_answer_was_lost_is_invoked_when_its_message_retu
     [attempt] = env.store.peek(run_id).step("charge").attempts[:1]  # type: ignore[union-attr]
     assert attempt.unknown_at is None, f"never sent, yet Unknown: {attempt.detail}"
     assert run.outcome == "completed" and calls["charge"] == 1
+
+
+def test_a_deferred_answer_delivered_twice_invokes_the_next_step_once() -> None:
+    """SQS may deliver the deferred answer twice. Each receiver claims the chained authorization the deferring
+    dispatcher made, in a fenced write: one wins and invokes it; the other finds it taken (found by the
+    simulator, which ran "ship" twice before the claim)."""
+    calls: Counter[str] = Counter()
+    holder: dict[str, FlakyStore] = {}
+    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
+    env = WorkflowEnvironment(app, chain_steps=True)
+    flaky = FlakyStore(env.store)
+    holder["store"] = flaky
+    env.engine.store = flaky  # type: ignore[assignment]
+    env.engine.sleep = lambda _s: None
+    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
+    run_id = env.start("order")
+    for _ in range(20):
+        env.step_once()
+        if _pending_deferred(env):
+            break
+    [deferred] = _pending_deferred(env)
+    again = deferred.task.deferred  # the same answer, delivered again: to another dispatcher, at the same time
+    real_intercept = env.invoker.intercept
+    raced = []
+
+    def while_ship_runs(url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
+        if json.loads(body).get("step_id") == "ship" and not raced:
+            raced.append(env.engine.apply_deferred(again))  # the second receiver decides meanwhile
+        return real_intercept(url, body, headers) if real_intercept is not None else None
+
+    env.invoker.intercept = while_ship_runs
+    flaky.down = False
+    run = env.wait(run_id)
+    assert raced, "the second receiver never raced the first"
+    assert run.outcome == "completed"
+    assert calls == Counter({"charge": 1, "ship": 1})
