@@ -25,6 +25,7 @@ import pytest
 from moto import mock_aws
 
 from ryusen_server.aws.store import ENTRY_PREFIX, _unpack
+from tests.aws_faults import AwsFaults, FrontEnd
 from tests.infra.box import Box, Call, caller, due_schedules, load_example, sigv4_headers
 from tests.infra.conftest import Synthesized
 from tests.lambda_http import ApiGateway, LambdaContext, sqs_batch
@@ -38,6 +39,8 @@ class Deployed:
     shop_url: str
     env: dict[str, str]
     budget_s: float = 900.0
+    front_end: FrontEnd | None = None
+    """The shop's Function URL front end (it can throttle, as Lambda does past the function's concurrency)."""
 
     def api(self, method: str, path: str, body: Any = None, *, signed: bool = True) -> httpx.Response:
         url = self.api_url + path
@@ -193,8 +196,9 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         os.environ.clear()
         os.environ.update(saved_env)
         shop = load_example()
-        shop_url = box.function_url(shop.lambda_handler)
-        deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env)
+        front_end = FrontEnd(shop.lambda_handler)
+        shop_url = box.function_url(front_end)
+        deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env, front_end=front_end)
         source = EventSource(deployed, dispatch_lambda.handler)
         source.start()
         try:
@@ -456,3 +460,23 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
                     action in allowed and any(fnmatch.fnmatchcase(resource, pattern) for pattern in patterns)
                     for allowed, patterns, _ in statements
                 ), f"{function} called {call.service}.{call.operation}: its role does not allow {action} on {resource}"
+
+
+def test_a_checkout_completes_through_throttled_writes_and_a_throttled_function_url(deployed: Deployed) -> None:
+    """Issue 24 in the stack as deployed: the dispatcher's DynamoDB writes are throttled past botocore's
+    retries (and a transaction is cancelled for throttling), and the shop's Function URL answers 429 twice
+    before running anything. Every step still runs once, and no attempt is ever Unknown."""
+    assert deployed.front_end is not None
+    faults = AwsFaults(caller=caller)
+    with faults.installed():
+        faults.add("dynamodb", "PutItem", kind="throttled", times=3, caller="dispatch")
+        faults.add("dynamodb", "TransactWriteItems", kind="transaction_throttled", times=2, caller="dispatch")
+        deployed.front_end.throttle(2)
+        run = deployed.finished(deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}), timeout=90)
+    assert run["outcome"] == "completed", run["summary"]
+    assert deployed.front_end.throttled == 2
+    assert faults.count("throttled") == 3 and faults.count("transaction_throttled") == 2
+    attempts = [a for step in run["steps"] for a in step["attempts"]]
+    assert [step["id"] for step in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
+    assert [a["status"] for a in attempts] == ["succeeded"] * 3  # each step ran once, and only once
+    assert not [a for a in attempts if a.get("unknown")], "an attempt was Unknown"

@@ -344,6 +344,9 @@ class Simulation:
                     self.unknown_deferred.add(waiting)
                     self.note(f"  {waiting} went Unknown while its answer was deferred")
                     self.cases["an attempt went Unknown while its answer was deferred"] += 1
+                    # a figure, not a violation: a store outage, or a delivery delayed, for longer than the
+                    # attempt's lease (here 35 s) lets its expiry come first; the deferred answer then settles
+                    # the Unknown as a late result does
             return
         if kind not in ("answer", "answer_deferred", "answer_dropped"):
             return
@@ -533,7 +536,7 @@ class Simulation:
         elif what == "release":
             self._release()
         elif what == "store outage":
-            seconds = self.rng.choice([5.0, 60.0, 300.0, 900.0])
+            seconds = self.rng.choice([5.0, 20.0, 60.0, 300.0, 900.0])
             self.outage_until = self.now + timedelta(seconds=seconds)
             self.outage_reads = self.rng.random() < 0.5
             self.faults["store_outage"] += 1
