@@ -343,3 +343,24 @@ def test_a_deployed_engine_refuses_to_start_without_a_signing_key(
     monkeypatch.setattr(api_lambda, "_resolver", None)
     with pytest.raises(RuntimeError, match="no unsigned mode"):
         api_lambda.resolver()
+
+
+def test_a_message_the_engine_keeps_is_replaced_before_the_dead_letter_queue_takes_it(aws: dict[str, str]) -> None:
+    """Issue 24 (low): a message kept on purpose (here a duplicate of an attempt's message, waiting for the lease
+    of the attempt another delivery is running) comes back again and again; each receive counts, and at 10 the
+    redrive policy moved it to the dead-letter queue, whose alarm then fired for nothing. Past 7 receives the
+    dispatcher now sends a fresh copy (its count starts again) and lets this one go."""
+    TIMELINE.clear()
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    call(aws, "POST", "/v1/functions/slow/runs", {"input": {}})
+    dispatch(aws, receive(aws))
+    [message] = receive(aws)
+    assert dispatch(aws, [message], remaining_s=16) == {message["MessageId"]}  # in flight: its lease timer
+    batch = sqs_batch([message])
+    batch["Records"][0]["attributes"]["ApproximateReceiveCount"] = "8"  # a duplicate, received 8 times
+    result = dispatch_lambda.handler(batch, LambdaContext(900))
+    assert result["batchItemFailures"] == []  # not kept: it would reach the DLQ after two more receives
+    attributes = boto3.client("sqs").get_queue_attributes(
+        QueueUrl=aws["RYUSEN_QUEUE_URL"], AttributeNames=["ApproximateNumberOfMessagesDelayed"]
+    )["Attributes"]
+    assert attributes["ApproximateNumberOfMessagesDelayed"] == "1"  # the fresh copy, due when the lease is

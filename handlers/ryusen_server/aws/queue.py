@@ -143,6 +143,11 @@ class SqsQueue:
             return
         self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
 
+    def resend(self, body: str, delay_s: float) -> None:
+        """Send a received message's body again as a new message (its receive count starts again), due in
+        ``delay_s`` at most 15 minutes (if it was wanted later, it comes back early and is kept again)."""
+        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
+
     def _send_message(self, body: str, delay: int) -> None:
         self.counter.add("sqs.send", len(body))
         self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)

@@ -24,7 +24,7 @@ from aws_lambda_powertools.utilities.parser.models import SqsRecordModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
-from ..aws.queue import MAX_VISIBILITY_S, SqsQueue
+from ..aws.queue import MAX_RECEIVE_COUNT, MAX_VISIBILITY_S, SqsQueue
 from ..core.events import WakeRequested
 from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
@@ -96,8 +96,25 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
         raise
     metrics.add_metric(name="MessagesHandled", unit=MetricUnit.Count, value=1)
     if not done:
+        if _receives(record) >= REFRESH_AFTER_RECEIVES:
+            # Kept on purpose (a lease timer, the watch over a run's chained tasks), yet every receive counts
+            # towards the dead-letter queue: past a few, a fresh copy takes over and this one is deleted, so a
+            # message the engine keeps never reaches the DLQ and raises its alarm.
+            queue.resend(record.body.model_dump_json(), redeliver_after_s)
+            return
         change_visibility(redeliver_after_s)
         raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")
+
+
+REFRESH_AFTER_RECEIVES = MAX_RECEIVE_COUNT - 3
+"""A message the engine keeps is replaced by a fresh copy at this many receives (the DLQ takes it at 10)."""
+
+
+def _receives(record: DispatchRecord) -> int:
+    try:
+        return int(record.attributes.ApproximateReceiveCount)
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 def _queue_visibility_s() -> float | None:
