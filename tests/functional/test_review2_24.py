@@ -92,3 +92,59 @@ def test_a_chained_step_never_sent_is_not_unknown_after_an_outage_longer_than_it
     unknown = [a.generation for a in ship.attempts if a.unknown_at is not None]
     assert not unknown, f"ship #{unknown} went Unknown though it was never sent; run {run.outcome} {run.blockers}"
     assert run.outcome == "completed" and calls == Counter({"charge": 1, "ship": 1})
+
+
+def test_a_stale_deferred_unreachable_does_not_requeue_the_generation_another_delivery_is_running() -> None:
+    """A dispatcher D1 sends "charge" #1 and the Function URL refuses it (429, x-amzn-ErrorType:
+    TooManyRequestsException: nothing ran). The write that re-queues #1 (same generation) commits, its answer is
+    lost, and the retries are refused: the UNREACHABLE is deferred WITHOUT a delivery id (only deliver()'s "never
+    sent" carries one). #1 is QUEUED in the store; its message (or the sweeper) sends it, and D2 authorizes #1
+    and invokes it. While the callback runs, the deferred UNREACHABLE is received: it names #1, #1 is AUTHORIZED,
+    so it is taken as D2's failure: #1 is re-queued and sent again, and a third delivery runs the charge again
+    while D2's is still running. (Fix: every InvocationFailed carries the delivery id that sent the task, and
+    the core ignores one that is not the live authorization's, as it does for "never sent".)"""
+    calls: Counter[str] = Counter()
+    from tests.functional.test_store_outages import _flaky_env, charge_app
+    from ryusen_server.core.model import TaskKind, TaskRef
+    from ryusen_server.ports import InvokeResult
+    import json
+
+    env, flaky = _flaky_env(charge_app(calls))
+    real_intercept = env.invoker.intercept
+    state = {"refused": False, "raced": False, "deferred": None}
+
+    def front_end(url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
+        request = json.loads(body)
+        if request.get("step_id") == "charge" and not state["refused"]:
+            state["refused"] = True
+            flaky.commit_then_down = True  # the re-queue commits, its answer is lost ...
+            flaky.reads_too = True  # ... and the store refuses reads and writes past the retries
+            return InvokeResult(
+                kind="response",
+                status=429,
+                headers={"x-amzn-ErrorType": "TooManyRequestsException"},
+                body=b'{"message":"Rate Exceeded."}',
+            )
+        if request.get("step_id") == "charge" and state["deferred"] is not None and not state["raced"]:
+            state["raced"] = True
+            env.engine.apply_deferred(state["deferred"])  # the deferred answer, received meanwhile
+        return real_intercept(url, body, headers) if real_intercept is not None else None
+
+    env.invoker.intercept = front_end
+    run_id = env.start("order")
+    for _ in range(20):
+        env.step_once()
+        if _pending_deferred(env):
+            break
+    [message] = _pending_deferred(env)
+    flaky.down = flaky.reads_too = False
+    charge = env.store.peek(run_id).step("charge").attempts[0]  # type: ignore[union-attr]
+    assert charge.status.value == "queued" and calls["charge"] == 0  # re-queued in the store, nothing ran
+    state["deferred"] = message.task.deferred
+    # the message of #1 (or the sweeper's re-send) comes back: D2 authorizes #1 and invokes it
+    if charge.not_before is not None:
+        env.clock.advance_to(charge.not_before)
+    delivered = env.engine.deliver(TaskRef(run_id=run_id, kind=TaskKind.FORWARD, step_id="charge", generation=1))
+    assert state["raced"], (delivered, charge)
+    run = env.wait(run_id)
+    assert calls["charge"] == 1, f"the charge ran {calls['charge']} times; run {run.outcome}"
