@@ -208,6 +208,15 @@ with the app's keys (not the request the engine sent, or a key the endpoint does
 a task request. Anything else signed and not a 200 leaves the outcome not known."""
 
 
+def _authorizing_delivery(state: RunState, task: TaskRef) -> str | None:
+    """The delivery id that authorized ``task`` in ``state`` (the state it was invoked from)."""
+    if task.kind is TaskKind.DISCOVER:
+        return state.discovery.delivery_id if state.discovery is not None else None
+    step = state.step(task.step_id) if task.step_id is not None else None
+    attempt = step.attempt(task.phase, task.generation) if step and task.phase and task.generation else None
+    return attempt.delivery_id if attempt is not None else None
+
+
 def _front_end_refusal(headers: dict[str, str]) -> bool:
     """The answer carries the mark AWS's front ends (a Lambda Function URL, API Gateway) put on a request they
     refused before any code ran: ``x-amzn-ErrorType: TooManyRequestsException``. A 429 without it (a proxy
@@ -569,15 +578,18 @@ class Engine:
             log.error("refused a deferred answer not sealed by this deployment: %s", deferred.describe())
             return Delivered(done=True)
         event = deferred.decoded()
+        again = deferred
         if isinstance(event, AttemptReported | DiscoveryReported) and event.delivery_id is not None:
-            # this receiver authorizes under its own delivery id, and claims what the deferring one authorized
-            event = replace(event, delivery_id=uuid.uuid4().hex, claims=event.delivery_id)
+            # this receiver authorizes under its own delivery id, and claims what the deferring ones authorized
+            event = replace(event, delivery_id=uuid.uuid4().hex, claims=(event.delivery_id, *event.claims))
+            # deferred again, it names this receiver too: a claim of its that committed unseen is claimed next
+            again = DeferredAnswer.of(deferred.run_id, event, seal_key).model_copy(update={"tries": deferred.tries})
         try:
             decision = self._apply_retrying(deferred.run_id, event, known=None, deadline=deadline)
         except NotFoundError:
             return Delivered(done=True)  # the run is gone (retention): nothing to record
         except StoreUnavailableError:
-            self.queue.defer(deferred.again(seal_key), min(MAX_DEFERRAL_DELAY_S, 2.0 ** min(deferred.tries + 1, 10)))
+            self.queue.defer(again.again(seal_key), min(MAX_DEFERRAL_DELAY_S, 2.0 ** min(deferred.tries + 1, 10)))
             return Delivered(done=True)
         self._emit("answer_recorded", (deferred.run_id, event))
         chain = getattr(event, "chain", None)
@@ -969,6 +981,10 @@ class Engine:
             trust_next=same_code,
             sent=sent,
         )
+        if isinstance(event, InvocationFailed):
+            # about the task as this delivery authorized it, and only then: the same generation may be sent
+            # again (after "unreachable") by another delivery before a deferred copy of this is received
+            event = replace(event, delivery_id=_authorizing_delivery(state, task))
         recorded = self._record_answer(task.run_id, event, known=state, deadline=deadline)
         if recorded is None:  # deferred on the queue: this message, the lease timer, stays away until it is recorded
             lease_left = (lease_at - self.clock()).total_seconds()

@@ -232,7 +232,7 @@ class _Transition:
         self.rejection: Rejection | None = None
         self.note: str | None = None
         self.delivery_id: str | None = None
-        self.claims: str | None = None
+        self.claims: tuple[str, ...] = ()
         self.chain: ReleaseRef | None = None
         """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
         self.next: DiscoveryResponse | None = None
@@ -343,39 +343,53 @@ class _Transition:
 
     def invoke_own_authorization(self) -> None:
         """A chained report found stale: if that is because its own write committed (the reply was lost and
-        another write landed before the retry), the task it authorized is still this dispatcher's to invoke."""
+        another write landed before the retry), the task it authorized is still this dispatcher's to invoke.
+        So is one a deferring dispatcher it claims authorized and never sent (see ``claims``)."""
         if self.delivery_id is None or self.chain is None or any(isinstance(c, InvokeTask) for c in self.commands):
-            return
+            return None
         d = self.s.discovery
-        if d is not None and self.take_own(d):
+        if d is not None and (self.owns(d) or self.claimable(d)):
+            if not self.owns(d):
+                self.reauthorize(d, self.settings.attempt_timeout_s)
             self.commands.append(InvokeTask(task=TaskRef(run_id=self.s.id, kind=TaskKind.DISCOVER, seq=d.seq)))
-            return
+            return None
         for i, step in enumerate(self.s.steps):
             for phase in (Phase.FORWARD, Phase.COMPENSATION):
                 attempt = step.current(phase)
-                if attempt is not None and self.owns(attempt, self.claims) and not self.owns(attempt):
-                    attempt = self.own(i).current(phase)  # to be re-stamped: this decision's copy
-                if attempt is not None and self.take_own(attempt):
-                    kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
-                    task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
-                    self.commands.append(InvokeTask(task=task))
-                    return
+                if attempt is None or not (self.owns(attempt) or self.claimable(attempt)):
+                    continue
+                kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
+                task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
+                if not self.owns(attempt):
+                    step = self.own(i)  # to be re-authorized: this decision's copy
+                    attempt = step.current(phase)
+                    assert attempt is not None
+                    if phase is Phase.FORWARD and self.stopping:
+                        # never sent, and a stop intent forbids sending it now: fenced, as a task never sent is
+                        self.settle(attempt, AttemptStatus.FENCED, detail="never sent; fenced by the stop intent")
+                        step.status = StepStatus.FENCED
+                        return self.evaluate_recovery()
+                    self.reauthorize(attempt, self.timeout_s(step, phase))
+                self.commands.append(InvokeTask(task=task))
+                return None
 
-    def take_own(self, task: DiscoveryTask | Attempt) -> bool:
-        """``task`` is this delivery's to invoke: authorized by it, or by the delivery it claims (a deferred
-        answer's), which it then re-stamps as its own in this write."""
-        if self.owns(task):
-            return True
-        if self.claims is None or not self.owns(task, self.claims):
-            return False
+    def claimable(self, task: DiscoveryTask | Attempt) -> bool:
+        """Authorized by a delivery this one claims (a deferring dispatcher that never sent it)."""
+        return task.status is AttemptStatus.AUTHORIZED and task.delivery_id in self.claims
+
+    def reauthorize(self, task: DiscoveryTask | Attempt, timeout_s: float) -> None:
+        """A claimed task, authorized afresh for this delivery: its window starts now."""
         task.delivery_id = self.delivery_id
+        task.authorized_at = self.now
+        if isinstance(task, Attempt):
+            task.respond_by = self.now + timedelta(seconds=timeout_s)
+        task.lease_expires_at = self.now + timedelta(seconds=timeout_s + self.settings.lease_grace_s)
         self.touch()
-        return True
 
-    def owns(self, task: DiscoveryTask | Attempt, delivery_id: str | None = None) -> bool:
+    def owns(self, task: DiscoveryTask | Attempt) -> bool:
         return (
             task.status is AttemptStatus.AUTHORIZED
-            and task.delivery_id == (delivery_id or self.delivery_id)
+            and task.delivery_id == self.delivery_id
             and task.lease_expires_at is not None
             and self.now < task.lease_expires_at
         )

@@ -101,10 +101,11 @@ class DiscoveryReported:
     delivery_id: str | None = None
     """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
     lost, another write landed) recognises the task it authorized itself and invokes it."""
-    claims: str | None = None
-    """Set by the receiver of a deferred answer: the delivery id of the dispatcher that deferred it. A task
-    that delivery authorized and never saw confirmed (so never invoked) becomes this delivery's, re-stamped in
-    this write (so that of two receivers of the same answer, one invokes it)."""
+    claims: tuple[str, ...] = ()
+    """Set by the receiver of a deferred answer: the delivery ids of the dispatchers that deferred it (the
+    first, and any receiver that deferred it again). A task one of them authorized and never saw confirmed
+    was never sent: it becomes this delivery's, re-authorized in this write (so that of two receivers of the
+    same answer, one invokes it), however long ago its lease ran out."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,10 +122,11 @@ class AttemptReported:
     delivery_id: str | None = None
     """Names the chained authorization: a re-decision after a lost race (the write committed, its reply was
     lost, another write landed) recognises the task it authorized itself and invokes it."""
-    claims: str | None = None
-    """Set by the receiver of a deferred answer: the delivery id of the dispatcher that deferred it. A task
-    that delivery authorized and never saw confirmed (so never invoked) becomes this delivery's, re-stamped in
-    this write (so that of two receivers of the same answer, one invokes it)."""
+    claims: tuple[str, ...] = ()
+    """Set by the receiver of a deferred answer: the delivery ids of the dispatchers that deferred it (the
+    first, and any receiver that deferred it again). A task one of them authorized and never saw confirmed
+    was never sent: it becomes this delivery's, re-authorized in this write (so that of two receivers of the
+    same answer, one invokes it), however long ago its lease ran out."""
 
 
 class InvocationFailure(StrEnum):

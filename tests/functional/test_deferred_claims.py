@@ -1,4 +1,7 @@
-"""Review 2 of issue 24's fixes (commit 332960c): deferred answers that claim a chained authorization."""
+"""Issue 24: a deferred answer, and what its receiver may claim and send (found by a second review of 332960c,
+each failed there): a stale deferred "unreachable" must not re-queue a generation another delivery runs; a
+receiver's claim that committed unseen must be claimable by the next receiver; a chained step never sent is
+claimed (and re-authorized) however long the outage lasted."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from typing import Any
 
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.deferred import DeferredMessage
-
 from tests.functional.test_store_outages import FlakyStore, two_step_app
 
 
@@ -104,10 +106,11 @@ def test_a_stale_deferred_unreachable_does_not_requeue_the_generation_another_de
     while D2's is still running. (Fix: every InvocationFailed carries the delivery id that sent the task, and
     the core ignores one that is not the live authorization's, as it does for "never sent".)"""
     calls: Counter[str] = Counter()
-    from tests.functional.test_store_outages import _flaky_env, charge_app
+    import json
+
     from ryusen_server.core.model import TaskKind, TaskRef
     from ryusen_server.ports import InvokeResult
-    import json
+    from tests.functional.test_store_outages import _flaky_env, charge_app
 
     env, flaky = _flaky_env(charge_app(calls))
     real_intercept = env.invoker.intercept
