@@ -41,7 +41,7 @@ from .aws.store import DynamoStore
 from .aws.timers import SchedulerTimers
 from .engine import MAX_MANIFEST_BYTES, Engine, ServerSettings
 from .invoker import HttpInvoker
-from .ports import InvalidRequestError, RequestCounter
+from .ports import InvalidRequestError, InvokeResult, RequestCounter
 from .settings import server_settings
 from .urls import EndpointPolicy
 
@@ -112,12 +112,16 @@ def aws_engine(
     *,
     deployed: bool = False,
     hold: DelayHold | None = None,
+    signs: bool = True,
 ) -> AwsEngine:
     """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only).
 
     ``deployed`` (the Lambda handlers): there is no unsigned mode; without a signing key (its secret, or
     ``RYUSEN_MASTER_KEY``) the engine refuses to start rather than send unsigned tasks and accept unsigned
     results.
+
+    ``signs=False`` (the sweeper): an engine that never calls an endpoint and holds no key; it refuses to
+    invoke anything.
 
     ``hold``: where the queue keeps delayed sends instead of SQS's whole-second ``DelaySeconds`` (``ryusen
     dev``: its queue is in-process, so a delay is honoured to the millisecond)."""
@@ -133,7 +137,7 @@ def aws_engine(
         counter=counter,
     )
     settings = settings or server_settings()
-    if deployed and resources.master_key_secret_arn is None and not settings.master_key:
+    if deployed and signs and resources.master_key_secret_arn is None and not settings.master_key:
         raise RuntimeError(
             "a deployed Ryusen engine signs every task and accepts only signed results: set"
             " RYUSEN_MASTER_KEY_SECRET_ARN (the CDK stack does); there is no unsigned mode on AWS"
@@ -154,7 +158,7 @@ def aws_engine(
         ),
         queue=SqsQueue(sqs, resources.queue_url, timers, counter, hold=hold),
         timers=timers,
-        invoker=HttpInvoker(counter, policy=policy),
+        invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),
         settings=settings,
     )
     return AwsEngine(engine=engine, sqs=sqs, counter=counter, policy=policy)
@@ -360,3 +364,10 @@ def manifest_fetcher(
 ) -> Callable[[str, str], tuple[Manifest, frozenset[str]]]:
     """``fetch_manifest(app_id, url)`` under a deployment's URL policy and app keys (what the API is built with)."""
     return lambda app_id, url: fetch_manifest(url, app_id=app_id, policy=policy, keys=keys)
+
+
+class _NoInvoker:
+    """The invoker of an engine that must never call an endpoint (the sweeper: it holds no signing key)."""
+
+    def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
+        raise RuntimeError("this engine holds no signing key and calls no endpoint")

@@ -376,13 +376,12 @@ class RyusenEngine(Construct):
             "SweepFunction",
             "ryusen_server.lambdas.sweep.handler",
             code,
-            common,
+            {k: v for k, v in common.items() if k != "RYUSEN_MASTER_KEY_SECRET_ARN"},
             cdk.Duration.minutes(5),
             "sweep",
         )
-        # The sweeper signs and verifies nothing (it reads runs, sends messages and schedules): it may not read
-        # the master key. Its environment still names the secret, because the handler's wiring refuses to start
-        # a deployed engine without one; it is never read (tests/infra proves the sweeper's calls).
+        # The sweeper signs and verifies nothing (it reads runs, sends messages and schedules): it neither reads
+        # nor names the master key (its engine holds none and calls no endpoint; tests/infra proves its calls).
         self._grant_runtime(self.sweep_function)
         events.Rule(
             self,

@@ -23,7 +23,7 @@ _engine: AwsEngine | None = None
 def engine() -> AwsEngine:
     global _engine
     if _engine is None:
-        _engine = aws_engine(AwsResources.from_env(), deployed=True)
+        _engine = aws_engine(AwsResources.from_env(), deployed=True, signs=False)  # it holds no key
     return _engine
 
 
