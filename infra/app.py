@@ -28,20 +28,35 @@ def flag(app: cdk.App, name: str, default: bool = False) -> bool:
     return str(value).lower() == "true"
 
 
+def number(app: cdk.App, name: str, *, whole: bool = False) -> float | None:
+    """A positive number context setting (``-c ryusen:NAME=30``); anything else is refused, naming the key."""
+    value = app.node.try_get_context(f"ryusen:{name}")
+    if value is None or value == "":
+        return None
+    try:
+        parsed = int(str(value)) if whole else float(str(value))
+    except ValueError:
+        parsed = -1
+    if not parsed > 0 or parsed == float("inf"):
+        kind = "a positive whole number" if whole else "a positive number"
+        raise ValueError(f"ryusen:{name} must be {kind}, not {value!r}")
+    return parsed
+
+
 def settings_from(app: cdk.App) -> RyusenSettings:
     def seconds(name: str) -> cdk.Duration | None:
-        value = app.node.try_get_context(f"ryusen:{name}")
-        return cdk.Duration.seconds(float(value)) if value is not None else None
+        value = number(app, name)
+        return cdk.Duration.seconds(value) if value is not None else None
 
     defaults = RyusenSettings()
-    retention_days = app.node.try_get_context("ryusen:retention_days")
-    dispatch_concurrency = app.node.try_get_context("ryusen:dispatch_concurrency")
+    retention_days = number(app, "retention_days")
+    dispatch_concurrency = number(app, "dispatch_concurrency", whole=True)
     return RyusenSettings(
         default_run_timeout=seconds("default_run_timeout_s"),
         max_run_timeout=seconds("max_run_timeout_s"),
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
         dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
-        retention=cdk.Duration.days(float(retention_days)) if retention_days else defaults.retention,
+        retention=cdk.Duration.days(retention_days) if retention_days else defaults.retention,
         api_access_logs=flag(app, "api_access_logs"),
         api_account_logs_role=flag(app, "api_account_logs_role"),
         alarm_email=app.node.try_get_context("ryusen:alarm_email") or None,

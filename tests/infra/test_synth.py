@@ -126,3 +126,18 @@ def test_the_alarm_notification_context_reaches_the_settings() -> None:
     )
     assert asked.alarm_email == "ops@example.com"  # type: ignore[attr-defined]
     assert asked.alarm_topic_arn == "arn:aws:sns:us-east-1:123456789012:x"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("dispatch_concurrency", "lots"),
+        ("dispatch_concurrency", "0"),
+        ("retention_days", "-3"),
+        ("max_run_timeout_s", "nan"),
+    ],
+)
+def test_a_malformed_number_setting_is_refused_naming_its_key(name: str, value: str) -> None:
+    """Before, ``-c ryusen:dispatch_concurrency=lots`` failed with Python's own "invalid literal for int()"."""
+    with pytest.raises(ValueError, match=f"ryusen:{name} must be a positive"):
+        settings_from_context({f"ryusen:{name}": value})
