@@ -6,37 +6,14 @@ claimed (and re-authorized) however long the outage lasted."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from datetime import timedelta
-from typing import Any
 
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.deferred import DeferredMessage
-from tests.functional.test_store_outages import FlakyStore, two_step_app
-
-
-def _pending_deferred(env: WorkflowEnvironment) -> list[Any]:
-    return [m for m in env.queue.pending() if isinstance(m.task, DeferredMessage)]
-
-
-def _chained_env(calls: Counter[str]) -> tuple[WorkflowEnvironment, FlakyStore]:
-    holder: dict[str, FlakyStore] = {}
-    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
-    env = WorkflowEnvironment(app, chain_steps=True)
-    flaky = FlakyStore(env.store)
-    holder["store"] = flaky
-    env.engine.store = flaky  # type: ignore[assignment]
-    env.engine.sleep = lambda _s: None
-    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
-    return env, flaky
+from tests.functional.test_store_outages import chained_env, until_deferred
 
 
 def _until_deferred(env: WorkflowEnvironment, run_id: str) -> None:
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    assert _pending_deferred(env), "the answer was never deferred"
+    until_deferred(env)
     ship = env.store.peek(run_id).step("ship")  # type: ignore[union-attr]
     assert ship is not None and ship.attempts[0].status.value == "authorized"  # by the deferring dispatcher
 
@@ -48,7 +25,7 @@ def test_a_receiver_whose_claim_committed_unseen_does_not_strand_the_claimed_ste
     is now D2's: nobody invokes it, and it goes Unknown at its lease's expiry although it was never sent.
     (deliver() covers the same case with a deferred "never sent"; apply_deferred does not.)"""
     calls: Counter[str] = Counter()
-    env, flaky = _chained_env(calls)
+    env, flaky = chained_env(calls)
     run_id = env.start("order")
     _until_deferred(env, run_id)
     before = env.store.peek(run_id).step("ship").attempts[0].delivery_id  # type: ignore[union-attr]
@@ -78,7 +55,7 @@ def test_a_chained_step_never_sent_is_not_unknown_after_an_outage_longer_than_it
     live (owns(): now < lease_expires_at; 300 s + grace): it has expired, so nobody invokes "ship" and the next
     look at it expires it as lost -> Unknown, blocking on a person, although the engine knows it never sent it."""
     calls: Counter[str] = Counter()
-    env, flaky = _chained_env(calls)
+    env, flaky = chained_env(calls)
     run_id = env.start("order")
     _until_deferred(env, run_id)
     start = env.clock.now
@@ -135,11 +112,7 @@ def test_a_stale_deferred_unreachable_does_not_requeue_the_generation_another_de
 
     env.invoker.intercept = front_end
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    [message] = _pending_deferred(env)
+    [message] = until_deferred(env)
     flaky.down = flaky.reads_too = False
     charge = env.store.peek(run_id).step("charge").attempts[0]  # type: ignore[union-attr]
     assert charge.status.value == "queued" and calls["charge"] == 0  # re-queued in the store, nothing ran

@@ -88,8 +88,19 @@ def _flaky_env(app: Ryusen) -> tuple[WorkflowEnvironment, FlakyStore]:
     return env, flaky
 
 
-def _pending_deferred(env: WorkflowEnvironment) -> list[Any]:
+def pending_deferred(env: WorkflowEnvironment) -> list[Any]:
     return [m for m in env.queue.pending() if isinstance(m.task, DeferredMessage)]
+
+
+def until_deferred(env: WorkflowEnvironment) -> list[Any]:
+    """Deliver until an answer is deferred to the queue; the deferred messages."""
+    for _ in range(20):
+        env.step_once()
+        if pending_deferred(env):
+            break
+    deferred = pending_deferred(env)
+    assert deferred, "the answer was never deferred"
+    return deferred
 
 
 # ---- 1. a deferred answer loses to the sweeper (or to the lease message) --------------------------------------
@@ -118,11 +129,7 @@ def test_a_deferred_success_is_not_made_unknown_by_the_sweeper_after_the_store_r
     run_id = env.start("order")
     start = env.clock.now
     # deliver until the answer is deferred
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    assert _pending_deferred(env), "the answer was never deferred"
+    until_deferred(env)
     deferred_at = env.clock.now
     # the partition stays throttled for 10 minutes: every receive of the deferred answer re-defers it
     while env.clock.now < deferred_at + timedelta(minutes=10):
@@ -291,11 +298,7 @@ def test_a_deferred_answer_survives_an_emergency_key_rotation() -> None:
     env, flaky = _flaky_env(charge_app(calls, lambda: setattr(holder["store"], "down", True)))
     holder["store"] = flaky
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    assert _pending_deferred(env)
+    until_deferred(env)
     flaky.down = False
     env.engine.settings = replace(env.engine.settings, master_key="f" * 64)  # emergency rotation: old key gone
     run = env.wait(run_id)
@@ -323,6 +326,20 @@ def two_step_app(calls: Counter[str], on_charge: Any = None) -> Ryusen:
     return app
 
 
+def chained_env(calls: Counter[str]) -> tuple[WorkflowEnvironment, FlakyStore]:
+    """Two chained steps; the write that records "charge" (and authorizes "ship") commits, its answer is lost,
+    and the store is down from then on, until the test brings it back."""
+    holder: dict[str, FlakyStore] = {}
+    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
+    env = WorkflowEnvironment(app, chain_steps=True)
+    flaky = FlakyStore(env.store)
+    holder["store"] = flaky
+    env.engine.store = flaky  # type: ignore[assignment]
+    env.engine.sleep = lambda _s: None
+    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
+    return env, flaky
+
+
 def test_a_chained_next_step_authorized_by_a_write_whose_answer_was_lost_is_not_made_unknown() -> None:
     """With chaining, the write that records "charge" also authorizes "ship" (AttemptReported with a chain). That
     write commits, its answer is lost, and the retries are throttled: the dispatcher defers the answer (without the
@@ -336,20 +353,9 @@ def test_a_chained_next_step_authorized_by_a_write_whose_answer_was_lost_is_not_
     delivery id in the deferred answer and let the receiver invoke it; or never chain on a write that is being
     retried after an unknown result.)"""
     calls: Counter[str] = Counter()
-    holder: dict[str, FlakyStore] = {}
-    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
-    env = WorkflowEnvironment(app, chain_steps=True)
-    flaky = FlakyStore(env.store)
-    holder["store"] = flaky
-    env.engine.store = flaky  # type: ignore[assignment]
-    env.engine.sleep = lambda _s: None
-    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
+    env, flaky = chained_env(calls)
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    assert _pending_deferred(env), "the answer was never deferred"
+    until_deferred(env)
     flaky.down = False  # the table recovers at once
     run = env.wait(run_id)
     ship = env.store.peek(run_id).step("ship")  # type: ignore[union-attr]
@@ -398,20 +404,9 @@ def test_a_deferred_answer_delivered_twice_invokes_the_next_step_once() -> None:
     dispatcher made, in a fenced write: one wins and invokes it; the other finds it taken (found by the
     simulator, which ran "ship" twice before the claim)."""
     calls: Counter[str] = Counter()
-    holder: dict[str, FlakyStore] = {}
-    app = two_step_app(calls, lambda: setattr(holder["store"], "commit_then_down", True))
-    env = WorkflowEnvironment(app, chain_steps=True)
-    flaky = FlakyStore(env.store)
-    holder["store"] = flaky
-    env.engine.store = flaky  # type: ignore[assignment]
-    env.engine.sleep = lambda _s: None
-    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
+    env, flaky = chained_env(calls)
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if _pending_deferred(env):
-            break
-    [deferred] = _pending_deferred(env)
+    [deferred] = until_deferred(env)
     again = deferred.task.deferred  # the same answer, delivered again: to another dispatcher, at the same time
     real_intercept = env.invoker.intercept
     raced = []
