@@ -84,6 +84,9 @@ class AppProcess:
     process: subprocess.Popen[bytes] | None = None
     app_id: str | None = None
     release_id: str | None = None
+    restart_at: float | None = None
+    """When the supervisor tries again to restart a process that died while running (monotonic clock)."""
+    restart_delay_s: float = 0.0
 
     @property
     def url(self) -> str:
@@ -255,19 +258,40 @@ class DevStack:
         proc.app_id, proc.release_id = release.app_id, release.release_id
 
     def _supervise(self) -> None:
-        """Restart an app whose process exited (a crash mid-step), and sync it again."""
+        """Restart an app whose process exited (a crash mid-step), and sync it again.
+
+        A process that dies again while restarting (the retry of the step that crashed it can arrive before its
+        manifest is read) is tried again after 1 s, doubling to 30 s, until it answers: it was running before,
+        so nothing but a change of its file would make a reload succeed where a restart cannot.
+        """
         while not self._stop.wait(0.5):
             for proc in self._processes:
                 with self._restart_lock:
+                    if self._stop.is_set():
+                        return
                     process = proc.process
-                    if process is None or process.poll() is None or self._stop.is_set():
+                    if process is not None and process.poll() is None:
                         continue
-                    self.out(f"ryusen dev: app {proc.spec} exited with status {process.returncode}; restarting it")
-                    proc.process = None
+                    if process is not None:
+                        self.out(f"ryusen dev: app {proc.spec} exited with status {process.returncode}; restarting it")
+                        proc.process, proc.restart_at, proc.restart_delay_s = None, time.monotonic(), 0.0
+                    if proc.restart_at is None or time.monotonic() < proc.restart_at:
+                        continue  # running, waiting for a change of its file, or not yet due
                     try:
                         self._start_and_sync(proc)
                     except Exception as exc:  # noqa: BLE001 - keep supervising
-                        self.out(f"ryusen dev: restart of {proc.spec} failed: {exc}")
+                        if proc.process is not None and proc.process.poll() is None:
+                            proc.stop()  # answered but did not sync: start it clean next time
+                        proc.process = None
+                        proc.restart_delay_s = min(30.0, max(1.0, proc.restart_delay_s * 2))
+                        proc.restart_at = time.monotonic() + proc.restart_delay_s
+                        self.out(
+                            f"ryusen dev: restart of {proc.spec} failed: {exc}; "
+                            f"trying again in {proc.restart_delay_s:g}s"
+                        )
+                    else:
+                        proc.restart_at = None
+                        self.out(f"ryusen dev: restarted {proc.spec}; synced release {proc.release_id}")
 
     def _watch(self, proc: AppProcess) -> None:
         path = source_file(proc.spec)
@@ -281,6 +305,7 @@ class DevStack:
             self.out(f"ryusen dev: {path.name} changed; reloading {proc.spec}")
             with self._restart_lock:
                 proc.stop()
+                proc.restart_at = None  # a reload replaces any restart still to come
                 try:
                     self._start_and_sync(proc)
                 except Exception as exc:  # noqa: BLE001 - keep serving the others
