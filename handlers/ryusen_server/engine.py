@@ -40,6 +40,7 @@ from ryusen._internal.signing import (
 )
 from ryusen._internal.wire import (
     MAX_ID_LENGTH,
+    DiscoveryResponse,
     LateResult,
     Manifest,
     MemoBase,
@@ -276,6 +277,8 @@ class Sent:
 
 RELEASE_RECHECK_S = 1.0
 """The default of ``ServerSettings.release_recheck_s`` (``RYUSEN_RELEASE_RECHECK_S``)."""
+ACKNOWLEDGE_AFTER_S = 0.25
+"""The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -301,6 +304,10 @@ class ServerSettings:
     """One invocation and one write per step: a forward attempt's request asks the SDK to continue its
     replay to the next step, and the write that accepts an answer authorizes the next task, which the same
     dispatcher invokes at once (while its time budget allows)."""
+    acknowledge_after_s: float | None = ACKNOWLEDGE_AFTER_S
+    """How long a dispatcher waits for an attempt's outcome before the endpoint (a release whose SDK announces
+    ``acknowledge``) answers ``accepted`` and posts the outcome to ``result_url`` when its callback ends: no
+    dispatcher waits through a long callback (``docs/design/dispatch.md``). None: every attempt is waited for."""
     chain_window_s: float = 60.0
     """The longest one dispatch message keeps chaining before the next task goes through the queue (a Lambda
     also stops at its own time limit): other runs' messages get a dispatcher in turn."""
@@ -833,8 +840,7 @@ class Engine:
             if state is None:
                 return Delivered(done=True)
             release = self._read_release(state.function_id)  # a new message reads the release afresh
-            ref = ReleaseRef(release_id=release.release_id, build_id=release.build_id) if release else None
-            delivered = TaskDelivered(task=task, release=ref, delivery_id=delivery_id)
+            delivered = TaskDelivered(task=task, release=self._release_ref(release), delivery_id=delivery_id)
         except StoreUnavailableError as exc:
             log.warning("%s: the store is unavailable (%s); the message comes back", task.describe(), exc)
             return Delivered(done=False, redeliver_after_s=STORE_UNAVAILABLE_RETRY_S)
@@ -951,6 +957,11 @@ class Engine:
             )
             result, sent = self._post(release, whole_request, keys, listen_until, window.grace_s)
         self._emit("invoked", (task, result))
+        if self._accepted(task, result, sent):
+            # The endpoint runs the callback and will post its outcome to the result URL: nothing to record, and
+            # no waiting. This message, the lease timer, comes back when the lease expires.
+            self._emit("acknowledged", task)
+            return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
@@ -966,7 +977,7 @@ class Engine:
             except StoreUnavailableError:
                 chaining = False  # the answer is recorded without what the pass found next; no chain
         chain = newest if chaining else None
-        ref = ReleaseRef(release_id=chain.release_id, build_id=chain.build_id) if chain else None
+        ref = self._release_ref(chain)
         # What the pass found after the callback is what the code that ran it would do next; if a newer
         # release was synced meanwhile, the next task must be that code's discovery, not this answer's.
         same_code = newest is not None and (newest.release_id, newest.build_id) == (
@@ -994,6 +1005,34 @@ class Engine:
         except StoreUnavailableError:
             log.warning("run %s: could not look for a newer release after a pass blocked (the probe will)", state.id)
         return recorded, chain
+
+    def _release_ref(self, release: Release | None) -> ReleaseRef | None:
+        """What the core is told of the release a task is authorized with (None: no release is synced)."""
+        if release is None:
+            return None
+        return ReleaseRef(
+            release_id=release.release_id, build_id=release.build_id, acknowledges=self._acknowledging(release)
+        )
+
+    def _acknowledging(self, release: Release) -> bool:
+        """Whether this release's attempts are asked to answer ``accepted`` when their callback runs long."""
+        return (
+            self.settings.acknowledge_after_s is not None
+            and self.settings.result_url is not None
+            and "acknowledge" in release.features
+        )
+
+    def _accepted(self, task: TaskRef, result: Any, sent: Sent | None) -> bool:
+        """The endpoint answered ``accepted`` for this attempt, signed as the answer to the request ``sent``."""
+        if task.kind is TaskKind.DISCOVER or result.kind != "response" or result.status != 202:
+            return False
+        if self._signature_problem(result, sent) is not None:
+            return False
+        try:
+            response = TaskResponse.model_validate_json(result.body)
+        except ValidationError:
+            return False
+        return response.accepted and response.run_id == task.run_id and response.kind is task.kind
 
     def _post(
         self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime, grace_s: float
@@ -1115,6 +1154,11 @@ class Engine:
             respond_by=respond_by.timestamp(),
             respond_within_s=self._respond_within_s(respond_by, features),
             continue_after=self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features,
+            acknowledge_after_s=(
+                self.settings.acknowledge_after_s
+                if "acknowledge" in features and self.settings.result_url is not None
+                else None
+            ),
         )
 
     def _event_for(
@@ -1210,6 +1254,7 @@ class Engine:
                 f"a late result is at most {MAX_LATE_RESULT_BYTES} bytes", limit=MAX_LATE_RESULT_BYTES
             )
         masters = self.master_keys()
+        state: RunState | None = None
         header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
         signature: Signature | None = None
         if masters:
@@ -1239,7 +1284,7 @@ class Engine:
                 verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
             except SignatureError:
                 raise _late_result_refused() from None
-        if (problem := _values_problem(late.attempt)) is not None:
+        if (problem := _values_problem(late.attempt, late.next)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         decision = self.apply(
             late.run_id,
@@ -1249,11 +1294,27 @@ class Engine:
                 generation=late.generation,
                 response=late.attempt,
                 source="late_submission",
+                next=self._trusted_next(late, state),
             ),
         )
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         return decision
+
+    def _trusted_next(self, late: LateResult, state: RunState | None) -> DiscoveryResponse | None:
+        """What an acknowledged attempt's replay found next, when the build that found it is the one the run
+        would replay next (R1: the newest release's); otherwise None, and the run's own discovery finds it."""
+        if late.next is None or late.build_id is None or late.phase is not Phase.FORWARD or not self.settings.chain:
+            return None
+        state = state or self.store.get(late.run_id)
+        if state is None:
+            return None
+        step = state.step(late.step_id)
+        attempt = step.attempt(late.phase, late.generation) if step is not None else None
+        newest = self._newest_release(state.function_id)
+        if attempt is None or newest is None or not (attempt.build_id == newest.build_id == late.build_id):
+            return None
+        return late.next
 
     def sweep(
         self, *, grace_s: float = SWEEP_GRACE_S, limit: int = SWEEP_LIMIT, budget_s: float = SWEEP_BUDGET_S

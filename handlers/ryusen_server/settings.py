@@ -13,7 +13,7 @@ from ryusen._internal.signing import PREVIOUS_KEY_WINDOW_S
 from ryusen._internal.wire import RetryPolicyWire
 
 from .core.events import EngineSettings
-from .engine import RELEASE_RECHECK_S, STORE_RETRY_S, ServerSettings
+from .engine import ACKNOWLEDGE_AFTER_S, RELEASE_RECHECK_S, STORE_RETRY_S, ServerSettings
 
 
 def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
@@ -74,6 +74,7 @@ def engine_settings(env: Mapping[str, str] | None = None) -> EngineSettings:
             attempt_timeout_s=_req(env, "RYUSEN_ATTEMPT_TIMEOUT_S", base.attempt_timeout_s),
             max_attempt_timeout_s=_float(env, "RYUSEN_MAX_ATTEMPT_TIMEOUT_S", None),
             lease_grace_s=_req(env, "RYUSEN_LEASE_GRACE_S", base.lease_grace_s),
+            acknowledged_lease_grace_s=_req(env, "RYUSEN_ACKNOWLEDGED_LEASE_GRACE_S", base.acknowledged_lease_grace_s),
             probe_initial_s=_req(env, "RYUSEN_PROBE_INITIAL_S", base.probe_initial_s),
             probe_max_s=_req(env, "RYUSEN_PROBE_MAX_S", base.probe_max_s),
             redelivery_initial_s=_req(env, "RYUSEN_REDELIVERY_INITIAL_S", base.redelivery_initial_s),
@@ -104,9 +105,21 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         index_settle_s=_float(env, "RYUSEN_INDEX_SETTLE_S", None) or 0.0,
         release_recheck_s=_seconds_or_never(env, "RYUSEN_RELEASE_RECHECK_S", RELEASE_RECHECK_S),
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
+        acknowledge_after_s=_acknowledge_after(env),
         store_retry_s=_req(env, "RYUSEN_STORE_RETRY_S", STORE_RETRY_S),
         previous_key_window_s=_seconds_or_never(env, "RYUSEN_PREVIOUS_KEY_WINDOW_S", PREVIOUS_KEY_WINDOW_S),
     )
+
+
+def _acknowledge_after(env: Mapping[str, str]) -> float | None:
+    """``RYUSEN_ACKNOWLEDGE_AFTER_S``: seconds (0 allowed), or ``never`` (every attempt is waited for)."""
+    raw = env.get("RYUSEN_ACKNOWLEDGE_AFTER_S")
+    if raw is not None and raw.strip().lower() == "never":
+        return None
+    value = _seconds_or_never(env, "RYUSEN_ACKNOWLEDGE_AFTER_S", ACKNOWLEDGE_AFTER_S)
+    if value > 900:
+        raise ValueError(f"setting RYUSEN_ACKNOWLEDGE_AFTER_S must be at most 900 seconds, or never, not {raw!r}")
+    return value
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

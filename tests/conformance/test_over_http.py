@@ -165,9 +165,10 @@ def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 @pytest.mark.rfd("U1", "U2", "O1")
 def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_result_lands(stack: DevStack) -> None:
     t = tag()
-    # the dispatcher listens for the step's timeout (1 s) plus a grace of a tenth of it, at least 0.5 s (it
-    # was 2 s past any timeout); the callback takes 5 s
-    run_id = stack.start("slow", {"tag": t, "sleep_s": 5, "timeout_s": 1})["id"]
+    # The endpoint answers "accepted" after 0.25 s and posts the outcome when the callback ends (issue 25): no
+    # dispatcher waits. The attempt's lease ends its timeout (1 s) plus the acknowledged grace (3 s) after its
+    # authorization; the callback takes 8 s.
+    run_id = stack.start("slow", {"tag": t, "sleep_s": 8, "timeout_s": 1})["id"]
     unknown = wait_for(
         lambda: (r := stack.run(run_id))["blockers"] and r, what="the attempt to become Unknown", timeout=60
     )
@@ -175,16 +176,37 @@ def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_res
     [blocker] = unknown["blockers"]
     assert slow_step["status"] == "unknown" and blocker["type"] == "unknown_outcome"
     [unknown_attempt] = slow_step["attempts"]
-    assert unknown_attempt["detail"] == "no response within the step's timeout of 1s (+0.5s grace)"
-    # recorded times: Unknown no sooner than the timeout, and within the timeout, the grace and 1 s of slack
+    assert unknown_attempt["detail"] == "no result within the attempt's timeout of 1s (+3s grace): its lease expired"
+    # recorded times: Unknown no sooner than the lease's end, and within 1.5 s of slack after it
     waited = datetime.fromisoformat(blocker["first_seen_at"]) - datetime.fromisoformat(unknown_attempt["authorized_at"])
-    assert timedelta(seconds=1) <= waited < timedelta(seconds=1 + 0.5 + 1)
+    assert timedelta(seconds=1 + 3) <= waited < timedelta(seconds=1 + 3 + 1.5)
     # the SDK finishes the callback and submits the signed result to the server's result endpoint
     run = stack.wait_finished(run_id, timeout=60)
-    assert run["outcome"] == "completed" and run["output"]["slept"] == 5
+    assert run["outcome"] == "completed" and run["output"]["slept"] == 8
     assert stack.invocations(f"{t}:slow-start") == 1  # never retried
     [attempt] = next(s for s in run["steps"] if s["id"] == "slow")["attempts"]
     assert attempt["status"] == "succeeded" and attempt["settled_at"]
+    assert attempt["unknown"]["reason"]  # it was not known for a while (decisions 28)
+
+
+def test_long_callbacks_hold_no_dispatcher_so_another_run_goes_past_them_over_http(stack: DevStack) -> None:
+    """Issue 25: the endpoint answers "accepted" and no dispatcher waits through a callback. Ten runs whose
+    middle step takes 4 s (more than the stack's 8 dispatch workers) do not hold up a run started after them:
+    it completes before any of their long callbacks has ended. Each long step's outcome, posted with what the
+    replay found next, is its result (never Unknown), and each run goes on from it."""
+    tags = [tag() for _ in range(10)]
+    slow_runs = [stack.start("slow", {"tag": t, "sleep_s": 4, "timeout_s": 30})["id"] for t in tags]
+    wait_for(lambda: sum(stack.invocations(f"{t}:slow-start") for t in tags) == 10, what="every long step to start")
+    quick = stack.wait_finished(stack.start("straight", {"tag": tag()})["id"])
+    assert quick["outcome"] == "completed"
+    finished_quick = max(datetime.fromisoformat(s["attempts"][-1]["settled_at"]) for s in quick["steps"])
+    for run_id, t in zip(slow_runs, tags, strict=True):
+        run = stack.wait_finished(run_id, timeout=60)
+        assert run["outcome"] == "completed" and run["output"]["slept"] == 4
+        [attempt] = next(s for s in run["steps"] if s["id"] == "slow")["attempts"]
+        assert attempt["status"] == "succeeded" and attempt["unknown"] is None
+        assert datetime.fromisoformat(attempt["settled_at"]) > finished_quick  # the quick run did not wait
+        assert stack.invocations(f"{t}:slow-start") == 1 and stack.invocations(f"{t}:after") == 1
 
 
 @pytest.mark.rfd("S2", "S5", "S13")

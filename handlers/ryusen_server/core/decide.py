@@ -146,6 +146,15 @@ HeldConflict = ConcurrentStepConflict | ResultTooLarge
 again by itself (decisions 23, 25)."""
 
 
+def lease_expired(attempt: Attempt) -> str:
+    """The detail of an attempt whose lease expired with no outcome: its timeout and the grace after it."""
+    if attempt.authorized_at is None or attempt.respond_by is None or attempt.lease_expires_at is None:
+        return "the attempt's lease expired with no result"
+    timeout = (attempt.respond_by - attempt.authorized_at).total_seconds()
+    grace = (attempt.lease_expires_at - attempt.respond_by).total_seconds()
+    return f"no result within the attempt's timeout of {timeout:g}s (+{grace:g}s grace): its lease expired"
+
+
 class IllegalEventError(Exception):
     """An event that cannot apply to this state at all (a programming error, not a race)."""
 
@@ -557,7 +566,7 @@ class _Transition:
             if self.now < attempt.lease_expires_at:
                 self.commands.append(RedeliverLater(delay_s=(attempt.lease_expires_at - self.now).total_seconds()))
                 return self.ignore(f"{task.describe()} is in flight")
-            return self.outcome_lost(step, attempt, "the attempt's lease expired with no result")
+            return self.outcome_lost(step, attempt, lease_expired(attempt))
         if attempt.status is not AttemptStatus.QUEUED:
             self.reemit_stalled()
             return self.ignore(f"{task.describe()} is already {attempt.status}")
@@ -651,7 +660,8 @@ class _Transition:
         attempt.status = AttemptStatus.AUTHORIZED
         attempt.authorized_at = self.now
         attempt.respond_by = self.now + timedelta(seconds=timeout)
-        attempt.lease_expires_at = self.now + timedelta(seconds=timeout + self.settings.lease_grace_s)
+        grace = self.settings.acknowledged_lease_grace_s if release.acknowledges else self.settings.lease_grace_s
+        attempt.lease_expires_at = self.now + timedelta(seconds=timeout + grace)
         attempt.release_id, attempt.build_id = release.release_id, release.build_id
         attempt.delivery_id = self.delivery_id
         if phase is Phase.FORWARD:
@@ -733,7 +743,7 @@ class _Transition:
                         step = self.edit(step)
                         lost = step.current(phase)
                         assert lost is not None
-                        self.outcome_lost(step, lost, "the attempt's lease expired with no result")
+                        self.outcome_lost(step, lost, lease_expired(lost))
                     else:
                         leases.append(a.lease_expires_at)
         overdue = [task for task, at in queued if at <= self.now]

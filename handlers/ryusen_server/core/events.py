@@ -38,6 +38,10 @@ class EngineSettings:
     blocker: refused, never clamped. None: no maximum (the local server)."""
     lease_grace_s: float = 60.0
     """How long past an attempt's response window a late result is waited for before the lease expires."""
+    acknowledged_lease_grace_s: float = 3.0
+    """The same for an attempt of a release that acknowledges (``ReleaseRef.acknowledges``): its dispatcher has
+    stopped waiting, and the outcome comes through the result path as soon as the callback ends; this covers
+    the post and its write."""
     probe_initial_s: float = 60.0
     probe_max_s: float = 3600.0
     stalled_task_s: float = 60.0
@@ -80,6 +84,10 @@ class StartRun:
 class ReleaseRef:
     release_id: str
     build_id: str
+    acknowledges: bool = False
+    """The release's SDK answers a long attempt ``accepted`` and posts its outcome (the ``acknowledge`` feature):
+    no dispatcher waits, so the attempt's lease ends a short grace past its response window
+    (``acknowledged_lease_grace_s``), not ``lease_grace_s`` past it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

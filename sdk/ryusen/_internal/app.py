@@ -77,6 +77,9 @@ from .wire import (
 
 LATE_RESULT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0)
 """Waits between tries of a late result whose delivery failed with a server error (about 2 minutes)."""
+ACKNOWLEDGED_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, *(30.0,) * 30)
+"""Waits between tries of an acknowledged attempt's outcome whose delivery failed with a server error (about 16
+minutes: the server waits for nothing else, and a store outage may last that long)."""
 LATE_MARGIN_S = 1.0
 """An outcome finished this close to ``respond_by`` is also submitted as a late result (see ``_submit_late``)."""
 LAMBDA_RESERVE_S = 1.0
@@ -593,12 +596,111 @@ class Ryusen:
         window = ResponseWindow.of(request, arrived=arrived, wall=wall)
         if options is not None and options.lambda_context is not None:
             _warn_short_invocation(request, window, options.lambda_context)
+        if _acknowledges(request, options):
+            return self._serve_acknowledging(request, sent, options, window, answering)
         try:
             response = self.execute(request, sent, options=options, window=window)
         except CallbackInterruptedError as exc:
             return self._error(500, "callback_interrupted", str(exc), answering)
         self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
+
+    def _serve_acknowledging(
+        self,
+        request: TaskRequest,
+        sent: TaskRequest,
+        options: ServeOptions | None,
+        window: ResponseWindow,
+        answering: _Answering | None,
+    ) -> HandlerResponse:
+        """An attempt the server asked to acknowledge (``acknowledge_after_s``): it runs on a thread of its own;
+        if it ends within that time its outcome is the answer, as for any request; otherwise the answer is
+        ``accepted`` at once, and the outcome, with what the replay found next, goes to the result URL when the
+        attempt ends. Exactly one of the two carries it (``_Acknowledgement``)."""
+        assert request.acknowledge_after_s is not None
+        ack = _Acknowledgement()
+
+        def attempt() -> None:
+            outcome: TaskResponse | CallbackInterruptedError
+            try:
+                outcome = self.execute(request, sent, options=options, window=window)
+            except CallbackInterruptedError as exc:
+                outcome = exc
+            except BaseException as exc:  # the thread must hand something over
+                log.exception("run %s: the attempt's thread failed", request.run_id)
+                outcome = CallbackInterruptedError(f"{type(exc).__name__}: {exc}")
+            if ack.finish(outcome):
+                self._deliver_acknowledged(request, outcome)
+
+        context = contextvars.copy_context()
+        name = f"ryusen-attempt-{request.step_id}"
+        threading.Thread(target=context.run, args=(attempt,), name=name, daemon=True).start()
+        outcome = ack.wait(request.acknowledge_after_s)
+        if outcome is None:
+            accepted = TaskResponse(kind=request.kind, run_id=request.run_id, accepted=True)
+            return self._reply(202, encode_response(accepted), answering)
+        if isinstance(outcome, CallbackInterruptedError):
+            return self._error(500, "callback_interrupted", str(outcome), answering)
+        self._submit_late(request, outcome, window)
+        return self._reply(200, encode_response(outcome), answering)
+
+    async def _serve_acknowledging_async(
+        self, request: TaskRequest, sent: TaskRequest, window: ResponseWindow, answering: _Answering | None
+    ) -> HandlerResponse:
+        """:meth:`_serve_acknowledging` on the event loop: the attempt is a task of its own, which goes on after an
+        ``accepted`` answer (the loop of an ASGI server runs on) and posts its outcome from a thread."""
+        assert request.acknowledge_after_s is not None
+        task = asyncio.ensure_future(self.execute_async(request, sent, window=window))
+        done, _ = await asyncio.wait({task}, timeout=request.acknowledge_after_s)
+        if not done:
+            _ACKNOWLEDGED_TASKS.add(task)  # the loop holds tasks weakly
+
+            def finished(task: asyncio.Task[TaskResponse]) -> None:
+                _ACKNOWLEDGED_TASKS.discard(task)
+                outcome: TaskResponse | CallbackInterruptedError
+                if task.cancelled():
+                    outcome = CallbackInterruptedError("the attempt's task was cancelled")
+                elif isinstance(exc := task.exception(), CallbackInterruptedError):
+                    outcome = exc
+                elif exc is not None:
+                    outcome = CallbackInterruptedError(f"{type(exc).__name__}: {exc}")
+                else:
+                    outcome = task.result()
+                threading.Thread(target=self._deliver_acknowledged, args=(request, outcome), daemon=True).start()
+
+            task.add_done_callback(finished)
+            accepted = TaskResponse(kind=request.kind, run_id=request.run_id, accepted=True)
+            return self._reply(202, encode_response(accepted), answering)
+        try:
+            response = task.result()
+        except CallbackInterruptedError as exc:
+            return self._error(500, "callback_interrupted", str(exc), answering)
+        await asyncio.to_thread(self._submit_late, request, response, window)
+        return self._reply(200, encode_response(response), answering)
+
+    def _deliver_acknowledged(self, request: TaskRequest, outcome: TaskResponse | CallbackInterruptedError) -> None:
+        """The outcome of an attempt answered ``accepted``, posted to the result URL with what the replay found
+        next (the server takes that only from the build it would run next)."""
+        what = _describe(request)
+        if isinstance(outcome, CallbackInterruptedError) or outcome.attempt is None:
+            log.error(
+                "%s was acknowledged but ended without an outcome (%s): it becomes Unknown when its lease expires",
+                what,
+                outcome if isinstance(outcome, CallbackInterruptedError) else "no attempt outcome",
+            )
+            return
+        assert request.operation is not None and request.step_id is not None and request.result_url is not None
+        result = LateResult(
+            run_id=request.run_id,
+            step_id=request.step_id,
+            phase=request.operation.phase,
+            generation=request.operation.generation,
+            attempt=outcome.attempt,
+            next=outcome.next,
+            build_id=self.build_id if outcome.next is not None else None,
+        )
+        delays = (0.0, *ACKNOWLEDGED_DELAYS_S)
+        self._post_result(request.result_url, result, what, delays, near=False, lambda_context=None, noun="result")
 
     async def handle_async(
         self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/"
@@ -612,6 +714,8 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         window = ResponseWindow.of(request, arrived=arrived, wall=wall)
+        if _acknowledges(request, None):
+            return await self._serve_acknowledging_async(request, sent, window, answering)
         try:
             response = await self.execute_async(request, sent, window=window)
         except CallbackInterruptedError as exc:
@@ -775,10 +879,6 @@ class Ryusen:
         ):
             return
         near = left >= 0  # the response may still arrive in time: one try, no retries
-        what = f"run {request.run_id} step {request.step_id} {request.operation.phase} #{request.operation.generation}"
-        if not request.result_url.startswith(("http://", "https://")):
-            log.error("could not deliver the late result of %s: result URL %r is not http(s)", what, request.result_url)
-            return
         late = LateResult(
             run_id=request.run_id,
             step_id=request.step_id,
@@ -786,10 +886,31 @@ class Ryusen:
             generation=request.operation.generation,
             attempt=attempt,
         )
-        body = late.model_dump_json().encode()
-        scope = late_result_scope(late, path=url_path(request.result_url), app_id=self.app_id)
+        delays = (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S)
+        what = _describe(request)
+        self._post_result(request.result_url, late, what, delays, near=near, lambda_context=lambda_context)
+
+    def _post_result(
+        self,
+        url: str,
+        result: LateResult,
+        what: str,
+        delays: tuple[float, ...],
+        *,
+        near: bool,
+        lambda_context: Any,
+        noun: str = "late result",
+    ) -> None:
+        """Post ``result`` to the server's result endpoint, signed, trying again after each of ``delays`` on a
+        server error or a failed connection; a refusal (4xx: a stale generation, a bad signature) is final.
+        Either way the outcome is logged, so that an operator can resolve the attempt by hand."""
+        if not url.startswith(("http://", "https://")):
+            log.error("could not deliver the %s of %s: result URL %r is not http(s)", noun, what, url)
+            return
+        body = result.model_dump_json(exclude_none=True).encode()
+        scope = late_result_scope(result, path=url_path(url), app_id=self.app_id)
         problem = ""
-        for delay in (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S):
+        for delay in delays:
             try_s = LATE_MARGIN_S if near else 30.0
             if (remaining := _lambda_remaining_s(lambda_context)) is not None:
                 try_s = min(try_s, remaining - delay - LAMBDA_RESERVE_S)
@@ -806,16 +927,16 @@ class Ryusen:
             if key is not None:
                 nonce = os.urandom(16).hex()
                 headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=nonce)
-            req = urllib.request.Request(request.result_url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
+            req = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked above
             try:
                 with urllib.request.urlopen(req, timeout=try_s) as resp:  # noqa: S310
                     resp.read()
-                log.info("delivered the late result of %s", what)
+                log.info("delivered the %s of %s", noun, what)
                 return
             except urllib.error.HTTPError as exc:
                 problem = f"HTTP {exc.code}: {exc.read()[:500]!r}"
                 if exc.code < 500 and exc.code != 429:
-                    log.warning("the server refused the late result of %s (%s); not retried", what, problem)
+                    log.warning("the server refused the %s of %s (%s); not retried", noun, what, problem)
                     return
             except OSError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
@@ -824,13 +945,14 @@ class Ryusen:
                     "the copy of the result of %s sent ahead of its response was not delivered (%s)", what, problem
                 )
                 return
-            log.warning("late result of %s not delivered yet (%s); retrying", what, problem)
+            log.warning("%s of %s not delivered yet (%s); retrying", noun, what, problem)
         log.error(
-            "could not deliver the late result of %s (%s): the attempt becomes Unknown when its lease expires;"
+            "could not deliver the %s of %s (%s): the attempt becomes Unknown when its lease expires;"
             " resolve it with the outcome %s",
+            noun,
             what,
             problem,
-            attempt.model_dump_json(),
+            result.attempt.model_dump_json(),
         )
 
     # ---- serving -----------------------------------------------------------
@@ -929,6 +1051,57 @@ def _warn_short_invocation(request: TaskRequest, window: ResponseWindow, context
     )
 
 
+def _acknowledges(request: TaskRequest, options: ServeOptions | None) -> bool:
+    """Whether this attempt is answered ``accepted`` if its callback runs long: the server asked, it gave a result
+    URL to deliver the outcome to, and nothing freezes this process once the answer is sent (Lambda does)."""
+    return (
+        request.acknowledge_after_s is not None
+        and request.kind is not TaskKind.DISCOVER
+        and request.operation is not None
+        and request.step_id is not None
+        and request.result_url is not None
+        and not _on_lambda(options)
+    )
+
+
+_ACKNOWLEDGED_TASKS: set[asyncio.Task[TaskResponse]] = set()
+"""Attempts on an event loop that were answered ``accepted`` and still run."""
+
+
+class _Acknowledgement:
+    """Who carries an acknowledgeable attempt's outcome: the HTTP answer, if the attempt ends before the answer
+    says ``accepted``; otherwise the post to the result URL. Decided once, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._outcome: Any = None
+        self._accepted = False
+
+    def finish(self, outcome: Any) -> bool:
+        """The attempt ended with ``outcome``: True if the answer already said ``accepted`` (post it)."""
+        with self._lock:
+            self._outcome = outcome
+            self._done.set()
+            return self._accepted
+
+    def wait(self, timeout_s: float) -> Any:
+        """The outcome, if the attempt ends within ``timeout_s``; None once the answer is to say ``accepted``."""
+        self._done.wait(timeout_s)
+        with self._lock:
+            if self._done.is_set():
+                return self._outcome
+            self._accepted = True
+            return None
+
+
+def _describe(request: TaskRequest) -> str:
+    if request.operation is None:
+        return f"run {request.run_id} {request.kind}"
+    op = request.operation
+    return f"run {request.run_id} step {request.step_id} {op.phase} #{op.generation}"
+
+
 def _run_coroutine(coro: Any) -> TaskResponse:
     """Run an async workflow to completion, also when the caller is itself inside an event loop."""
     try:
@@ -992,8 +1165,9 @@ def _continuation_budget(window: ResponseWindow) -> float:
 
 
 def encode_response(response: TaskResponse) -> bytes:
-    """A response as JSON; ``next`` and ``memo_miss`` only when set, so a server that predates them can read it."""
-    unset = {name for name in ("next", "memo_miss") if not getattr(response, name)}
+    """A response as JSON; ``next``, ``memo_miss`` and ``accepted`` only when set, so a server that predates them
+    can read it."""
+    unset = {name for name in ("next", "memo_miss", "accepted") if not getattr(response, name)}
     return response.model_dump_json(exclude=unset or None).encode()
 
 

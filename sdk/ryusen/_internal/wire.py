@@ -30,7 +30,7 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results", "respond_within")
+SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results", "respond_within", "acknowledge")
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
 ``signing_v2``: messages are signed as decisions 21 says (``signing.py``): per-app keys with key ids, the
@@ -38,7 +38,10 @@ scope of each message signed, answers bound to their request, replays refused. A
 release that does not announce it.
 ``omitted_results``: a compensation request may carry ``forward_result_omitted`` (decisions 25).
 ``respond_within``: a request may carry ``respond_within_s``, the time the endpoint has, which it counts on its
-own clock from when the request arrived (``respond_by`` alone is read on the endpoint's clock: a skew error)."""
+own clock from when the request arrived (``respond_by`` alone is read on the endpoint's clock: a skew error).
+``acknowledge``: an attempt's request may carry ``acknowledge_after_s``; an endpoint whose callback is still
+running then answers ``accepted`` (the dispatcher stops waiting) and delivers the outcome, with what the replay
+found next, to the result URL (``docs/design/dispatch.md``)."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -358,6 +361,9 @@ class TaskRequest(_Wire):
     memo_token: str | None = Field(default=None, min_length=1, max_length=64)
     """``memo_cache``: the name the server gave this request's whole memo and input. An endpoint may keep
     them under it, for a later request of the same run to extend (``memo_base``)."""
+    acknowledge_after_s: float | None = Field(default=None, ge=0, le=900, allow_inf_nan=False)
+    """``acknowledge``: an attempt whose callback has not finished this many seconds after the request arrived
+    is answered ``accepted`` at once, and its outcome goes to ``result_url`` when the callback ends."""
     memo_base: MemoBase | None = None
     """``memo_cache``: ``memo`` holds only what changed since the memo named ``memo_base.token``, and
     ``input`` is not sent. An endpoint that does not hold that memo runs nothing and answers ``memo_miss``;
@@ -421,7 +427,14 @@ def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     )
 
 
-FEATURE_FIELDS = ("continue_after", "memo_token", "memo_base", "forward_result_omitted", "respond_within_s")
+FEATURE_FIELDS = (
+    "continue_after",
+    "memo_token",
+    "memo_base",
+    "forward_result_omitted",
+    "respond_within_s",
+    "acknowledge_after_s",
+)
 """Request fields an SDK understands only if it announced their feature: sent only when set."""
 
 
@@ -531,16 +544,27 @@ class TaskResponse(_Wire):
     """``memo_cache``: the token of the memo the request extends (``memo_base``), which this endpoint does not
     hold; nothing ran, and ``discovery`` and ``attempt`` are empty. The server sends that request again with
     the whole memo (and takes a miss naming another memo as no answer at all)."""
+    accepted: bool = False
+    """``acknowledge``: the attempt's callback is running and its outcome will be posted to the result URL;
+    ``attempt`` and ``next`` are empty. The server stops waiting: the attempt's lease notices silence."""
 
 
 class LateResult(_Wire):
-    """A result submitted to the server's result endpoint after the response window closed."""
+    """An attempt's outcome posted to the server's result endpoint: after the response window closed (a late
+    result), or after the endpoint acknowledged the task (``accepted``)."""
 
     run_id: str
     step_id: str
     phase: Phase
     generation: int
-    attempt: CallbackSucceeded | CallbackFailed = Field(discriminator="type")
+    attempt: AttemptResponse
+    """A late result carries a callback's outcome; an acknowledged attempt's may carry any attempt outcome (its
+    replay may also have ended before the callback, or without reaching it)."""
+    next: DiscoveryResponse | None = None
+    """What the replay found after a successful forward callback (``continue_after``), as a response's ``next``;
+    the server uses it only when ``build_id`` is the build it would run next (R1)."""
+    build_id: str | None = Field(default=None, max_length=256)
+    """The build that found ``next``."""
 
 
 # ---- manifest --------------------------------------------------------------
