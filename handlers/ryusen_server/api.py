@@ -31,7 +31,7 @@ from ryusen._internal.wire import (
 from .core.events import Resolve
 from .core.model import Outcome, RunPhase
 from .core.view import run_summary_view, run_view
-from .engine import Engine
+from .engine import MAX_HEARTBEAT_BYTES, Engine
 from .ports import InvalidRequestError, PayloadTooLargeError, ServerError
 
 logger = logging.getLogger("ryusen.api")
@@ -295,7 +295,21 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     def late_result() -> Response[str]:
         raw = api.current_event.body or ""
         headers = dict(api.current_event.headers or {})
-        decision = engine.submit_late_result(raw.encode("utf-8", "surrogatepass"), headers)
+        body = raw.encode("utf-8", "surrogatepass")
+        if is_heartbeat(body):  # decision 33: posted to the same result URL
+            return _json(200, engine.submit_heartbeat(body, headers).model_dump(mode="json"))
+        decision = engine.submit_late_result(body, headers)
         return _json(202, {"accepted": decision.note is None, "note": decision.note})
 
     return api
+
+
+def is_heartbeat(body: bytes) -> bool:
+    """A body posted to the result URL is a heartbeat (decision 33), not a late result: small, and marked so."""
+    if len(body) > MAX_HEARTBEAT_BYTES:
+        return False  # a late result's own checks refuse it
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("kind") == "heartbeat"

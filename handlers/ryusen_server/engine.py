@@ -39,8 +39,11 @@ from ryusen._internal.signing import (
     verify,
 )
 from ryusen._internal.wire import (
+    MAX_HEARTBEAT_DETAILS_BYTES,
     MAX_ID_LENGTH,
     DiscoveryResponse,
+    Heartbeat,
+    HeartbeatReply,
     LateResult,
     Manifest,
     MemoBase,
@@ -51,6 +54,7 @@ from ryusen._internal.wire import (
     TaskRequest,
     TaskResponse,
     encode_request,
+    heartbeat_scope,
     json_value_problem,
     late_result_scope,
     task_scope,
@@ -66,6 +70,7 @@ from .core.events import (
     EngineSettings,
     EnqueueTask,
     Event,
+    HeartbeatReported,
     InvocationFailed,
     InvocationFailure,
     InvokeTask,
@@ -79,7 +84,7 @@ from .core.events import (
     TaskDelivered,
     WakeRequested,
 )
-from .core.model import DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
+from .core.model import AttemptStatus, DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
 from .core.view import memo
 from .deferred import DeferredAnswer, DeferredEvent, WakeOrder
 from .ports import (
@@ -117,6 +122,8 @@ MAX_MANIFEST_BYTES = 128 * 1024
 """The largest manifest a release is recorded from (its JSON): room for ``MAX_MANIFEST_FUNCTIONS`` functions
 with the longest ids, and well under one store item (DynamoDB's 400 KB)."""
 MAX_LATE_RESULT_BYTES = 1024 * 1024
+MAX_HEARTBEAT_BYTES = 16 * 1024
+"""The largest heartbeat body accepted (its details are at most ``MAX_HEARTBEAT_DETAILS_BYTES``)."""
 """The largest late result the server reads (a result is at most ``MAX_VALUE_BYTES``; the rest is room)."""
 DISPATCH_MARGIN_S = 10.0
 """What a dispatcher keeps of its time budget to record an answer after it arrives."""
@@ -1300,6 +1307,68 @@ class Engine:
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         return decision
+
+    def submit_heartbeat(self, body: bytes, headers: dict[str, str]) -> HeartbeatReply:
+        """A running callback's heartbeat (decision 33), checked as a late result is (its size first, then its
+        signature, with the same answer for every refusal), for the attempt in flight. Its reply says whether
+        the run is stopping, so that the callback can finish or clean up."""
+        if len(body) > MAX_HEARTBEAT_BYTES:
+            raise PayloadTooLargeError(f"a heartbeat is at most {MAX_HEARTBEAT_BYTES} bytes", limit=MAX_HEARTBEAT_BYTES)
+        masters = self.master_keys()
+        header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
+        signature: Signature | None = None
+        if masters:
+            try:
+                signature = parse(header)
+            except SignatureError:
+                raise _late_result_refused() from None
+        try:
+            beat = Heartbeat.model_validate_json(body)
+        except ValidationError as exc:
+            if masters:
+                raise _late_result_refused() from None
+            raise InvalidRequestError("malformed heartbeat", errors=exc.errors(include_url=False)) from None
+        if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in (beat.run_id, beat.step_id)):
+            raise _late_result_refused() if masters else InvalidRequestError("malformed heartbeat")
+        state = self.store.get(beat.run_id)
+        if signature is not None:
+            keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
+            if signature.key_id not in {key_id(key) for key in keys}:
+                raise _late_result_refused()
+            assert state is not None
+            scope = heartbeat_scope(beat, path=url_path(self.settings.result_url or "/v1/results"), app_id=state.app_id)
+            try:
+                verify(keys, scope, body, header, now=time.time())
+                verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
+            except SignatureError:
+                raise _late_result_refused() from None
+        if state is None:
+            raise NotFoundError(f"no run {beat.run_id!r}", run_id=beat.run_id)
+        if (problem := _values_problem(beat.details)) is not None or len(
+            json.dumps(beat.details, separators=(",", ":"))
+        ) > MAX_HEARTBEAT_DETAILS_BYTES:
+            raise InvalidRequestError(
+                f"heartbeat details must be JSON of at most {MAX_HEARTBEAT_DETAILS_BYTES} bytes"
+                + (f" (a value {problem})" if problem else ""),
+                code="invalid_value",
+            )
+        event = HeartbeatReported(
+            step_id=beat.step_id, phase=beat.phase, generation=beat.generation, details=beat.details
+        )
+        decision = self.apply(beat.run_id, event, known=state)
+        step = decision.state.step(beat.step_id)
+        attempt = step.current(beat.phase) if step is not None else None
+        current = (
+            attempt is not None and attempt.generation == beat.generation and attempt.status is AttemptStatus.AUTHORIZED
+        )
+        stop = decision.state.stop_intent
+        return HeartbeatReply(
+            current=current,
+            stop_requested=(stop.kind.value if stop is not None and current and beat.phase is Phase.FORWARD else None),
+            lease_expires_at=(
+                attempt.lease_expires_at.timestamp() if current and attempt and attempt.lease_expires_at else None
+            ),
+        )
 
     def _trusted_next(self, late: LateResult, state: RunState | None) -> DiscoveryResponse | None:
         """What an acknowledged attempt's replay found next, when the build that found it is the one the run

@@ -9,6 +9,7 @@
 
 from ._internal.app import Ryusen
 from ._internal.errors import ConcurrentStepError, DefinitionError, NonRetryableError, RyusenError, StepFailed
+from ._internal.heartbeat import StopRequested, heartbeat
 from ._internal.step import AsyncStep, OmittedResult, Operation, RetryPolicy, Step, operation
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "RyusenError",
     "Step",
     "StepFailed",
+    "StopRequested",
+    "heartbeat",
     "operation",
 ]
 __version__ = "0.1.0"

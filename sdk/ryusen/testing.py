@@ -25,7 +25,17 @@ from typing import Any
 
 from ryusen._internal.app import DiscoveryDivergence, HandlerResponse, Ryusen, ServeOptions
 from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign, url_path
-from ryusen._internal.wire import SDK_FEATURES, LateResult, Manifest, Phase, TaskKind, TaskRequest, late_result_scope
+from ryusen._internal.wire import (
+    SDK_FEATURES,
+    Heartbeat,
+    HeartbeatReply,
+    LateResult,
+    Manifest,
+    Phase,
+    TaskKind,
+    TaskRequest,
+    late_result_scope,
+)
 
 try:
     from ryusen_server.aws.store import DynamoStore, create_table
@@ -43,6 +53,7 @@ try:
         NotFoundError,
         PayloadTooLargeError,
         RequestCounter,
+        ServerError,
     )
     from ryusen_server.runtime import fire_due, handle_message
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -290,7 +301,10 @@ class WorkflowEnvironment:
         self.discovery_divergences: list[DiscoveryDivergence] = []
         """What ``check_discovery`` found and ``drive`` has not raised yet."""
         self._options = ServeOptions(
-            kept_passes=kept_passes, on_divergence=self.discovery_divergences.append if check_discovery else None
+            kept_passes=kept_passes,
+            on_divergence=self.discovery_divergences.append if check_discovery else None,
+            heartbeats=self._heartbeat,
+            heartbeats_throttled=False,  # every heartbeat reaches the engine: the virtual clock moves when told
         )
         for app in apps:
             self.sync(app)
@@ -365,6 +379,13 @@ class WorkflowEnvironment:
                 keys[0], scope, late.model_dump_json().encode(), now=time.time(), nonce=secrets.token_hex(16)
             )
         }
+
+    def _heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> HeartbeatReply | None:
+        """A callback's heartbeat, handed to the engine as its result endpoint would (on the virtual clock)."""
+        try:
+            return self.engine.submit_heartbeat(beat.model_dump_json().encode(), headers)
+        except ServerError:
+            return None
 
     # ---- queue with faults ---------------------------------------------------------
 

@@ -200,3 +200,36 @@ def oversized(data: dict[str, Any], step: Step) -> Any:
 
     step.run("charge", charge, compensate=refund)
     return "paid"
+
+
+# ---- decision 33: long steps and heartbeats (issue 25) --------------------------------------
+
+
+@app.function("beating")
+def beating(data: dict[str, Any], step: Step) -> Any:
+    """A long callback that heartbeats ``beats`` times, ``every_s`` apart, then (``silent_s``) goes quiet; it
+    stops early, and says so, when a heartbeat tells it the run is stopping."""
+    tag = data["tag"]
+
+    def encode() -> dict[str, Any]:
+        record(f"{tag}:encode-start")
+        beats = data["beats"]
+        for i in range(beats):
+            try:
+                ryusen.heartbeat({"progress": round((i + 1) / beats, 3)})
+            except ryusen.StopRequested as stop:
+                record(f"{tag}:stop-seen")
+                return {"stopped": stop.kind, "at_beat": i}
+            time.sleep(data["every_s"])
+        time.sleep(data.get("silent_s", 0))
+        return {"beats": beats}
+
+    result = step.run(
+        "encode",
+        encode,
+        heartbeat=timedelta(seconds=data["heartbeat_s"]),
+        timeout=timedelta(seconds=data.get("timeout_s", 120)),
+        compensate=undo(tag, "encode"),
+    )
+    step.run("after", effect, "after", tag, compensate=undo(tag, "after"))
+    return result

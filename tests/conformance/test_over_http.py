@@ -377,3 +377,59 @@ def test_no_step_starts_after_the_deadline_over_http(stack: DevStack) -> None:
         for attempt in step["attempts"]:
             if attempt["phase"] == "forward" and attempt["authorized_at"]:
                 assert datetime.fromisoformat(attempt["authorized_at"]) < deadline
+
+
+# ---- decision 33: long steps and heartbeats (issue 25) -------------------------------------------------------
+
+
+@pytest.mark.rfd("H1")
+def test_a_step_longer_than_its_heartbeat_completes_while_it_heartbeats_over_http(stack: DevStack) -> None:
+    """The callback takes about 8 s; its heartbeat interval is 2 s and the acknowledged grace 3 s, so its lease
+    would end after 5 s: only the heartbeats keep it in flight. No dispatcher waits meanwhile."""
+    t = tag()
+    run_id = stack.start("beating", {"tag": t, "beats": 16, "every_s": 0.5, "heartbeat_s": 2})["id"]
+    wait_for(
+        lambda: any(a["heartbeat"] for s in stack.run(run_id)["steps"] if s["id"] == "encode" for a in s["attempts"]),
+        what="the first heartbeat to be shown on the attempt",
+    )
+    run = stack.wait_finished(run_id, timeout=60)
+    assert run["outcome"] == "completed" and run["output"] == {"beats": 16}
+    [attempt] = next(s for s in run["steps"] if s["id"] == "encode")["attempts"]
+    assert attempt["status"] == "succeeded" and attempt["unknown"] is None
+    assert attempt["heartbeat"]["details"]["progress"] > 0.5  # the last heartbeat's details are kept
+    assert stack.invocations(f"{t}:encode-start") == 1 and stack.invocations(f"{t}:after") == 1
+
+
+@pytest.mark.rfd("H2")
+def test_a_step_whose_heartbeats_stop_is_unknown_long_before_its_timeout_over_http(stack: DevStack) -> None:
+    """Two heartbeats, then 15 s of silence, with a heartbeat of 2 s and a timeout of 120 s: Unknown within
+    the heartbeat plus the grace of the last heartbeat; the outcome that comes later settles it (U2)."""
+    t = tag()
+    payload = {"tag": t, "beats": 2, "every_s": 0.2, "silent_s": 15, "heartbeat_s": 2, "timeout_s": 120}
+    run_id = stack.start("beating", payload)["id"]
+    blocked = wait_for(lambda: (r := stack.run(run_id))["blockers"] and r, what="the silent attempt to be Unknown")
+    [attempt] = next(s for s in blocked["steps"] if s["id"] == "encode")["attempts"]
+    assert attempt["status"] == "unknown"
+    assert attempt["detail"].startswith("no heartbeat within the step's heartbeat of 2s")
+    unknown_at = datetime.fromisoformat(attempt["unknown"]["at"])
+    last_beat = datetime.fromisoformat(attempt["heartbeat"]["at"])
+    assert unknown_at - last_beat < timedelta(seconds=2 + 3 + 1.5)  # heartbeat + grace, and slack for the timer
+    assert unknown_at - datetime.fromisoformat(attempt["authorized_at"]) < timedelta(seconds=20)  # not 120 s
+    run = stack.wait_finished(run_id, timeout=60)
+    assert run["outcome"] == "completed" and run["output"] == {"beats": 2}
+    assert stack.invocations(f"{t}:encode-start") == 1
+
+
+@pytest.mark.rfd("H3")
+def test_a_cancel_reaches_the_running_callback_through_its_heartbeat_over_http(stack: DevStack) -> None:
+    t = tag()
+    run_id = stack.start("beating", {"tag": t, "beats": 200, "every_s": 0.1, "heartbeat_s": 2})["id"]
+    wait_for(lambda: stack.invocations(f"{t}:encode-start"), what="the callback to start")
+    assert stack.client.post(f"/v1/runs/{run_id}/cancel", json={"reason": "changed my mind"}).status_code == 202
+    run = stack.wait_finished(run_id, timeout=60)
+    assert stack.invocations(f"{t}:stop-seen") == 1
+    encode = next(s for s in run["steps"] if s["id"] == "encode")
+    assert encode["result"]["stopped"] == "cancel" and encode["result"]["at_beat"] < 199
+    # the callback returned, so its step completed and is undone with the rest (C1); nothing after it ran
+    assert run["summary"] == "cancelled, fully compensated"
+    assert stack.invocations(f"{t}:undo-encode") == 1 and stack.invocations(f"{t}:after") == 0

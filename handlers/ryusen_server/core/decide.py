@@ -69,6 +69,7 @@ from .events import (
     EngineSettings,
     EnqueueTask,
     Event,
+    HeartbeatReported,
     InvocationFailed,
     InvocationFailure,
     InvokeTask,
@@ -146,11 +147,19 @@ HeldConflict = ConcurrentStepConflict | ResultTooLarge
 again by itself (decisions 23, 25)."""
 
 
-def lease_expired(attempt: Attempt) -> str:
-    """The detail of an attempt whose lease expired with no outcome: its timeout and the grace after it."""
+def lease_expired(step: StepState, attempt: Attempt) -> str:
+    """The detail of an attempt whose lease expired with no outcome: its timeout, or the heartbeat it missed,
+    and the grace after it."""
     if attempt.authorized_at is None or attempt.respond_by is None or attempt.lease_expires_at is None:
         return "the attempt's lease expired with no result"
     timeout = (attempt.respond_by - attempt.authorized_at).total_seconds()
+    if attempt.lease_expires_at < attempt.respond_by and step.heartbeat_s is not None:
+        since = attempt.heartbeat_at or attempt.authorized_at
+        grace = (attempt.lease_expires_at - since).total_seconds() - step.heartbeat_s
+        return (
+            f"no heartbeat within the step's heartbeat of {step.heartbeat_s:g}s (+{grace:g}s grace)"
+            f" {'since the last one' if attempt.heartbeat_at else 'since it started'}: its lease expired"
+        )
     grace = (attempt.lease_expires_at - attempt.respond_by).total_seconds()
     return f"no result within the attempt's timeout of {timeout:g}s (+{grace:g}s grace): its lease expired"
 
@@ -222,6 +231,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.sweep()
     elif isinstance(event, StopRequested):
         t.stop(event)
+    elif isinstance(event, HeartbeatReported):
+        t.heartbeat(event)
     elif isinstance(event, Resolve):
         t.resolve(event)
     else:  # pragma: no cover - exhaustive
@@ -566,7 +577,7 @@ class _Transition:
             if self.now < attempt.lease_expires_at:
                 self.commands.append(RedeliverLater(delay_s=(attempt.lease_expires_at - self.now).total_seconds()))
                 return self.ignore(f"{task.describe()} is in flight")
-            return self.outcome_lost(step, attempt, lease_expired(attempt))
+            return self.outcome_lost(step, attempt, lease_expired(step, attempt))
         if attempt.status is not AttemptStatus.QUEUED:
             self.reemit_stalled()
             return self.ignore(f"{task.describe()} is already {attempt.status}")
@@ -661,7 +672,9 @@ class _Transition:
         attempt.authorized_at = self.now
         attempt.respond_by = self.now + timedelta(seconds=timeout)
         grace = self.settings.acknowledged_lease_grace_s if release.acknowledges else self.settings.lease_grace_s
-        attempt.lease_expires_at = self.now + timedelta(seconds=timeout + grace)
+        silent_s = timeout if step.heartbeat_s is None else min(timeout, step.heartbeat_s)  # decision 33
+        attempt.lease_grace_s = grace
+        attempt.lease_expires_at = self.now + timedelta(seconds=silent_s + grace)
         attempt.release_id, attempt.build_id = release.release_id, release.build_id
         attempt.delivery_id = self.delivery_id
         if phase is Phase.FORWARD:
@@ -743,7 +756,7 @@ class _Transition:
                         step = self.edit(step)
                         lost = step.current(phase)
                         assert lost is not None
-                        self.outcome_lost(step, lost, lease_expired(lost))
+                        self.outcome_lost(step, lost, lease_expired(step, lost))
                     else:
                         leases.append(a.lease_expires_at)
         overdue = [task for task, at in queued if at <= self.now]
@@ -964,6 +977,7 @@ class _Transition:
             step.name, step.location, step.has_compensation = plan.name, plan.location, plan.has_compensation
             step.retry, step.compensate_retry = plan.retry, plan.compensate_retry
             step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
+            step.heartbeat_s = plan.heartbeat_s
             step.status = StepStatus.PENDING
             self.queue_attempt(step, Phase.FORWARD)
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
@@ -1294,6 +1308,28 @@ class _Transition:
         if due:
             self.schedule_probe()
         return self.ignore(note)
+
+    # ---- heartbeats (decision 33) ----------------------------------------------------
+
+    def heartbeat(self, event: HeartbeatReported) -> None:
+        """A running callback is alive: its attempt's lease runs another heartbeat interval (never past its
+        timeout's), and the details are kept. Anything but the attempt in flight changes nothing."""
+        found = self.s.step_index(event.step_id)
+        current = self.s.steps[found].current(event.phase) if found is not None else None
+        if current is None or current.generation != event.generation or current.status is not AttemptStatus.AUTHORIZED:
+            return self.ignore(f"heartbeat of {event.step_id} #{event.generation}, which is not in flight")
+        step = self.step(event.step_id)
+        assert step is not None
+        attempt = step.current(event.phase)
+        assert attempt is not None and attempt.lease_expires_at is not None and attempt.respond_by is not None
+        attempt.heartbeat_at = self.now
+        attempt.heartbeat_details = event.details
+        if step.heartbeat_s is not None:
+            grace = timedelta(seconds=attempt.lease_grace_s or 0.0)
+            until = min(attempt.respond_by, self.now + timedelta(seconds=step.heartbeat_s)) + grace
+            attempt.lease_expires_at = max(attempt.lease_expires_at, until)
+        self.touch()
+        return self.ignore("heartbeat")
 
     # ---- attempt results ---------------------------------------------------------
 

@@ -193,8 +193,19 @@ class Resolve:
     """Who resolved it, where the API knows (the caller's identity on AWS)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatReported:
+    """A running callback's heartbeat (decision 33): the attempt is alive; ``details`` are shown on it."""
+
+    step_id: str
+    phase: Phase
+    generation: int
+    details: Any = None
+
+
 Event = (
     StartRun
+    | HeartbeatReported
     | TaskDelivered
     | DiscoveryReported
     | AttemptReported

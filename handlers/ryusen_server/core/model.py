@@ -183,6 +183,11 @@ class Attempt(_State):
     """Stale submissions past the kept number: counted, not recorded."""
     resolution: Resolution | None = None
     """An operator's resolution of this attempt, if one settled it or moved past it."""
+    lease_grace_s: float | None = None
+    """How long past its response window (or past a heartbeat's interval) the lease ran, as authorized."""
+    heartbeat_at: datetime | None = None
+    heartbeat_details: Any = None
+    """The last heartbeat (decision 33): when, and the details it carried."""
     unknown_at: datetime | None = None
     unknown_reason: str | None = None
     """When and why the attempt's outcome became Unknown: kept after a late result or an operator settles it
@@ -203,6 +208,8 @@ class StepState(_State):
     compensate_retry: RetryPolicyWire | None = None
     timeout_s: float | None = None
     compensate_timeout_s: float | None = None
+    heartbeat_s: float | None = None
+    """Decision 33: an attempt silent for longer than this (no heartbeat) is Unknown before its timeout."""
     status: StepStatus = StepStatus.PENDING
     result: Any = None
     error: ErrorInfo | None = None

@@ -163,6 +163,9 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
         "stale_submissions_dropped": attempt.stale_submissions_dropped,
         "resolution": attempt.resolution.model_dump(mode="json") if attempt.resolution else None,
         "unknown": ({"at": _iso(attempt.unknown_at), "reason": attempt.unknown_reason} if attempt.unknown_at else None),
+        "heartbeat": (
+            {"at": _iso(attempt.heartbeat_at), "details": attempt.heartbeat_details} if attempt.heartbeat_at else None
+        ),
     }
 
 

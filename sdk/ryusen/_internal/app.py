@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import hashlib
 import inspect
 import json
@@ -28,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import DefinitionError
+from .heartbeat import SINK, HeartbeatSink
 from .kept import KEPT_GIVE_UP_AFTER_S, KeptPasses, LivePass
 from .memo_cache import MemoCache
 from .replay import DynamoSeenRequests, ReplayCheckUnavailableError, SeenStore
@@ -65,12 +67,15 @@ from .wire import (
     FunctionFailed,
     FunctionManifest,
     FunctionNotFound,
+    Heartbeat,
+    HeartbeatReply,
     LateResult,
     Manifest,
     MemoEntry,
     TaskKind,
     TaskRequest,
     TaskResponse,
+    heartbeat_scope,
     late_result_scope,
     received_task_scope,
 )
@@ -81,6 +86,8 @@ ACKNOWLEDGED_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, *(30.0,) * 30)
 """Waits between tries of an acknowledged attempt's outcome whose delivery failed with a server error (about 16
 minutes: the server waits for nothing else, and a store outage may last that long)."""
 LATE_MARGIN_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5.0
+"""How long one heartbeat's post may take (it holds the callback that called ``ryusen.heartbeat``)."""
 """An outcome finished this close to ``respond_by`` is also submitted as a late result (see ``_submit_late``)."""
 LAMBDA_RESERVE_S = 1.0
 """On Lambda, the time a handler keeps, of what its invocation has left, to return: a late result is not tried
@@ -137,6 +144,11 @@ class ServeOptions:
     lambda_context: Any = None
     """The Lambda invocation's context (``lambda_handler``'s second argument): its remaining time ends the
     late-result retries while the handler can still return."""
+    heartbeats: Callable[[Heartbeat, dict[str, str]], HeartbeatReply | None] | None = None
+    """Where heartbeats go instead of the result URL, with their signed headers (``ryusen.testing`` hands them to
+    its engine in-process)."""
+    heartbeats_throttled: bool = True
+    """Heartbeats closer together than a quarter of their interval are not posted (False: every one is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,12 +608,16 @@ class Ryusen:
         window = ResponseWindow.of(request, arrived=arrived, wall=wall)
         if options is not None and options.lambda_context is not None:
             _warn_short_invocation(request, window, options.lambda_context)
-        if _acknowledges(request, options):
-            return self._serve_acknowledging(request, sent, options, window, answering)
+        beating = SINK.set(self._heartbeat_sink(request, options, keys))  # the callback's heartbeats (decision 33)
         try:
-            response = self.execute(request, sent, options=options, window=window)
-        except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc), answering)
+            if _acknowledges(request, options):
+                return self._serve_acknowledging(request, sent, options, window, answering)
+            try:
+                response = self.execute(request, sent, options=options, window=window)
+            except CallbackInterruptedError as exc:
+                return self._error(500, "callback_interrupted", str(exc), answering)
+        finally:
+            SINK.reset(beating)
         self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
 
@@ -678,6 +694,57 @@ class Ryusen:
         await asyncio.to_thread(self._submit_late, request, response, window)
         return self._reply(200, encode_response(response), answering)
 
+    def _heartbeat_sink(
+        self, request: TaskRequest, options: ServeOptions | None, keys: list[str]
+    ) -> HeartbeatSink | None:
+        """Where the heartbeats of the attempt ``request`` asks for go, signed with ``keys`` (the keys the request
+        was served with); None: not an attempt, or nowhere to go."""
+        url = request.result_url
+        if request.operation is None or request.step_id is None:
+            return None
+        post: Callable[[Heartbeat], HeartbeatReply | None]
+        if options is not None and options.heartbeats is not None:
+            deliver = options.heartbeats
+            path = url_path(url) if url else "/v1/results"
+            post = lambda beat: deliver(beat, self._heartbeat_headers(beat, path, keys))  # noqa: E731
+        elif url is not None and url.startswith(("http://", "https://")):
+            post = functools.partial(self._post_heartbeat, url, keys)
+        else:
+            return None
+        return HeartbeatSink(
+            post=post,
+            throttled=options.heartbeats_throttled if options is not None else True,
+            run_id=request.run_id,
+            step_id=request.step_id,
+            phase=request.operation.phase,
+            generation=request.operation.generation,
+        )
+
+    def _heartbeat_headers(self, beat: Heartbeat, path: str, keys: list[str]) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        key = choose_key(keys, [self._server_key_id] if self._server_key_id else [])
+        if key is not None:
+            scope = heartbeat_scope(beat, path=path, app_id=self.app_id)
+            body = beat.model_dump_json().encode()
+            headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=os.urandom(16).hex())
+        return headers
+
+    def _post_heartbeat(self, url: str, keys: list[str], beat: Heartbeat) -> HeartbeatReply | None:
+        """Post one heartbeat, signed; its reply, or None when it could not be delivered (logged: the attempt's
+        lease is extended by the next one that is, or it ends and the attempt is Unknown)."""
+        body = beat.model_dump_json().encode()
+        headers = self._heartbeat_headers(beat, url_path(url), keys)
+        req = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - checked http(s)
+        try:
+            with urllib.request.urlopen(req, timeout=HEARTBEAT_TIMEOUT_S) as resp:  # noqa: S310
+                return HeartbeatReply.model_validate_json(resp.read())
+        except urllib.error.HTTPError as exc:
+            problem = f"HTTP {exc.code}: {exc.read()[:300]!r}"
+        except (OSError, ValidationError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("a heartbeat of run %s step %s was not delivered (%s)", beat.run_id, beat.step_id, problem)
+        return None
+
     def _deliver_acknowledged(self, request: TaskRequest, outcome: TaskResponse | CallbackInterruptedError) -> None:
         """The outcome of an attempt answered ``accepted``, posted to the result URL with what the replay found
         next (the server takes that only from the build it would run next)."""
@@ -714,12 +781,16 @@ class Ryusen:
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
         window = ResponseWindow.of(request, arrived=arrived, wall=wall)
-        if _acknowledges(request, None):
-            return await self._serve_acknowledging_async(request, sent, window, answering)
+        beating = SINK.set(self._heartbeat_sink(request, None, self.signing_keys))  # decision 33
         try:
-            response = await self.execute_async(request, sent, window=window)
-        except CallbackInterruptedError as exc:
-            return self._error(500, "callback_interrupted", str(exc), answering)
+            if _acknowledges(request, None):
+                return await self._serve_acknowledging_async(request, sent, window, answering)
+            try:
+                response = await self.execute_async(request, sent, window=window)
+            except CallbackInterruptedError as exc:
+                return self._error(500, "callback_interrupted", str(exc), answering)
+        finally:
+            SINK.reset(beating)
         await asyncio.to_thread(self._submit_late, request, response, window)
         return self._reply(200, encode_response(response), answering)
 

@@ -60,6 +60,7 @@ import pydantic_core
 from pydantic import ValidationError
 
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
+from .heartbeat import SINK
 from .wire import (
     MAX_VALUE_BYTES,
     NESTED_STEP_ERROR,
@@ -405,6 +406,7 @@ class _Replay:
         timeout: timedelta | None,
         compensate_retry: RetryPolicy | None,
         compensate_timeout: timedelta | None,
+        heartbeat: timedelta | None = None,
     ) -> tuple[str, Any]:
         """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
         if not isinstance(step_id, str) or not step_id:
@@ -456,6 +458,8 @@ class _Replay:
                 plan = self._plan(
                     step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout
                 )
+                if heartbeat is not None and isinstance(plan, StepReached):
+                    plan = self._with_heartbeat(plan, step_id, location, heartbeat)
                 if self.keeper is not None and self.keepable and isinstance(plan, StepReached):
                     # a kept pass reports the step and waits here for its attempt (Step.run calls the keeper)
                     self.stopped_at = _Open(step_id, location, display, _context())
@@ -513,6 +517,17 @@ class _Replay:
             )
             message = f"step.run({_text(step_id)[:80]!r}) cannot be recorded: {problems}"
             return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
+
+    @staticmethod
+    def _with_heartbeat(
+        plan: StepReached, step_id: str, location: str | None, heartbeat: timedelta
+    ) -> StepReached | ConflictFound:
+        """The plan with its heartbeat interval (decision 33), or why it cannot be recorded."""
+        seconds = heartbeat.total_seconds() if isinstance(heartbeat, timedelta) else None
+        if seconds is None or seconds <= 0:
+            message = f"step.run({_text(step_id)[:80]!r}) cannot be recorded: heartbeat must be a positive timedelta"
+            return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
+        return StepReached(step=plan.step.model_copy(update={"heartbeat_s": seconds}))
 
     def _stop(self, step_id: str, location: str | None, name: str, outcome: Any) -> NoReturn:
         """End the pass at this step with ``outcome``."""
@@ -852,6 +867,7 @@ class Step:
         timeout: timedelta | None = None,
         compensate_retry: RetryPolicy | None = None,
         compensate_timeout: timedelta | None = None,
+        heartbeat: timedelta | None = None,
         **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` as step ``step_id``, at most once per accepted result.
@@ -861,24 +877,27 @@ class Step:
         recorded result if the run later fails, is cancelled or times out.
         ``timeout`` bounds one forward attempt; ``compensate_timeout`` one
         compensation attempt (default: the server's attempt timeout, 5 min).
+        ``heartbeat``: the callback calls :func:`ryusen.heartbeat` at least this
+        often; an attempt silent for longer is Unknown before its timeout.
         One step runs at a time: a ``step.run`` started while another is open
         raises :class:`ConcurrentStepError`.
         """
         replay = self._replay
         location = _caller_location(1)
         action, value = replay.enter(
-            step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+            step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
         )
         if action == "keep":  # a kept pass: wait here for this step's attempt (or end, if it does not come)
             assert replay.keeper is not None
             replay.keeper.wait_for_attempt(value)
             action, value = replay.enter(
-                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
             )
         if action == "return":
             return value  # type: ignore[no-any-return]
         if action == "park":  # pragma: no cover - only an asyncio task can park
             raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
+        _declare_heartbeat(heartbeat)
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
         return replay.run_callback(step_id, call)  # type: ignore[no-any-return]
 
@@ -906,6 +925,7 @@ class AsyncStep:
         timeout: timedelta | None = None,
         compensate_retry: RetryPolicy | None = None,
         compensate_timeout: timedelta | None = None,
+        heartbeat: timedelta | None = None,
         **kwargs: Any,
     ) -> Awaitable[T]:
         """Like :meth:`Step.run`, awaitable. The source location is taken where ``run`` is called."""
@@ -914,12 +934,13 @@ class AsyncStep:
         async def run() -> T:
             replay = self._replay
             action, value = replay.enter(
-                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout
+                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
             )
             if action == "return":
                 return value  # type: ignore[no-any-return]
             if action == "park":
                 await replay.park()
+            _declare_heartbeat(heartbeat)
             compensating = replay.kind is TaskKind.COMPENSATE
             call = value if compensating else (lambda: value(*args, **kwargs))
             if not _is_async(compensate if compensating else fn):
@@ -927,6 +948,13 @@ class AsyncStep:
             await replay.run_callback_async(call)
 
         return run()
+
+
+def _declare_heartbeat(heartbeat: timedelta | None) -> None:
+    """The callback about to run declared ``heartbeat``: its heartbeats are posted at most a quarter of that apart."""
+    sink = SINK.get()
+    if sink is not None and isinstance(heartbeat, timedelta) and heartbeat.total_seconds() > 0:
+        sink.declared(heartbeat.total_seconds())
 
 
 def _is_async(fn: Any) -> bool:

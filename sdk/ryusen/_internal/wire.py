@@ -30,7 +30,15 @@ FEATURES_HEADER = "X-Ryusen-Features"
 """Sent with the manifest: what this SDK understands beyond protocol 1's first form (comma-separated).
 A header, so that a server that predates it ignores it, and a request field the SDK did not announce is
 never sent to it (its wire models refuse unknown fields)."""
-SDK_FEATURES = ("continuation", "memo_cache", "signing_v2", "omitted_results", "respond_within", "acknowledge")
+SDK_FEATURES = (
+    "continuation",
+    "memo_cache",
+    "signing_v2",
+    "omitted_results",
+    "respond_within",
+    "acknowledge",
+    "heartbeat",
+)
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
 ``signing_v2``: messages are signed as decisions 21 says (``signing.py``): per-app keys with key ids, the
@@ -41,7 +49,8 @@ release that does not announce it.
 own clock from when the request arrived (``respond_by`` alone is read on the endpoint's clock: a skew error).
 ``acknowledge``: an attempt's request may carry ``acknowledge_after_s``; an endpoint whose callback is still
 running then answers ``accepted`` (the dispatcher stops waiting) and delivers the outcome, with what the replay
-found next, to the result URL (``docs/design/dispatch.md``)."""
+found next, to the result URL (``docs/design/dispatch.md``).
+``heartbeat``: a step's plan may carry ``heartbeat_s``, and a callback posts heartbeats to the result URL."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -246,6 +255,8 @@ class StepPlan(_Wire):
     compensate_retry: RetryPolicyWire | None = None
     timeout_s: float | None = Field(default=None, gt=0)
     compensate_timeout_s: float | None = Field(default=None, gt=0)
+    heartbeat_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Decision 33: the longest an attempt of this step may go without a heartbeat before it is Unknown."""
 
 
 class Occurrence(_Wire):
@@ -413,6 +424,22 @@ def received_task_scope(body: bytes, *, path: str, app_id: str) -> Scope:
     )
 
 
+def heartbeat_scope(beat: Heartbeat, *, path: str, app_id: str) -> Scope:
+    """The signature scope of a heartbeat posted to ``path`` (the result URL's): a late result's, marked as a
+    heartbeat, so that neither can stand for the other."""
+    return Scope(
+        direction="request",
+        method="POST",
+        path=path,
+        app_id=app_id,
+        run_id=beat.run_id,
+        step_id=beat.step_id,
+        phase=str(beat.phase),
+        generation=str(beat.generation),
+        extra="heartbeat",
+    )
+
+
 def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     """The signature scope of a late result posted to ``path`` (the result URL's) about app ``app_id``'s run."""
     return Scope(
@@ -565,6 +592,33 @@ class LateResult(_Wire):
     the server uses it only when ``build_id`` is the build it would run next (R1)."""
     build_id: str | None = Field(default=None, max_length=256)
     """The build that found ``next``."""
+
+
+MAX_HEARTBEAT_DETAILS_BYTES = 4096
+"""The largest heartbeat ``details`` the server keeps (serialized); larger ones are refused."""
+
+
+class Heartbeat(_Wire):
+    """A running callback's heartbeat (decision 33), posted to the result URL: the attempt is alive, and
+    ``details`` (JSON, e.g. ``{"progress": 0.4}``) is shown on it."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    run_id: str
+    step_id: str
+    phase: Phase
+    generation: int
+    details: Any = None
+
+
+class HeartbeatReply(_Wire):
+    """The server's answer to a heartbeat."""
+
+    current: bool
+    """The attempt is still the one in flight (False: it was settled, replaced or declared Unknown)."""
+    stop_requested: Literal["cancel", "timeout"] | None = None
+    """A stop intent was recorded while this forward attempt ran: the callback should finish or clean up."""
+    lease_expires_at: float | None = None
+    """When the attempt is Unknown without another heartbeat (seconds since the epoch, the server's clock)."""
 
 
 # ---- manifest --------------------------------------------------------------
