@@ -286,6 +286,9 @@ RELEASE_RECHECK_S = 1.0
 """The default of ``ServerSettings.release_recheck_s`` (``RYUSEN_RELEASE_RECHECK_S``)."""
 ACKNOWLEDGE_AFTER_S = 0.25
 """The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
+RESULT_CARRY_ON_S = 10.0
+"""How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
+it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -877,10 +880,14 @@ class Engine:
         release: Release | None,
         deadline: float | None,
         on_authorized: Callable[[float], None] | None,
+        *,
+        chain_until: float | None = None,
     ) -> Delivered:
-        """Invoke what ``decision`` authorized, record the answer, and go on while it authorizes the next."""
+        """Invoke what ``decision`` authorized, record the answer, and go on while it authorizes the next (until
+        ``chain_until``; by default ``chain_window_s`` from now)."""
         lease = _MessageLease(on_authorized)
-        chain_until = time.monotonic() + self.settings.chain_window_s
+        if chain_until is None:
+            chain_until = time.monotonic() + self.settings.chain_window_s
         while True:
             # One write accepted the last answer and, with time left, authorized the next task: invoke it
             # now, with the state this process just wrote (no re-read, no message).
@@ -1247,8 +1254,60 @@ class Engine:
     # ---- late results and timers -----------------------------------------------------
 
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
-        """The SDK's late submission (decisions 6.15): signed with the key of the app whose run it is about, for
-        that run's attempt at the result URL, and fenced like any result.
+        """The SDK's late submission (decisions 6.15), through the API's result route: verified
+        (:meth:`_verified_late_result`) and fenced like any result; what it lets the run do next is queued."""
+        late, state = self._verified_late_result(body, headers)
+        decision = self.apply(
+            late.run_id,
+            AttemptReported(
+                step_id=late.step_id,
+                phase=late.phase,
+                generation=late.generation,
+                response=late.attempt,
+                source="late_submission",
+                next=self._trusted_next(late, state),
+            ),
+        )
+        if decision.rejection is not None:
+            raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
+        return decision
+
+    def submit_result(self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None) -> Decision:
+        """An attempt's outcome posted to the result function (an acknowledged attempt's, or a late one): verified
+        and fenced as a late result, and, in the same write, the run's next task authorized with the newest
+        release; that task is then invoked here, as a dispatcher chains, for at most ``RESULT_CARRY_ON_S``
+        (``budget_s``: what the invocation has left). A store that refuses the write raises
+        :class:`StoreUnavailableError`: the SDK holds the outcome and posts it again."""
+        late, state = self._verified_late_result(body, headers)
+        deadline = time.monotonic() + budget_s if budget_s is not None else None
+        carry_until = time.monotonic() + RESULT_CARRY_ON_S
+        if deadline is not None:
+            carry_until = min(carry_until, deadline)
+        release: Release | None = None
+        if self.may_chain(deadline, carry_until) and state is not None:
+            release = self._newest_release(state.function_id)
+        ref = self._release_ref(release)
+        event = AttemptReported(
+            step_id=late.step_id,
+            phase=late.phase,
+            generation=late.generation,
+            response=late.attempt,
+            source="late_submission",
+            next=self._trusted_next(late, state),
+            chain=ref,
+            delivery_id=uuid.uuid4().hex if ref is not None else None,
+        )
+        decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
+        if decision.rejection is not None:
+            raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
+        # no message holds a lease here: a task authorized now is watched by the run's lease-timer message if one
+        # is out, and by the sweeper in any case (docs/design/dispatch.md)
+        self._carry_on(decision, release, deadline, None, chain_until=carry_until)
+        return decision
+
+    def _verified_late_result(self, body: bytes, headers: dict[str, str]) -> tuple[LateResult, RunState | None]:
+        """A posted outcome, checked: its size, its signature (the app of its run, its scope, the keys read
+        afresh), its values. The run as read for the check (None on an unkeyed server).
 
         Before the body is parsed, its size is checked (at most ``MAX_LATE_RESULT_BYTES``) and, on a keyed
         server, its signature header's form. Every refusal of the signature, whether the run exists or not,
@@ -1293,20 +1352,7 @@ class Engine:
                 raise _late_result_refused() from None
         if (problem := _values_problem(late.attempt, late.next)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
-        decision = self.apply(
-            late.run_id,
-            AttemptReported(
-                step_id=late.step_id,
-                phase=late.phase,
-                generation=late.generation,
-                response=late.attempt,
-                source="late_submission",
-                next=self._trusted_next(late, state),
-            ),
-        )
-        if decision.rejection is not None:
-            raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
-        return decision
+        return late, state
 
     def submit_heartbeat(self, body: bytes, headers: dict[str, str]) -> HeartbeatReply:
         """A running callback's heartbeat (decision 33), checked as a late result is (its size first, then its
