@@ -110,6 +110,11 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
     )
 
 
+def flag_setting(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A yes/no setting (true/false, on/off, yes/no, 1/0); anything else raises ValueError naming it."""
+    return _flag(env, name, default)
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw == "":
