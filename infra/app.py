@@ -57,6 +57,7 @@ def settings_from(app: cdk.App) -> RyusenSettings:
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
         dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
         retention=cdk.Duration.days(retention_days) if retention_days else defaults.retention,
+        fair_queue=flag(app, "fair_queue", default=True),
         api_access_logs=flag(app, "api_access_logs"),
         api_account_logs_role=flag(app, "api_account_logs_role"),
         alarm_email=app.node.try_get_context("ryusen:alarm_email") or None,

@@ -110,7 +110,19 @@ def sqs_batch(messages: Sequence[dict[str, Any]]) -> dict[str, Any]:
     batch = sample_event("sqs_dispatch_batch.json")
     template = batch["Records"][0]
     batch["Records"] = [
-        {**template, "messageId": m["MessageId"], "receiptHandle": m["ReceiptHandle"], "body": m["Body"]}
+        {
+            **template,
+            "messageId": m["MessageId"],
+            "receiptHandle": m["ReceiptHandle"],
+            "body": m["Body"],
+            # the event source passes the message's group (a fair queue's tenant) among its attributes
+            "attributes": {**template["attributes"], **_group(m)},
+        }
         for m in messages
     ]
     return batch
+
+
+def _group(message: dict[str, Any]) -> dict[str, str]:
+    group = message.get("Attributes", {}).get("MessageGroupId")
+    return {"MessageGroupId": group} if group is not None else {}

@@ -620,7 +620,7 @@ class Engine:
     def _send(self, decision: Decision) -> None:
         for command in decision.commands:
             if isinstance(command, EnqueueTask):
-                self.queue.send(command.task, command.delay_s)
+                self.queue.send(command.task, command.delay_s, app_id=decision.state.app_id)
             elif isinstance(command, ScheduleTimer):
                 self.timers.schedule(command.timer)
             elif isinstance(command, CancelTimer):
@@ -686,7 +686,7 @@ class Engine:
         if discovery #1 is still queued, send it again (a duplicate delivery is harmless)."""
         d = state.discovery
         if d is not None and d.seq == 1 and d.status.value == "queued":
-            self.queue.send(TaskRef(run_id=state.id, kind=TaskKind.DISCOVER, seq=1))
+            self.queue.send(TaskRef(run_id=state.id, kind=TaskKind.DISCOVER, seq=1), app_id=state.app_id)
 
     def _run_for_key(self, function_id: str, key: str) -> RunState | None:
         run_id = self.store.run_for_idempotency_key(function_id, key)

@@ -213,7 +213,7 @@ class MemoryQueue:
         self.dead_letters: list[TaskRef | DeferredMessage | WakeMessage] = []
         self.counter = counter or RequestCounter()
 
-    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+    def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         self.counter.add("queue.send")
         with self._lock:
             mid = f"m{next(self._ids)}"

@@ -212,7 +212,9 @@ def check_time(state: RunState, written_at: datetime) -> datetime | None:
 
 
 class TaskQueue(Protocol):
-    def send(self, task: TaskRef, delay_s: float = 0.0) -> None: ...
+    def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
+        """Put a task on the queue; ``app_id`` is its run's app, whose fair share of dispatch it is sent in
+        (its message group, ``aws/queue.py``)."""
 
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         """Keep an answer the store would not take on the queue, to be recorded when it is received

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ryusen._internal.signing import PREVIOUS_KEY_WINDOW_S
 from ryusen._internal.wire import RetryPolicyWire
@@ -122,6 +123,11 @@ def _acknowledge_after(env: Mapping[str, str]) -> float | None:
     return value
 
 
+def flag_setting(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A yes/no setting (true/false, on/off, yes/no, 1/0); anything else raises ValueError naming it."""
+    return _flag(env, name, default)
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -132,3 +138,30 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"setting {name} must be true or false, not {raw!r}")
+
+
+DEV_WORKERS = 8
+"""Tasks ``ryusen dev`` runs at once (a deployment's dispatch Lambda scales out instead)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DevDispatchSettings:
+    """How ``ryusen dev`` shares its dispatch workers between apps (``local/fair.py``)."""
+
+    workers: int = DEV_WORKERS
+    """``RYUSEN_DEV_WORKERS``: tasks run at once, across all apps."""
+    app_workers: int = DEV_WORKERS // 2
+    """``RYUSEN_DEV_APP_WORKERS``: the most workers one app's tasks may hold at once (default: half the
+    workers), so that one app's slow steps always leave room for the others."""
+
+
+def dev_dispatch_settings(env: Mapping[str, str] | None = None) -> DevDispatchSettings:
+    """``ryusen dev``'s worker settings; a malformed or inconsistent one raises ValueError naming it."""
+    env = os.environ if env is None else env
+    workers = _count(env, "RYUSEN_DEV_WORKERS", DEV_WORKERS)
+    app_workers = _count(env, "RYUSEN_DEV_APP_WORKERS", max(1, workers // 2))
+    if app_workers > workers:
+        raise ValueError(
+            f"setting RYUSEN_DEV_APP_WORKERS ({app_workers}) must be at most RYUSEN_DEV_WORKERS ({workers})"
+        )
+    return DevDispatchSettings(workers=workers, app_workers=app_workers)

@@ -42,7 +42,7 @@ from .aws.timers import SchedulerTimers
 from .engine import MAX_MANIFEST_BYTES, Engine, ServerSettings
 from .invoker import HttpInvoker
 from .ports import InvalidRequestError, InvokeResult, RequestCounter
-from .settings import server_settings
+from .settings import flag_setting, server_settings
 from .urls import EndpointPolicy
 
 
@@ -62,6 +62,9 @@ class AwsResources:
     """Where a schedule whose target keeps failing leaves its input (the deployment's scheduler DLQ)."""
     endpoint_url: str | None = None
     region: str = "us-east-1"
+    fair_queue: bool = True
+    """Send each task with its app's message group, making the dispatch queue an SQS fair queue
+    (``RYUSEN_FAIR_QUEUE``, ``aws/queue.py``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AwsResources:
@@ -77,6 +80,7 @@ class AwsResources:
             retention_days=float(env["RYUSEN_RETENTION_DAYS"]) if env.get("RYUSEN_RETENTION_DAYS") else None,
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            fair_queue=flag_setting(env, "RYUSEN_FAIR_QUEUE", True),
         )
 
 
@@ -156,7 +160,7 @@ def aws_engine(
             counter,
             retention_s=resources.retention_days * 86_400 if resources.retention_days is not None else None,
         ),
-        queue=SqsQueue(sqs, resources.queue_url, timers, counter, hold=hold),
+        queue=SqsQueue(sqs, resources.queue_url, timers, counter, hold=hold, fair=resources.fair_queue),
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),
         settings=settings,

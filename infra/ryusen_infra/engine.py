@@ -93,6 +93,11 @@ class RyusenSettings:
     """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000). Each
     waits on one request to an app, which on Lambda is one more execution: the default, 4, leaves room in a
     fresh account's quota of 10 for 4 app requests, the API and the sweeper. Raise it with the quota."""
+    fair_queue: bool = True
+    """Send each task with its run's app as its message group, which makes the dispatch queue an SQS fair
+    queue: when one app's messages take a disproportionate share of those in flight, or of the dispatchers'
+    time, SQS hands out the other apps' messages first (docs/security.md, "What one app can take from
+    another"). Turn it off only in a partition whose standard queues refuse a message group."""
     log_retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH
     alarm_topic: sns.ITopic | None = None
     """Where alarms notify, as a topic of your CDK app (optional)."""
@@ -185,6 +190,8 @@ class RyusenSettings:
             env["RYUSEN_RETENTION_DAYS"] = f"{self.retention.to_days():g}"
         if self.endpoint_allowed_networks:
             env["RYUSEN_ENDPOINT_ALLOWED_NETWORKS"] = ",".join(self.endpoint_allowed_networks)
+        if not self.fair_queue:
+            env["RYUSEN_FAIR_QUEUE"] = "false"
         return env
 
 

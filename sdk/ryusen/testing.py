@@ -389,10 +389,10 @@ class WorkflowEnvironment:
 
     # ---- queue with faults ---------------------------------------------------------
 
-    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
-        self.queue.send(task, delay_s)
+    def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
+        self.queue.send(task, delay_s, app_id=app_id)
         if self.faults.duplicate_messages:
-            self.queue.send(task, delay_s)
+            self.queue.send(task, delay_s, app_id=app_id)
 
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         self.queue.defer(answer, delay_s)

@@ -52,11 +52,11 @@ def losing_sends(env: WorkflowEnvironment, *, kinds: set[TaskKind], times: int =
     lost: list[Any] = []
     send = env.queue.send
 
-    def dropping(task: Any, delay_s: float = 0.0) -> None:
+    def dropping(task: Any, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         if task.kind in kinds and len(lost) < times:
             lost.append(task)
             return
-        send(task, delay_s)
+        send(task, delay_s, app_id=app_id)
 
     env.queue.send = dropping  # type: ignore[method-assign]
     return lost
@@ -219,10 +219,10 @@ def test_one_run_that_cannot_be_repaired_does_not_keep_the_sweeper_from_the_othe
     runs = [env.start("checkout", {"n": n}) for n in range(3)]
     send = env.queue.send
 
-    def failing_for_the_first(task: Any, delay_s: float = 0.0) -> None:
+    def failing_for_the_first(task: Any, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         if task.run_id == runs[0]:
             raise RuntimeError("SQS: ServiceUnavailable")
-        send(task, delay_s)
+        send(task, delay_s, app_id=app_id)
 
     env.queue.send = failing_for_the_first  # type: ignore[method-assign]
     env.clock.advance(PAST_GRACE)

@@ -377,11 +377,11 @@ def test_a_send_that_fails_after_its_write_is_repaired_when_the_message_returns(
     original = env.queue.send
     failures = {"left": 1}
 
-    def flaky_send(task: Any, delay_s: float = 0.0) -> None:
+    def flaky_send(task: Any, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         if task.kind.value == "discover" and task.seq == 2 and failures["left"]:
             failures["left"] -= 1
             raise ConnectionError("SQS unavailable")  # the write that queued discovery #2 has committed
-        original(task, delay_s)
+        original(task, delay_s, app_id=app_id)
 
     env.queue.send = flaky_send  # type: ignore[method-assign]
     run = env.run("pay", {"amount": 5})

@@ -344,3 +344,51 @@ def test_create_schedule_group_twice_keeps_its_schedules(stack: Stack) -> None:
     stack.timers.schedule(TimerRef(run_id="run_1", kind=TimerKind.PROBE, at=T0 + timedelta(minutes=1)))
     create_schedule_group(stack.scheduler, GROUP)
     assert len(stack.scheduler.list_schedules(GroupName=GROUP)["Schedules"]) == 1
+
+
+# ---- fair sharing: each task in its app's message group --------------------------------
+
+
+def groups(stack: Stack) -> list[str | None]:
+    response = stack.sqs.receive_message(
+        QueueUrl=stack.queue_url, MaxNumberOfMessages=10, MessageSystemAttributeNames=["MessageGroupId"]
+    )
+    return [m.get("Attributes", {}).get("MessageGroupId") for m in response.get("Messages", [])]
+
+
+def test_a_task_is_sent_in_its_apps_message_group(stack: Stack) -> None:
+    """A standard queue with message groups is an SQS fair queue: the app is the tenant (issue 25)."""
+    stack.queue.send(forward(), app_id="shop")
+    stack.queue.send(forward("run_2"))  # no app given (an older caller): no group, a tenant of its own
+    assert sorted(groups(stack), key=str) == [None, "shop"]
+
+
+def test_a_task_held_for_a_sub_second_delay_keeps_its_group(stack: Stack) -> None:
+    held: list[Callable[[], None]] = []
+    queue = SqsQueue(stack.sqs, stack.queue_url, stack.timers, hold=lambda _delay, send: held.append(send))
+    queue.send(forward(), delay_s=0.2, app_id="shop")
+    [send] = held
+    send()
+    assert groups(stack) == ["shop"]
+
+
+def test_an_app_id_sqs_would_refuse_as_a_group_is_sent_as_its_digest(stack: Stack) -> None:
+    for app_id in ("é" * 10, "a" * 256, "my shop"):
+        stack.queue.send(forward(), app_id=app_id)
+    sent = groups(stack)
+    assert len(sent) == 3 and len(set(sent)) == 3
+    assert all(g is not None and g.startswith("sha256:") and len(g) <= 128 for g in sent)
+    assert all(33 <= ord(c) <= 126 for g in sent if g is not None for c in g)
+
+
+def test_a_resent_message_stays_in_its_group(stack: Stack) -> None:
+    stack.queue.resend(forward().model_dump_json(), 0, group="shop")
+    assert groups(stack) == ["shop"]
+
+
+def test_with_fair_queues_off_no_group_is_sent(stack: Stack) -> None:
+    """``RYUSEN_FAIR_QUEUE=false``: for a partition whose standard queues refuse a message group."""
+    queue = SqsQueue(stack.sqs, stack.queue_url, stack.timers, fair=False)
+    queue.send(forward(), app_id="shop")
+    queue.resend(forward().model_dump_json(), 0, group="shop")
+    assert groups(stack) == [None, None]

@@ -9,7 +9,6 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from ryusen_server.local import dev
 from ryusen_server.local.dev import DevStack
 
 
@@ -41,7 +40,7 @@ def test_the_dispatch_loop_receives_only_what_its_free_workers_can_run() -> None
     stack.resources = SimpleNamespace(queue_url="q")  # type: ignore[assignment]
     handled: list[str] = []
 
-    def handle(message: dict[str, Any]) -> None:
+    def handle(message: dict[str, Any], **_: Any) -> None:
         time.sleep(0.01)  # a task takes a while: the loop must not pile messages up meanwhile
         with queue.lock:
             queue.out -= 1
@@ -56,5 +55,5 @@ def test_the_dispatch_loop_receives_only_what_its_free_workers_can_run() -> None
     stack._stop.set()
     loop.join(10)
     assert len(handled) >= 200 and not loop.is_alive()
-    assert queue.most_out <= dev.DISPATCH_WORKERS  # never more received than workers free to run them
-    assert max(queue.asked) <= min(10, dev.DISPATCH_WORKERS)
+    assert queue.most_out <= stack.dispatch.workers  # never more received than workers free to run them
+    assert max(queue.asked) <= min(10, stack.dispatch.workers)

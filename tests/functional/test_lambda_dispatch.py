@@ -97,7 +97,10 @@ def call(aws: dict[str, str], method: str, path: str, body: Any = None) -> Any:
 def receive(aws: dict[str, str], wait_s: int = 0) -> list[dict[str, Any]]:
     sqs = boto3.client("sqs")
     messages: list[dict[str, Any]] = sqs.receive_message(
-        QueueUrl=aws["RYUSEN_QUEUE_URL"], MaxNumberOfMessages=10, WaitTimeSeconds=wait_s
+        QueueUrl=aws["RYUSEN_QUEUE_URL"],
+        MaxNumberOfMessages=10,
+        WaitTimeSeconds=wait_s,
+        MessageSystemAttributeNames=["MessageGroupId"],
     ).get("Messages", [])
     return messages
 
@@ -364,3 +367,17 @@ def test_a_message_the_engine_keeps_is_replaced_before_the_dead_letter_queue_tak
         QueueUrl=aws["RYUSEN_QUEUE_URL"], AttributeNames=["ApproximateNumberOfMessagesDelayed"]
     )["Attributes"]
     assert attributes["ApproximateNumberOfMessagesDelayed"] == "1"  # the fresh copy, due when the lease is
+
+
+def test_every_task_message_carries_its_runs_app_as_its_message_group(aws: dict[str, str]) -> None:
+    """Issue 25: the dispatch queue is an SQS fair queue, whose tenant is a message's group. The first
+    discovery (sent by the API) and the tasks the dispatcher sends after it are all in the run's app's group."""
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    run = call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+    groups = []
+    while run["phase"] != "finished":
+        messages = wait_for(lambda: receive(aws, 1), what="the run's next task", timeout=30)
+        groups += [m["Attributes"].get("MessageGroupId") for m in messages]
+        dispatch(aws, messages)
+        run = call(aws, "GET", f"/v1/runs/{run['id']}")
+    assert len(groups) >= 2 and set(groups) == {"box"}

@@ -48,3 +48,18 @@ def test_the_default_attempt_timeout_must_fit_the_maximum() -> None:
     with pytest.raises(ValueError, match="RYUSEN_MAX_ATTEMPT_TIMEOUT_S"):
         engine_settings({"RYUSEN_ATTEMPT_TIMEOUT_S": "900", "RYUSEN_MAX_ATTEMPT_TIMEOUT_S": "840"})
     assert engine_settings({"RYUSEN_MAX_ATTEMPT_TIMEOUT_S": "840"}).max_attempt_timeout_s == 840
+
+
+def test_the_fair_queue_setting_is_on_unless_turned_off_and_a_malformed_one_is_refused() -> None:
+    from ryusen_server.wiring import AwsResources
+
+    base = {
+        "RYUSEN_TABLE": "t",
+        "RYUSEN_QUEUE_URL": "q",
+        "RYUSEN_QUEUE_ARN": "arn",
+        "RYUSEN_SCHEDULER_ROLE_ARN": "role",
+    }
+    assert AwsResources.from_env(base).fair_queue is True
+    assert AwsResources.from_env({**base, "RYUSEN_FAIR_QUEUE": "false"}).fair_queue is False
+    with pytest.raises(ValueError, match="RYUSEN_FAIR_QUEUE must be true or false"):
+        AwsResources.from_env({**base, "RYUSEN_FAIR_QUEUE": "perhaps"})

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import boto3
@@ -41,6 +41,8 @@ class Deployed:
     budget_s: float = 900.0
     front_end: FrontEnd | None = None
     """The shop's Function URL front end (it can throttle, as Lambda does past the function's concurrency)."""
+    received: list[dict[str, Any]] = field(default_factory=list)
+    """Every message the event source received, with its attributes (a task's message group among them)."""
 
     def api(self, method: str, path: str, body: Any = None, *, signed: bool = True) -> httpx.Response:
         url = self.api_url + path
@@ -103,10 +105,14 @@ class EventSource:
     def loop(self) -> None:
         while not self.stop.is_set():
             messages = self.sqs.receive_message(
-                QueueUrl=self.queue_url, MaxNumberOfMessages=self.batch_size, WaitTimeSeconds=1
+                QueueUrl=self.queue_url,
+                MaxNumberOfMessages=self.batch_size,
+                WaitTimeSeconds=1,
+                MessageSystemAttributeNames=["All"],  # as the event source asks, the message group among them
             ).get("Messages", [])
             if not messages:
                 continue
+            self.deployed.received.extend(messages)
             token = caller.set("dispatch")
             try:
                 result = self.handler(sqs_batch(messages), LambdaContext(self.deployed.budget_s))
@@ -224,6 +230,15 @@ def test_iam_routes_refuse_unsigned_requests(deployed: Deployed) -> None:
 def test_a_checkout_completes(deployed: Deployed) -> None:
     run = deployed.finished(deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}))
     assert run["outcome"] == "completed" and [s["id"] for s in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
+
+
+def test_every_task_of_a_checkout_is_in_its_apps_message_group(deployed: Deployed) -> None:
+    """Issue 25: the dispatch queue is an SQS fair queue whose tenant is the app; the API function's first
+    discovery and the dispatch function's later tasks all carry the run's app as their group."""
+    run_id = deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30})
+    deployed.finished(run_id)
+    tasks = [m for m in list(deployed.received) if json.loads(m["Body"]).get("run_id") == run_id]
+    assert tasks and {m["Attributes"].get("MessageGroupId") for m in tasks} == {"shop"}
 
 
 def test_a_declined_card_is_compensated(deployed: Deployed) -> None:

@@ -141,3 +141,10 @@ def test_a_malformed_number_setting_is_refused_naming_its_key(name: str, value: 
     """Before, ``-c ryusen:dispatch_concurrency=lots`` failed with Python's own "invalid literal for int()"."""
     with pytest.raises(ValueError, match=f"ryusen:{name} must be a positive"):
         settings_from_context({f"ryusen:{name}": value})
+
+
+def test_the_fair_queue_context_reaches_the_settings_and_is_on_by_default() -> None:
+    assert settings_from_context({}).fair_queue is True  # type: ignore[attr-defined]
+    assert settings_from_context({"ryusen:fair_queue": "false"}).fair_queue is False  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="ryusen:fair_queue must be true or false"):
+        settings_from_context({"ryusen:fair_queue": "sometimes"})

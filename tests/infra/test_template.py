@@ -343,9 +343,11 @@ def test_settings_reach_the_functions_and_impossible_ones_are_refused(tmp_path: 
         max_run_timeout=cdk.Duration.days(2),
         dispatch_concurrency=10,
         retention=None,
+        fair_queue=False,
     )
     for handler in HANDLERS:
         variables = custom.function(handler)[1]["Properties"]["Environment"]["Variables"]
+        assert variables["RYUSEN_FAIR_QUEUE"] == "false"
         assert variables["RYUSEN_DEFAULT_RUN_TIMEOUT_S"] == "3600"
         assert variables["RYUSEN_MAX_RUN_TIMEOUT_S"] == "172800"
         assert "RYUSEN_RETENTION_DAYS" not in variables

@@ -1052,7 +1052,7 @@ class SimQueue:
         mid = f"m{next(self.sim.ids)}"
         self.messages[mid] = Message(mid, body, self.sim.now + timedelta(seconds=delay_s))
 
-    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+    def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         verdict = self.sim.boundary("sqs.send", f"{task.describe()} +{delay_s:.0f}s", SEND_FAULTS)
         _fail_before(verdict, "SQS SendMessage failed after retries")
         if verdict == "lost":

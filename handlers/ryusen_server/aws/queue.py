@@ -12,6 +12,18 @@ input is the same body: the task arrives on the queue when it is due, as if
 it had been sent then. The queue also carries the Scheduler's timer messages
 (``{"timer": ...}``), so ``receive`` returns both kinds.
 
+Fair sharing between apps (issue 25). A task is sent with its run's app as
+its ``MessageGroupId`` (``message_group``). On a standard queue that makes
+the dispatch queue an SQS fair queue: when one app's messages take a
+disproportionate share of the messages in flight (or of the consumers'
+time), SQS hands out the other apps' messages first. A group does not order
+a standard queue's messages or hold one back while another of its group is
+in flight (that is a FIFO queue's meaning), and nothing else changes for the
+consumer. ``ryusen dev`` reads the same group to share its workers
+(``local/fair.py``). Timers and tasks parked on the Scheduler arrive without
+a group (its SQS target documents a group for FIFO queues only); a message
+without one is a tenant of its own.
+
 A received message is not deleted until its handler is done with it; while
 an attempt is in flight, its message is kept invisible for the lease's
 remaining time (``change_visibility``) and so is the attempt's lease timer.
@@ -57,6 +69,9 @@ VISIBILITY_TIMEOUT_S = 360
 RETENTION_S = 1_209_600
 """14 days, SQS's maximum: a message may be an attempt's lease timer for a long time."""
 
+MAX_GROUP_LENGTH = 128
+"""SQS's limit on a MessageGroupId, which may hold only printable ASCII without spaces."""
+
 DelayHold = Callable[[float, Callable[[], None]], None]
 """Where a delayed send can be kept instead of SQS's whole-second ``DelaySeconds``: ``hold(delay_s, send)``
 calls ``send`` once ``delay_s`` has passed (``ryusen dev``'s ``LocalDelays.call_later``)."""
@@ -75,6 +90,21 @@ class SqsMessage:
     wake: WakeOrder | None = None
     sqs_message_id: str = ""
     receive_count: int = 1
+
+
+def message_group(app_id: str) -> str:
+    """The MessageGroupId of an app's task messages: the app id itself when SQS takes it (1-128 printable
+    ASCII characters, no space), otherwise ``sha256:`` and the id's digest (an app id may be 256 characters of
+    any kind). Two apps sharing a group would only share their fair share, never each other's messages.
+
+    >>> message_group("shop")
+    'shop'
+    >>> message_group("café")[:7], len(message_group("café"))
+    ('sha256:', 71)
+    """
+    if len(app_id) <= MAX_GROUP_LENGTH and all(33 <= ord(c) <= 126 for c in app_id):
+        return app_id
+    return "sha256:" + hashlib.sha256(app_id.encode()).hexdigest()
 
 
 def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer | WakeOrder:
@@ -100,19 +130,25 @@ class SqsQueue:
         *,
         clock: Callable[[], datetime] | None = None,
         hold: DelayHold | None = None,
+        fair: bool = True,
     ) -> None:
-        """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``)."""
+        """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``).
+        ``fair``: send each task with its app's message group (``RYUSEN_FAIR_QUEUE``; off only where SQS has
+        no fair queues and would refuse a group on a standard queue)."""
         self._client = sqs_client
         self.queue_url = queue_url
         self._scheduler = scheduler
         self.counter = counter or RequestCounter()
         self._clock = clock or (lambda: datetime.now(UTC))
         self._hold = hold
+        self._fair = fair
 
-    def send(self, task: TaskRef, delay_s: float = 0.0) -> None:
+    def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
+        """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
         body = task.model_dump_json()
+        group = message_group(app_id) if app_id is not None and self._fair else None
         if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
-            self._hold(delay_s, lambda: self._send_message(body, 0))  # due to the millisecond, not the second
+            self._hold(delay_s, lambda: self._send_message(body, 0, group))  # to the millisecond, not the second
             return
         delay = max(0, math.ceil(delay_s))
         if delay > MAX_DELAY_S:
@@ -123,7 +159,7 @@ class SqsQueue:
             # without a scheduler the task still must not be lost: it arrives early instead
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
             delay = MAX_DELAY_S
-        self._send_message(body, delay)
+        self._send_message(body, delay, group)
 
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         """Put a deferred answer on the queue (``deferred.py``); one over SQS's message limit is refused."""
@@ -143,14 +179,20 @@ class SqsQueue:
             return
         self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
 
-    def resend(self, body: str, delay_s: float) -> None:
+    def resend(self, body: str, delay_s: float, *, group: str | None = None) -> None:
         """Send a received message's body again as a new message (its receive count starts again), due in
-        ``delay_s`` at most 15 minutes (if it was wanted later, it comes back early and is kept again)."""
-        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
+        ``delay_s`` at most 15 minutes (if it was wanted later, it comes back early and is kept again), in the
+        message group it was received in."""
+        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))), group if self._fair else None)
 
-    def _send_message(self, body: str, delay: int) -> None:
+    def _send_message(self, body: str, delay: int, group: str | None = None) -> None:
         self.counter.add("sqs.send", len(body))
-        self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
+        if group is None:
+            self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
+        else:
+            self._client.send_message(
+                QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay, MessageGroupId=group
+            )
 
     @staticmethod
     def _delayed_name(task: TaskRef, body: str, at: datetime) -> str:

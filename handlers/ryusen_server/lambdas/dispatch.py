@@ -100,7 +100,7 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
             # Kept on purpose (a lease timer, the watch over a run's chained tasks), yet every receive counts
             # towards the dead-letter queue: past a few, a fresh copy takes over and this one is deleted, so a
             # message the engine keeps never reaches the DLQ and raises its alarm.
-            queue.resend(record.body.model_dump_json(), redeliver_after_s)
+            queue.resend(record.body.model_dump_json(), redeliver_after_s, group=record.attributes.MessageGroupId)
             return
         change_visibility(redeliver_after_s)
         raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")

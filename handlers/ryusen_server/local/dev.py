@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,11 +50,12 @@ from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
 from ..ports import RequestCounter
 from ..runtime import lease_keeper, process_body
-from ..settings import server_settings
+from ..settings import DevDispatchSettings, dev_dispatch_settings, server_settings
 from ..urls import EndpointPolicy
 from ..wiring import AwsEngine, AwsResources, aws_engine, client
 from . import emulator
 from .delays import LocalDelays
+from .fair import FairShare
 from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
 from .ui import UI_HTML
@@ -144,6 +145,9 @@ class DevStack:
         """Delayed sends, held in this process until due (``local/delays.py``)."""
         self._visibility_s: float | None = None
         """The visibility the dispatch loop receives messages with (the default lease)."""
+        self.dispatch = _dispatch_settings(self.env)
+        """How the dispatch loop shares its workers between apps (``RYUSEN_DEV_WORKERS``, ``_APP_WORKERS``)."""
+        self._monotonic: Callable[[], float] = time.monotonic
         self.session_token = secrets.token_urlsafe(32)
         """What a browser's change must carry (``X-Ryusen-Session``): given only to the UI's own page."""
 
@@ -356,52 +360,89 @@ class DevStack:
     # ---- engine loops -----------------------------------------------------------------
 
     def _dispatch_loop(self) -> None:
+        """Receive what the free workers could run, and start each message as its app's share allows
+        (``local/fair.py``): one app's slow steps never hold every worker.
+
+        A message is received only for a free worker: one left waiting past its visibility would come back,
+        and be delivered twice (issue 12). A message whose app holds its share waits here, and while it does
+        it is kept invisible (made invisible for the whole visibility again once half of it has passed); when
+        it starts, it is handed the visibility it still has, from which the attempt's lease is set."""
         assert self.wired is not None and self.resources is not None
         sqs = self.wired.sqs
         queue_url = self.resources.queue_url
         settings = self.wired.engine.settings.engine
         visibility = int(settings.attempt_timeout_s + settings.lease_grace_s)
         self._visibility_s = float(visibility)
-        # receive only what a worker is free to take: a message waiting in the pool's queue would outlive its
-        # visibility, come back, and look lost to the sweeper (as a Lambda event source takes a batch per
-        # concurrent invocation, never more)
-        free = threading.BoundedSemaphore(DISPATCH_WORKERS)
+        share: FairShare[_Received] = FairShare(workers=self.dispatch.workers, app_workers=self.dispatch.app_workers)
+        lock = threading.Lock()  # around ``share`` and the waiting messages' visibility
+        freed = threading.Event()
 
-        def handle(message: dict[str, Any]) -> None:
-            try:
-                self._handle(message)
-            finally:
-                free.release()
-
-        with ThreadPoolExecutor(max_workers=DISPATCH_WORKERS, thread_name_prefix="ryusen-task") as pool:
-            while not self._stop.is_set():
-                if not free.acquire(timeout=0.5):
+        def keep_waiting_invisible() -> None:
+            now = self._monotonic()
+            for waiting in share.waiting_items():
+                if waiting.invisible_until - now > visibility / 2:
                     continue
-                taken = 1
-                while taken < 10 and free.acquire(blocking=False):
-                    taken += 1
+                try:
+                    self.counter.add("sqs.change_visibility")
+                    sqs.change_message_visibility(
+                        QueueUrl=queue_url, ReceiptHandle=waiting.message["ReceiptHandle"], VisibilityTimeout=visibility
+                    )
+                except Exception:
+                    if self._stop.is_set():
+                        return
+                    log.exception("keeping a waiting message invisible failed; it may be delivered again")
+                waiting.invisible_until = now + visibility
+
+        def run(app: Hashable, received: _Received, visible_for_s: float) -> None:
+            try:
+                self._handle(received.message, visible_for_s=visible_for_s)
+            finally:
+                with lock:
+                    share.done(app)
+                    start_ready()
+                freed.set()
+
+        def start_ready() -> None:
+            now = self._monotonic()
+            while (picked := share.next()) is not None:
+                app, received = picked
+                pool.submit(run, app, received, max(0.0, received.invisible_until - now))
+
+        with ThreadPoolExecutor(max_workers=self.dispatch.workers, thread_name_prefix="ryusen-task") as pool:
+            while not self._stop.is_set():
+                with lock:
+                    keep_waiting_invisible()
+                    start_ready()
+                    ask = min(10, share.free) if share.waiting < MAX_WAITING else 0
+                if ask == 0:
+                    freed.wait(0.5)
+                    freed.clear()
+                    continue
                 try:
                     self.counter.add("sqs.receive")
                     messages = sqs.receive_message(
                         QueueUrl=queue_url,
-                        MaxNumberOfMessages=taken,
+                        MaxNumberOfMessages=ask,
                         WaitTimeSeconds=1,
                         VisibilityTimeout=visibility,
+                        MessageSystemAttributeNames=["MessageGroupId"],
                     ).get("Messages", [])
                 except Exception:
-                    for _ in range(taken):
-                        free.release()
                     if self._stop.is_set():
                         return
                     log.exception("receive failed")
                     time.sleep(0.5)
                     continue
-                for _ in range(taken - len(messages)):
-                    free.release()
-                for message in messages[:taken]:  # (a queue never gives more than asked; if one did, the
-                    pool.submit(handle, message)  # rest would come back when their visibility ends)
+                with lock:
+                    received_at = self._monotonic()
+                    for message in messages:
+                        app = message.get("Attributes", {}).get("MessageGroupId") or None
+                        share.add(app, _Received(message=message, invisible_until=received_at + visibility))
+                    start_ready()
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: dict[str, Any], visible_for_s: float | None = None) -> None:
+        """Deliver one received message; ``visible_for_s``: how long it is still invisible (default: the
+        visibility it was received with)."""
         assert self.wired is not None and self.resources is not None
         sqs, queue_url = self.wired.sqs, self.resources.queue_url
 
@@ -412,7 +453,7 @@ class DevStack:
             )
 
         try:
-            keep = lease_keeper(change_visibility, self._visibility_s)
+            keep = lease_keeper(change_visibility, self._visibility_s if visible_for_s is None else visible_for_s)
             done, later = process_body(self.wired.engine, message["Body"], on_authorized=keep)
         except Exception:
             log.exception("dispatch of a message failed; it will be redelivered")
@@ -455,14 +496,32 @@ class DevStack:
                 log.exception("firing due schedules failed")
 
 
+def _dispatch_settings(env: Mapping[str, str]) -> DevDispatchSettings:
+    try:
+        return dev_dispatch_settings(env)
+    except ValueError as exc:
+        raise DevError(str(exc)) from None
+
+
 def _whole_s(seconds: float) -> int:
     """A visibility timeout for SQS: whole seconds, rounded up (a message never comes back before it is due,
     only to be put back for the rest), 1 s to 12 hours."""
     return max(1, min(43_200, math.ceil(seconds)))
 
 
-DISPATCH_WORKERS = 8
-"""Tasks ``ryusen dev`` runs at once (a deployment's dispatch Lambda scales out instead)."""
+MAX_WAITING = 1_000
+"""Messages ``ryusen dev`` keeps received while their apps hold their shares; past this it stops receiving
+until some have started (each waiting one costs a ChangeMessageVisibility every half visibility)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class _Received:
+    """A received message waiting for, or running on, a worker."""
+
+    message: dict[str, Any]
+    invisible_until: float
+    """When SQS makes it visible again (monotonic clock), unless it is deleted or kept longer first."""
+
 
 SWEEP_EVERY_S = 60.0
 """How often ``ryusen dev`` looks for runs whose work is overdue with nothing on its way (as the deployment's
@@ -559,7 +618,11 @@ def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
 
 def run_dev(*, port: int = DEFAULT_PORT, apps: list[str] | None = None) -> int:
     """Run the stack until Ctrl-C (or SIGTERM)."""
-    stack = DevStack(port=port, apps=list(apps or []))
+    try:
+        stack = DevStack(port=port, apps=list(apps or []))
+    except DevError as exc:
+        print(f"ryusen dev: {exc}", file=sys.stderr)
+        return 1
     try:
         stack.start()
     except (DevError, AppSpecError) as exc:
