@@ -89,12 +89,19 @@ def _checked_value(what: str, value: Any) -> Any:
     return value
 
 
-def _error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response[str]:
+def error_body(exc: ServerError) -> str:
+    """The JSON body that answers ``exc``: ``{"error": {"code", "message", ...details}}``."""
+    return _error_payload(str(exc.details.get("code", exc.code)), exc.message, exc.details)
+
+
+def _error_payload(code: str, message: str, details: dict[str, Any] | None) -> str:
     payload: dict[str, Any] = {"code": code, "message": message}
     payload.update({k: v for k, v in (details or {}).items() if k != "code"})
-    return Response(
-        status_code=status, content_type="application/json", body=json.dumps({"error": payload}, default=str)
-    )
+    return json.dumps({"error": payload}, default=str)
+
+
+def _error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None) -> Response[str]:
+    return Response(status_code=status, content_type="application/json", body=_error_payload(code, message, details))
 
 
 def _json(status: int, body: Any) -> Response[str]:

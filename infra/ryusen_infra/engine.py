@@ -352,11 +352,27 @@ class RyusenEngine(Construct):
         # SDKs submit late results here without AWS credentials; the handler verifies the app's signature
         v1.add_resource("results").add_method("POST", integration, authorization_type=apigateway.AuthorizationType.NONE)
 
+        # SDKs post outcomes and heartbeats to the result function's URL, without AWS credentials (the app's
+        # signature authenticates them): a Lambda request per post, not an API Gateway one (docs/design/dispatch.md)
+        self.result_function = self._function(
+            "ResultFunction",
+            "ryusen_server.lambdas.results.handler",
+            code,
+            common,
+            cdk.Duration.seconds(60),
+            "results",
+            memory_mb=256,
+        )
+        self.result_url = self.result_function.add_function_url(auth_type=aws_lambda.FunctionUrlAuthType.NONE)
+        cdk.CfnOutput(
+            self, "ResultUrl", value=self.result_url.url, description="Where SDKs post outcomes and heartbeats"
+        )
+
         self.dispatch_function = self._function(
             "DispatchFunction",
             "ryusen_server.lambdas.dispatch.handler",
             code,
-            {**common, "RYUSEN_RESULT_URL": self.api.url_for_path("/v1/results")},
+            {**common, "RYUSEN_RESULT_URL": self.result_url.url},
             settings.dispatch_timeout,
             "dispatch",
         )
@@ -368,7 +384,7 @@ class RyusenEngine(Construct):
                 max_concurrency=settings.dispatch_concurrency,
             )
         )
-        for function in (self.api_function, self.dispatch_function):
+        for function in (self.api_function, self.dispatch_function, self.result_function):
             self._grant_runtime(function)
             function.add_to_role_policy(
                 iam.PolicyStatement(
@@ -450,6 +466,8 @@ class RyusenEngine(Construct):
         environment: dict[str, str],
         timeout: cdk.Duration,
         service: str,
+        *,
+        memory_mb: int = 512,
     ) -> aws_lambda.Function:
         log_group = logs.LogGroup(self, f"{construct_id}Logs", retention=self.settings.log_retention)
         return aws_lambda.Function(
@@ -461,7 +479,7 @@ class RyusenEngine(Construct):
             handler=handler,
             code=code,
             timeout=timeout,
-            memory_size=512,
+            memory_size=memory_mb,
             environment={**environment, "POWERTOOLS_SERVICE_NAME": f"ryusen-{service}"},
             log_group=log_group,
         )
@@ -589,7 +607,7 @@ class RyusenEngine(Construct):
                 "FunctionThrottles",
                 "Lambda throttled the engine's functions: the account's concurrency is used up (docs/deploy.md,"
                 " Concurrency)",
-                throttles(self.api_function, self.dispatch_function, self.sweep_function),
+                throttles(self.api_function, self.dispatch_function, self.result_function, self.sweep_function),
             ),
             alarm(
                 "DispatchQueueBehind",

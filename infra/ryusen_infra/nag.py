@@ -75,7 +75,7 @@ def suppress(engine: RyusenEngine) -> None:
                 )
             ],
         )
-    for function in (engine.api_function, engine.dispatch_function, engine.sweep_function):
+    for function in (engine.api_function, engine.dispatch_function, engine.result_function, engine.sweep_function):
         NagSuppressions.add_resource_suppressions(
             function.role,  # type: ignore[arg-type]
             [

@@ -22,6 +22,7 @@ import base64
 import contextvars
 import importlib.util
 import json
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,6 +61,8 @@ class Box:
     calls: list[Call] = field(default_factory=list)
     refs: dict[str, str] = field(default_factory=dict)
     arns: dict[str, str] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    """A Lambda Function URL resource's logical id -> the loopback URL serving its function."""
     servers: list[Any] = field(default_factory=list)
 
     # ---- resources -------------------------------------------------------------------------
@@ -156,6 +159,8 @@ class Box:
             name, attribute = value["Fn::GetAtt"]
             if attribute == "Arn":
                 return self.arns[name]
+            if attribute == "FunctionUrl" and name in self.urls:
+                return self.urls[name]
             raise KeyError(f"Fn::GetAtt {name}.{attribute}")
         if "Fn::Join" in value:
             separator, parts = value["Fn::Join"]
@@ -256,8 +261,26 @@ class Box:
 
     # ---- serving -----------------------------------------------------------------------------
 
-    def function_url(self, handler: Callable[[dict[str, Any], Any], dict[str, Any]]) -> str:
-        """A loopback Lambda Function URL (payload 2.0 events) for ``handler``."""
+    def serve_function_url(
+        self, handler_name: str, handler: Callable[[dict[str, Any], Any], dict[str, Any]], who: str
+    ) -> str:
+        """Serve the template's Function URL of the function whose handler is ``handler_name`` with ``handler``
+        (as the caller ``who``), on loopback; ``Fn::GetAtt <url>.FunctionUrl`` resolves to it from then on."""
+        target = next(
+            name
+            for name, f in self.resources("AWS::Lambda::Function").items()
+            if f["Properties"]["Handler"] == handler_name
+        )
+        [url_id] = [
+            name
+            for name, u in self.resources("AWS::Lambda::Url").items()
+            if u["Properties"]["TargetFunctionArn"] == {"Fn::GetAtt": [target, "Arn"]}
+        ]
+        self.urls[url_id] = self.function_url(handler, who=who)
+        return self.urls[url_id]
+
+    def function_url(self, handler: Callable[[dict[str, Any], Any], dict[str, Any]], *, who: str = "shop") -> str:
+        """A loopback Lambda Function URL (payload 2.0 events) for ``handler``, called as ``who``."""
 
         def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
             request = Request(environ)
@@ -266,11 +289,15 @@ class Box:
                 "version": "2.0",
                 "rawPath": request.path,
                 "headers": {k.lower(): v for k, v in request.headers.items()},
-                "requestContext": {"http": {"method": request.method, "path": request.path}},
+                "requestContext": {
+                    "http": {"method": request.method, "path": request.path},
+                    "domainName": request.host,
+                    "requestId": secrets.token_hex(8),
+                },
                 "body": base64.b64encode(body).decode(),
                 "isBase64Encoded": True,
             }
-            token = caller.set("shop")
+            token = caller.set(who)
             try:
                 result = handler(event, LambdaContext())
             finally:

@@ -157,10 +157,12 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
 
         from ryusen_server.lambdas import api as api_lambda
         from ryusen_server.lambdas import dispatch as dispatch_lambda
+        from ryusen_server.lambdas import results as results_lambda
         from ryusen_server.lambdas import sweep as sweep_lambda
 
         api_lambda._resolver = None
         dispatch_lambda._engine = None
+        results_lambda._engine = None
         sweep_lambda._engine = None
 
         def api_handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
@@ -177,6 +179,14 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         # refuses (a real function URL is public): the box allows loopback as the endpoint_allowed_networks
         # setting would
         loopback = {"RYUSEN_ENDPOINT_ALLOWED_NETWORKS": "127.0.0.0/8"}
+        # the result function behind its Function URL (on loopback: plain http, so its own URL is set, where a
+        # deployment's is read from the request's domain name)
+        result_url = box.serve_function_url("ryusen_server.lambdas.results.handler", results_lambda.handler, "results")
+        results_env = {
+            **box.environment("ryusen_server.lambdas.results.handler", gateway.url),
+            **loopback,
+            "RYUSEN_RESULT_URL": result_url,
+        }
         api_env = {**box.environment("ryusen_server.lambdas.api.handler", gateway.url), **loopback}
         dispatch_env = {**box.environment("ryusen_server.lambdas.dispatch.handler", gateway.url), **loopback}
         shop_env = box.environment("shop.lambda_handler", gateway.url)
@@ -184,6 +194,11 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         os.environ.update({**base, **api_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
         token = caller.set("api")
         api_lambda.resolver()
+        caller.reset(token)
+        os.environ.clear()
+        os.environ.update({**base, **results_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+        token = caller.set("results")
+        results_lambda.engine(None)  # cold, with exactly its own environment
         caller.reset(token)
         os.environ.clear()
         os.environ.update(
@@ -217,6 +232,7 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
             box.close()
             api_lambda._resolver = None
             dispatch_lambda._engine = None
+            results_lambda._engine = None
             sweep_lambda._engine = None
     os.environ.clear()
     os.environ.update(saved)
@@ -265,7 +281,7 @@ def test_a_deadline_fires_from_the_schedule_the_engine_created(deployed: Deploye
     assert run["summary"] == "timed out, fully compensated" and run["stop_intent"]["kind"] == "timeout"
 
 
-def test_a_late_result_reaches_the_result_route_without_aws_credentials(deployed: Deployed) -> None:
+def test_a_late_result_reaches_the_result_function_without_aws_credentials(deployed: Deployed) -> None:
     deployed.budget_s = 16  # the dispatcher stops listening after about 4 s, the shipment takes 7
     try:
         run_id = deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30, "slow_ship_s": 7})
@@ -276,11 +292,17 @@ def test_a_late_result_reaches_the_result_route_without_aws_credentials(deployed
     ship_at = [s["id"] for s in run["steps"]].index("ship")
     ship = run["steps"][ship_at]
     assert [a["status"] for a in ship["attempts"]] == ["succeeded"]
-    # the one write that accepted the shipment's success is the API function's (the result route), not the
-    # dispatcher's: the journal entry of this run that records ship completed and its attempt succeeded
+    # the one write that accepted the shipment's success is the result function's (its Function URL, issue 25),
+    # not the dispatcher's: the journal entry of this run that records ship completed and its attempt succeeded
     accepted = [c.function for c in run_writes(deployed, run_id) if completes_step(c.item, ship_at)]
-    assert accepted == ["api"], accepted
-    assert deployed.api("POST", "/v1/results", {"run_id": run_id}, signed=False).status_code == 401  # unsigned
+    assert accepted == ["results"], accepted
+    result_url = deployed.env["RYUSEN_RESULT_URL"]
+    assert not result_url.startswith(deployed.api_url)  # the dispatcher hands SDKs the result function's URL
+    unsigned = httpx.post(result_url, json={"run_id": run_id}, timeout=30)
+    assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "invalid_signature"
+    assert httpx.get(result_url, timeout=30).status_code == 405
+    # the API's route still takes a late result (an SDK handed its URL before an upgrade), and refuses the same
+    assert deployed.api("POST", "/v1/results", {"run_id": run_id}, signed=False).status_code == 401
 
 
 @dataclass
@@ -357,6 +379,7 @@ KEPT = {
         "sqs:GetQueueAttributes",
         "sqs:GetQueueUrl",
     },
+    "results": ENGINE_RUNTIME,  # records outcomes and carries runs on as a dispatcher does, without a message
     "shop": {"secretsmanager:GetSecretValue", "dynamodb:PutItem", "logs:CreateLogStream", "logs:PutLogEvents"},
     "sweep": ENGINE_RUNTIME - {"secretsmanager:GetSecretValue"},  # it signs and verifies nothing: no key
     # the custom resource that derives the example app's key at deploy: reads the master, writes the app's secret
@@ -371,6 +394,7 @@ KEPT = {
 HANDLER_OF = {
     "api": "ryusen_server.lambdas.api.handler",
     "dispatch": "ryusen_server.lambdas.dispatch.handler",
+    "results": "ryusen_server.lambdas.results.handler",
     "shop": "shop.lambda_handler",
     "sweep": "ryusen_server.lambdas.sweep.handler",
     "derive_app_key": "derive_app_key.handler",
@@ -454,6 +478,7 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
         ("dispatch", "DeleteSchedule"),
         ("dispatch", "ChangeMessageVisibility"),
         ("dispatch", "PutItem"),
+        ("results", "PutItem"),  # the late result it accepted
         ("api", "GetSecretValue"),
         ("dispatch", "GetSecretValue"),
         ("shop", "GetSecretValue"),
@@ -495,3 +520,72 @@ def test_a_checkout_completes_through_throttled_writes_and_a_throttled_function_
     assert [step["id"] for step in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
     assert [a["status"] for a in attempts] == ["succeeded"] * 3  # each step ran once, and only once
     assert not [a for a in attempts if a.get("unknown")], "an attempt was Unknown"
+
+
+# ---- issue 25: acknowledged attempts, the result function, heartbeats ----------------------------------------
+
+
+def _encoder_app(master: str) -> Any:
+    """An app served over WSGI (so it acknowledges long attempts), signing with its key derived from ``master``."""
+    from datetime import timedelta
+
+    import ryusen
+    from ryusen import Ryusen, Step
+    from ryusen._internal.signing import app_key
+
+    app = Ryusen("encoder", signing_key=app_key(master, "encoder"))
+
+    def encode(seconds: float) -> dict[str, Any]:
+        for i in range(int(seconds * 10)):
+            ryusen.heartbeat({"progress": round((i + 1) / (seconds * 10), 2)})
+            time.sleep(0.1)
+        return {"encoded": seconds}
+
+    @app.function("publish")
+    def publish(data: dict[str, Any], step: Step) -> Any:
+        step.run("fetch", lambda: {"fetched": True})
+        encoded = step.run(
+            "encode", encode, data["seconds"], timeout=timedelta(minutes=5), heartbeat=timedelta(seconds=30)
+        )
+        step.run("notify", lambda: {"notified": True})
+        return encoded
+
+    return app
+
+
+def test_a_long_step_is_acknowledged_and_its_outcome_carries_the_run_on_through_the_result_function(
+    deployed: Deployed,
+) -> None:
+    """No dispatcher waits through the 2 s callback: the WSGI endpoint answers "accepted", the dispatch message
+    stays as the lease timer, and the outcome posted to the result function is recorded there with the next step
+    authorized in the same write and invoked from there (no queue message). Its heartbeats reach it too."""
+    from werkzeug.serving import make_server
+
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    server = make_server("127.0.0.1", 0, _encoder_app(master).wsgi(), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/"
+        synced = deployed.api("PUT", "/v1/apps/encoder", {"url": url})
+        assert synced.status_code == 200, synced.text
+        before = len(deployed.box.calls)
+        response = deployed.api("POST", "/v1/functions/publish/runs", {"input": {"seconds": 2}})
+        assert response.status_code == 201, response.text
+        run_id = response.json()["id"]
+        run = deployed.finished(run_id)
+    finally:
+        server.shutdown()
+    assert run["outcome"] == "completed" and run["output"] == {"encoded": 2}
+    steps = {s["id"]: s for s in run["steps"]}
+    [encode] = steps["encode"]["attempts"]
+    assert encode["status"] == "succeeded" and encode["unknown"] is None
+    # its first heartbeat reached the result function (the next may go a quarter interval, 7.5 s, later)
+    assert encode["heartbeat"]["details"] == {"progress": 0.05}
+    writes = run_writes(deployed, run_id)
+    encode_at = [s["id"] for s in run["steps"]].index("encode")
+    assert [w.function for w in writes if completes_step(w.item, encode_at)] == ["results"]
+    calls = deployed.box.calls[before:]
+    assert not [c for c in calls if c.function == "results" and c.operation == "SendMessage"]  # carried on itself
+    assert [s["id"] for s in run["steps"]] == ["fetch", "encode", "notify"]

@@ -34,6 +34,7 @@ def test_python_infra_app_py_synthesizes_with_local_bundling(tmp_path: Path) -> 
     assert {f["Properties"]["Handler"] for f in functions} == {
         "ryusen_server.lambdas.api.handler",
         "ryusen_server.lambdas.dispatch.handler",
+        "ryusen_server.lambdas.results.handler",
         "ryusen_server.lambdas.sweep.handler",
         "shop.lambda_handler",
         "derive_app_key.handler",  # the example app's key, derived at deploy (in the example's asset)

@@ -1,0 +1,81 @@
+"""Lambda entry point for the result function: a Lambda Function URL (auth ``NONE``) that SDKs post outcomes and
+heartbeats to (docs/design/dispatch.md).
+
+An endpoint that acknowledged an attempt posts its outcome here when the callback ends; a callback posts its
+heartbeats here. Neither carries AWS credentials: the app's signature is the authentication, checked by the
+engine exactly as on the API's ``/v1/results`` route. A Function URL costs a Lambda request, where API
+Gateway's REST API costs $3.50 per million, which would be more than the rest of a step.
+
+An outcome is recorded with the run's next task authorized in the same write, and that task is invoked here
+(``Engine.submit_result``), so that a run of long steps needs no queue message per step.
+
+The result URL handed to SDKs is this function's own URL. A function's environment cannot name its own URL
+(the template would be circular), so it is read from the first request's ``requestContext.domainName``
+unless ``RYUSEN_RESULT_URL`` is set.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import replace
+from typing import Any
+
+from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from ..api import error_body, is_heartbeat
+from ..engine import MAX_LATE_RESULT_BYTES
+from ..ports import ServerError
+from ..wiring import AwsEngine, AwsResources, aws_engine
+
+logger = Logger(service="ryusen-results")
+metrics = Metrics(namespace="Ryusen", service="results")
+_engine: AwsEngine | None = None
+
+RESERVE_S = 3.0
+"""Kept of the invocation's time to answer the SDK after carrying the run on."""
+
+
+def engine(domain: str | None) -> AwsEngine:
+    global _engine
+    if _engine is None:
+        _engine = aws_engine(AwsResources.from_env(), deployed=True)
+    if _engine.engine.settings.result_url is None and domain:
+        settings = replace(_engine.engine.settings, result_url=f"https://{domain}/")
+        _engine.engine.settings = settings
+    return _engine
+
+
+def _answer(status: int, body: Any) -> dict[str, Any]:
+    return {"statusCode": status, "headers": {"content-type": "application/json"}, "body": json.dumps(body)}
+
+
+@logger.inject_lambda_context(correlation_id_path="requestContext.requestId")
+@metrics.log_metrics
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    http = (event.get("requestContext") or {}).get("http") or {}
+    if http.get("method") != "POST":
+        return _answer(405, {"error": {"code": "method_not_allowed", "message": "POST an outcome or a heartbeat"}})
+    raw = event.get("body") or ""
+    if len(raw) > 2 * MAX_LATE_RESULT_BYTES:  # before decoding: base64 is a third longer
+        return _answer(413, {"error": {"code": "payload_too_large", "message": "the body is too large"}})
+    try:
+        body = base64.b64decode(raw, validate=True) if event.get("isBase64Encoded") else raw.encode()
+    except ValueError:
+        return _answer(400, {"error": {"code": "malformed_body", "message": "the body is not valid base64"}})
+    headers = {str(k): str(v) for k, v in (event.get("headers") or {}).items()}
+    wired = engine((event.get("requestContext") or {}).get("domainName"))
+    try:
+        if is_heartbeat(body):
+            metrics.add_metric(name="Heartbeats", unit=MetricUnit.Count, value=1)
+            return _answer(200, wired.engine.submit_heartbeat(body, headers).model_dump(mode="json"))
+        budget_s = max(0.0, context.get_remaining_time_in_millis() / 1000 - RESERVE_S)
+        decision = wired.engine.submit_result(body, headers, budget_s=budget_s)
+    except ServerError as exc:
+        if exc.status >= 500:
+            logger.warning("could not take a posted outcome", extra={"code": exc.code, "error": exc.message})
+        return {"statusCode": exc.status, "headers": {"content-type": "application/json"}, "body": error_body(exc)}
+    metrics.add_metric(name="ResultsRecorded", unit=MetricUnit.Count, value=1)
+    return _answer(202, {"accepted": decision.note is None, "note": decision.note})
