@@ -15,8 +15,10 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import boto3
@@ -589,3 +591,76 @@ def test_a_long_step_is_acknowledged_and_its_outcome_carries_the_run_on_through_
     calls = deployed.box.calls[before:]
     assert not [c for c in calls if c.function == "results" and c.operation == "SendMessage"]  # carried on itself
     assert [s["id"] for s in run["steps"]] == ["fetch", "encode", "notify"]
+
+
+@pytest.mark.rfd("H4")
+def test_a_long_steps_cost_does_not_grow_with_its_duration(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs whose middle step takes 0.5 s and 3 s make the same AWS requests and Lambda invocations, and no
+    dispatch invocation lasts through the callback: each one that began while it ran ended before it did (an
+    order of events, not a time limit). bench/cost.py prices it."""
+    from werkzeug.serving import make_server
+
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    spans: list[tuple[str, float, float]] = []  # (the message, when its handling began, when it ended)
+    handle = dispatch_lambda.record_handler
+
+    def timed(record: Any, lambda_context: Any = None) -> None:
+        began = time.monotonic()
+        try:
+            handle(record, lambda_context)
+        finally:
+            spans.append((json.dumps(record.body.model_dump(mode="json")), began, time.monotonic()))
+
+    monkeypatch.setattr(dispatch_lambda, "record_handler", timed)
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    server = make_server("127.0.0.1", 0, _encoder_app(master).wsgi(), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    made: dict[float, Counter[tuple[str, str]]] = {}
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/"
+        assert deployed.api("PUT", "/v1/apps/encoder", {"url": url}).status_code == 200
+        for seconds in (0.5, 0.5, 3.0):  # the first warms the result function (its secret, its release cache)
+            before, spans_before = len(deployed.box.calls), len(spans)
+            response = deployed.api("POST", "/v1/functions/publish/runs", {"input": {"seconds": seconds}})
+            assert response.status_code == 201, response.text
+            started = time.monotonic()
+            run = deployed.finished(response.json()["id"])
+            assert run["outcome"] == "completed" and run["output"] == {"encoded": seconds}
+            encode = next(s for s in run["steps"] if s["id"] == "encode")["attempts"][0]
+            callback_ended = (
+                started
+                + (
+                    datetime.fromisoformat(encode["settled_at"]) - datetime.fromisoformat(run["created_at"])
+                ).total_seconds()
+            )
+            run_id = run["id"]
+            ours = [(b, e) for body, b, e in spans[spans_before:] if run_id in body]
+            during = [(b, e) for b, e in ours if b < callback_ended - 0.5]
+            assert during and all(e < callback_ended for _, e in during)  # none waited for the callback
+            # what is billed per step: writes, queue requests and dispatch invocations (reads vary with warm
+            # caches, and the API's with this test's polling)
+            made[seconds] = Counter(
+                (c.function, c.operation)
+                for c in deployed.box.calls[before:]
+                if c.function not in ("test", "api") and c.operation in BILLED_PER_STEP
+            )
+            made[seconds][("dispatch", "Invoke")] = len(ours)
+    finally:
+        server.shutdown()
+    assert made[0.5] == made[3.0], (made[0.5] - made[3.0], made[3.0] - made[0.5])
+    assert made[3.0][("results", "PutItem")] + made[3.0][("results", "TransactWriteItems")] >= 1
+
+
+BILLED_PER_STEP = {
+    "PutItem",
+    "TransactWriteItems",
+    "BatchWriteItem",
+    "UpdateItem",
+    "SendMessage",
+    "ReceiveMessage",
+    "DeleteMessage",
+    "ChangeMessageVisibility",
+    "CreateSchedule",
+    "DeleteSchedule",
+}
