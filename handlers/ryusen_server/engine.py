@@ -284,7 +284,7 @@ class Sent:
 
 RELEASE_RECHECK_S = 1.0
 """The default of ``ServerSettings.release_recheck_s`` (``RYUSEN_RELEASE_RECHECK_S``)."""
-ACKNOWLEDGE_AFTER_S = 0.25
+ACKNOWLEDGE_AFTER_S = 0.1
 """The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
 RESULT_CARRY_ON_S = 10.0
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks

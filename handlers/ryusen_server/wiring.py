@@ -117,6 +117,7 @@ def aws_engine(
     deployed: bool = False,
     hold: DelayHold | None = None,
     signs: bool = True,
+    fresh_keys_recheck_s: float = 0.0,
 ) -> AwsEngine:
     """``policy`` defaults to the deployment's (``RYUSEN_ENDPOINT_ALLOWED_NETWORKS``; public addresses only).
 
@@ -128,7 +129,11 @@ def aws_engine(
     invoke anything.
 
     ``hold``: where the queue keeps delayed sends instead of SQS's whole-second ``DelaySeconds`` (``ryusen
-    dev``: its queue is in-process, so a delay is honoured to the millisecond)."""
+    dev``: its queue is in-process, so a delay is honoured to the millisecond).
+
+    ``fresh_keys_recheck_s``: how long keys read afresh (to verify an unsolicited message again) are reused. 0
+    (every time) where such messages are rare; the result function, which takes one per long step, re-reads
+    the secret at most this often, so an emergency rotation refuses the old key there within that time."""
     counter = counter or RequestCounter()
     policy = policy or EndpointPolicy.from_env(os.environ)
     sqs = client("sqs", resources)
@@ -151,6 +156,7 @@ def aws_engine(
             client("secretsmanager", resources),
             resources.master_key_secret_arn,
             window_s=settings.previous_key_window_s,
+            recheck_s=fresh_keys_recheck_s,
         )
         settings = replace(settings, master_keys_source=key.keys, fresh_master_keys_source=key.fresh_keys)
     engine = Engine(

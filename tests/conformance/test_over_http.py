@@ -165,7 +165,7 @@ def test_ryusen_dev_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 @pytest.mark.rfd("U1", "U2", "O1")
 def test_callback_that_outlives_its_attempt_timeout_is_unknown_then_its_late_result_lands(stack: DevStack) -> None:
     t = tag()
-    # The endpoint answers "accepted" after 0.25 s and posts the outcome when the callback ends (issue 25): no
+    # The endpoint answers "accepted" after 0.1 s and posts the outcome when the callback ends (issue 25): no
     # dispatcher waits. The attempt's lease ends its timeout (1 s) plus the acknowledged grace (3 s) after its
     # authorization; the callback takes 8 s.
     run_id = stack.start("slow", {"tag": t, "sleep_s": 8, "timeout_s": 1})["id"]

@@ -36,12 +36,16 @@ _engine: AwsEngine | None = None
 
 RESERVE_S = 3.0
 """Kept of the invocation's time to answer the SDK after carrying the run on."""
+FRESH_KEYS_RECHECK_S = 10.0
+"""How long the keys read afresh to verify a posted outcome or heartbeat are reused: an emergency rotation
+refuses the old key here within this time (the API's route reads the secret for every late result), and a
+post per long step does not cost two Secrets Manager reads ($10 per million steps, bench/cost.py)."""
 
 
 def engine(domain: str | None) -> AwsEngine:
     global _engine
     if _engine is None:
-        _engine = aws_engine(AwsResources.from_env(), deployed=True)
+        _engine = aws_engine(AwsResources.from_env(), deployed=True, fresh_keys_recheck_s=FRESH_KEYS_RECHECK_S)
     if _engine.engine.settings.result_url is None and domain:
         settings = replace(_engine.engine.settings, result_url=f"https://{domain}/")
         _engine.engine.settings = settings
