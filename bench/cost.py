@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 import tempfile
 import threading
@@ -75,8 +74,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.infra
 
-from tests.infra.box import REGION, caller  # noqa: E402
-from tests.infra.meter import PRICES, LogTap, Meter, TableSchema, Usage  # noqa: E402
+from tests.infra.box import REGION, caller
+from tests.infra.meter import PRICES, LogTap, Meter, TableSchema, Usage
 
 DURATIONS_S = (0.1, 1.0, 10.0, 600.0)
 RETENTION_DAYS = 90.0
@@ -198,6 +197,8 @@ class Bench:
     queue_url: str
     steps: int
     real_up_to_s: float
+    waiting: tuple[str, ...] = ("dispatch", "results")
+    """The functions that invoke the user's endpoint, and so may wait for it."""
     fast_forwarded: int = 0
     last_queue: dict[str, str] = field(default_factory=dict)
 
@@ -272,7 +273,7 @@ class Bench:
             if not self.settle(15):
                 left = int(self.last_queue["ApproximateNumberOfMessagesNotVisible"])
         time.sleep(1.5)
-        settled = self.meter.settle_endpoint_time("dispatch")
+        settled = self.meter.settle_endpoint_time(self.waiting)
         usage = self.meter.reset()
         after = self.stored()
         view = self.deployed.run(run_id)
@@ -323,7 +324,7 @@ def line_items(s: Scenario, memory_mb: dict[str, int]) -> dict[str, float]:
         "Lambda requests": sum(u.invocations.values()) * PRICES["lambda_request"] * per,
     }
     for function in sorted(memory_mb):
-        if u.invocations.get(function) or function in ("dispatch", "api"):
+        if u.invocations.get(function) or function in ("dispatch", "api", "results"):
             gb_s = u.billed_ms[function] / 1000 * memory_mb[function] / 1024
             items[f"Lambda GB-s: {function}"] = gb_s * PRICES["lambda_gb_s"] * 1_000_000 / s.steps
     items["API Gateway requests"] = sum(u.api_requests.values()) * PRICES["api_gateway"] * per
@@ -361,14 +362,17 @@ def print_table(kind: str, scenarios: list[Scenario], memory_mb: dict[str, int],
     for f in functions:
         row(f"invocations: {f}", [s.usage.invocations[f] / s.steps for s in scenarios])
         row(f"billed ms: {f}", [s.usage.billed_ms[f] / s.steps for s in scenarios], "{:.1f}")
-    row("write units (table + indexes)", [(sum(s.usage.wru.values()) + sum(s.usage.index_wru.values())) / s.steps for s in scenarios])
+    row(
+        "write units (table + indexes)",
+        [(sum(s.usage.wru.values()) + sum(s.usage.index_wru.values())) / s.steps for s in scenarios],
+    )
     row("read units", [sum(s.usage.rru.values()) / s.steps for s in scenarios])
     row("SQS requests", [sum(s.usage.sqs.values()) / s.steps for s in scenarios])
     row("API Gateway requests", [sum(s.usage.api_requests.values()) / s.steps for s in scenarios])
     row("stored bytes (table + indexes)", [sum(s.stored) / s.steps for s in scenarios], "{:.0f}")
     row("log bytes", [sum(s.usage.log_bytes.values()) / s.steps for s in scenarios], "{:.0f}")
     row("answered accepted (202)", [s.answers.get(202, 0) / s.steps for s in scenarios])
-    row("endpoint time billed to the dispatcher at D", [s.settled / s.steps for s in scenarios])
+    row("endpoint sleeps billed to a waiting function at D", [s.settled / s.steps for s in scenarios])
     row("kept messages run forward after the run, per run", [float(s.fast_forwarded) for s in scenarios], "{:.0f}")
     row("messages left in flight (not counted), per run", [float(s.left_in_flight) for s in scenarios], "{:.0f}")
 
@@ -492,13 +496,16 @@ def measure(
                 assert scenario.answers.get(202, 0) >= steps, f"attempts of {duration} s were not acknowledged"
             print(
                 f"{endpoint.kind:6} {label(duration):>7}: {scenario.wall_s:5.1f} s wall,"
-                f" answers {dict(scenario.answers)}, visibility {scenario.usage.visibility_s}, forwarded {scenario.fast_forwarded}, left {scenario.left_in_flight}, api {dict(scenario.usage.api_requests)}, ops {dict(scenario.usage.operations)}",
+                f" answers {dict(scenario.answers)}, visibility {scenario.usage.visibility_s},"
+                f" forwarded {scenario.fast_forwarded}, left {scenario.left_in_flight},"
+                f" api {dict(scenario.usage.api_requests)}, ops {dict(scenario.usage.operations)}",
                 file=sys.__stderr__,
             )
             results.setdefault(endpoint.kind, []).append(scenario)
     # one sweeper pass over a quiet table, as its every-minute rule calls it
-    from ryusen_server.lambdas import sweep as sweep_lambda
     from tests.lambda_http import LambdaContext
+
+    from ryusen_server.lambdas import sweep as sweep_lambda
 
     meter.reset()
     token = caller.set("sweep")
@@ -506,7 +513,7 @@ def measure(
         sweep_lambda.handler({"source": "aws.events"}, LambdaContext(60))
     finally:
         caller.reset(token)
-    meter.settle_endpoint_time("dispatch")
+    meter.settle_endpoint_time(())
     return results, meter.reset()
 
 
@@ -520,11 +527,15 @@ def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str
         print_table(kind, scenarios, memory_mb, notes.get(kind, kind))
     sweep_ms = sum(sweep.billed_ms.values())
     sweep_cost = (
-        PRICES["lambda_request"]
-        + sweep_ms / 1000 * memory_mb.get("sweep", 512) / 1024 * PRICES["lambda_gb_s"] * 1_000_000
-        + sum(sweep.rru.values()) * PRICES["rru"]
-        + sum(sweep.log_bytes.values()) / 1024**3 * PRICES["logs_gb"] * 1_000_000
-    ) * MINUTES_PER_MONTH / 1_000_000
+        (
+            PRICES["lambda_request"]
+            + sweep_ms / 1000 * memory_mb.get("sweep", 512) / 1024 * PRICES["lambda_gb_s"] * 1_000_000
+            + sum(sweep.rru.values()) * PRICES["rru"]
+            + sum(sweep.log_bytes.values()) / 1024**3 * PRICES["logs_gb"] * 1_000_000
+        )
+        * MINUTES_PER_MONTH
+        / 1_000_000
+    )
     idle = 5 * 3 * MINUTES_PER_MONTH * PRICES["sqs"] / 1_000_000  # 5 pollers, 20 s long polls (AWS's, not the box's)
     print(
         f"\nPer deployment, not per step: the sweeper (every minute; one pass over a quiet table here took"

@@ -20,7 +20,8 @@ engine's own counters. The units are AWS's own:
   priced.
 * **Lambda**: invocations and billed milliseconds (wall time rounded up to the millisecond) per function.
   When a function waits for the user's endpoint, the endpoint's real time is replaced by its simulated time
-  (``Meter.endpoint_sleeps``, matched by ``Meter.settle_endpoint_time``).
+  (``Meter.endpoint_sleeps``, matched by ``Meter.settle_endpoint_time``). A REST API request is one invocation
+  of the API function.
 * **Logs**: the bytes a function writes to stdout or stderr (Powertools' logs and metrics), plus about 250
   bytes of platform lines per invocation (START, END, REPORT).
 
@@ -32,7 +33,6 @@ counts 3 bytes plus one per element.
 from __future__ import annotations
 
 import base64
-import botocore.exceptions
 import math
 import threading
 import time
@@ -302,7 +302,9 @@ class Meter:
             return None  # the user's, the harness's, or the box playing the Scheduler (looking for due schedules)
         state: dict[str, Any] = {"who": who, "service": service, "operation": operation, "params": dict(params)}
         if service == "dynamodb":
-            state["before"] = [(table, key, self.peek(table, key)) for table, key, _ in self._written(params, operation)]
+            state["before"] = [
+                (table, key, self.peek(table, key)) for table, key, _ in self._written(params, operation)
+            ]
         return state
 
     def _after(self, state: dict[str, Any], parsed: dict[str, Any], *, failed: bool) -> None:
@@ -434,7 +436,9 @@ class Meter:
 
     # ---- Lambda --------------------------------------------------------------------------------------------
 
-    def timed(self, function: str, handler: Callable[..., Any], log_bytes: int = PLATFORM_LOG_BYTES) -> Callable[..., Any]:
+    def timed(
+        self, function: str, handler: Callable[..., Any], log_bytes: int = PLATFORM_LOG_BYTES
+    ) -> Callable[..., Any]:
         """``handler``, metered as one invocation of ``function`` per call."""
 
         def invoke(event: Any, context: Any) -> Any:
@@ -460,14 +464,15 @@ class Meter:
         with self.lock:
             self.endpoint_sleeps.append((started, ended, simulated_s))
 
-    def settle_endpoint_time(self, waiting: str) -> int:
-        """Replace, in the billed time of ``waiting``'s invocations, each endpoint sleep that falls entirely
+    def settle_endpoint_time(self, waiting: Iterable[str]) -> int:
+        """Replace, in the billed time of the invocations of the functions ``waiting``, each endpoint sleep that falls entirely
         within one of them (the function waited for it: an inline answer) by its simulated time. A sleep that
         outlasts the invocation (an acknowledged attempt) is not the function's. Returns how many were replaced."""
         settled = 0
+        waiting = set(waiting)
         with self.lock:
             for started, ended, simulated in self.endpoint_sleeps:
-                holders = [s for s in self.invocation_spans if s[0] == waiting and s[1] <= started and ended <= s[2]]
+                holders = [s for s in self.invocation_spans if s[0] in waiting and s[1] <= started and ended <= s[2]]
                 if not holders:
                     continue
                 assert len(holders) == 1, "an endpoint sleep inside two invocations: run one workflow at a time"
@@ -504,4 +509,14 @@ class LogTap:
 
 
 __all__ = [
-    "LogTap","PRICES", "Index", "Meter", "TableSchema", "Usage", "item_size", "read_units", "value_size", "write_units"]
+    "PRICES",
+    "Index",
+    "LogTap",
+    "Meter",
+    "TableSchema",
+    "Usage",
+    "item_size",
+    "read_units",
+    "value_size",
+    "write_units",
+]
