@@ -345,6 +345,23 @@ def _status(value: Any) -> Text:
     return Text(text, style=_STATUS_STYLE.get(text, ""))
 
 
+def _heartbeat_details(details: Any) -> str:
+    """A heartbeat's details on one line: a progress bar when they carry a fraction (``{"progress": 0.4}``)."""
+    if details is None:
+        return ""
+    progress = details.get("progress") if isinstance(details, dict) else None
+    if isinstance(progress, int | float) and not isinstance(progress, bool) and 0 <= progress <= 1:
+        filled = round(progress * 20)
+        rest = {k: v for k, v in details.items() if k != "progress"}
+        more = f" {_short(json.dumps(rest, default=str))}" if rest else ""
+        return f": [{'#' * filled}{'.' * (20 - filled)}] {progress:.0%}{more}"
+    return f": {_short(json.dumps(details, default=str))}"
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _error_line(error: Any) -> str:
     if not isinstance(error, dict):
         return str(error)
@@ -511,6 +528,8 @@ class _RunRenderer:
                 notes.append(f"stale result ignored ({submission.get('reason', 'stale')})")
             if dropped := attempt.get("stale_submissions_dropped"):
                 notes.append(f"{dropped} more stale result(s) ignored, not recorded")
+            if beat := attempt.get("heartbeat"):  # decision 33: the last heartbeat and what it said
+                notes.append(f"last heartbeat {self.time(beat.get('at'))}{_heartbeat_details(beat.get('details'))}")
             if unknown := attempt.get("unknown"):  # decisions 28: it stays in the history
                 notes.append(f"was unknown from {self.time(unknown.get('at'))}: {unknown.get('reason')}")
             if resolution := attempt.get("resolution"):

@@ -930,3 +930,20 @@ def test_show_keeps_an_unknown_and_a_resolution_in_the_history_and_offers_the_sk
     assert "was unknown from" in text and "injected: response lost" in text
     assert "operator succeed by ryusen.testing" in text and "courier confirmed" in text
     assert f"ryusen rediscover {run_id}" in text and "--skip" in text
+
+
+def test_show_prints_a_running_attempts_last_heartbeat_with_a_progress_bar() -> None:
+    """Decision 33 / issue 25: the details of the last heartbeat on the attempt, a bar where they carry a fraction."""
+    beat = {"at": "2030-01-01T12:05:00+00:00", "details": {"progress": 0.4, "chunk": 12}}
+    other = {"at": "2030-01-01T12:05:01+00:00", "details": "uploading"}
+    view = run_view(
+        steps=[
+            step("encode", "running", "app.py:10", [attempt("forward", 1, "authorized", "01.0", None, heartbeat=beat)]),
+            step(
+                "upload", "running", "app.py:11", [attempt("forward", 1, "authorized", "02.0", None, heartbeat=other)]
+            ),
+        ]
+    )
+    text = rendered(view, width=140)
+    assert "last heartbeat" in text and "[########............] 40%" in text and '{"chunk": 12}' in text
+    assert '"uploading"' in text

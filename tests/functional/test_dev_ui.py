@@ -1,78 +1,51 @@
-"""The development UI in headless Chromium against a real `ryusen dev` stack (skipped without chromium)."""
+"""The dev UI's script (``local/ui.py``): it parses, and an attempt's last heartbeat is shown with a progress bar
+where its details carry a fraction (decision 33, issue 25). Run with Node.js, which README requires."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.stack import DevStack, launch, wait_for
+from ryusen_server.local.ui import UI_HTML
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
-    yield from launch(tmp_path_factory.mktemp("ui"))
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(NODE is None, reason="Node.js is not installed")
 
 
-def rendered(url: str, tmp: Path) -> str:
-    assert CHROMIUM is not None
-    done = subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp / 'profile'}",
-            "--virtual-time-budget=8000",
-            "--dump-dom",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+def script() -> str:
+    return "\n".join(re.findall(r"<script[^>]*>(.*?)</script>", UI_HTML, re.S))
+
+
+def function(name: str) -> str:
+    """The source of the script's function (or arrow function constant) ``name``."""
+    found = re.search(rf"function {name}\(.*?\n}}", script(), re.S) or re.search(
+        rf"const {name} = .*?;\n", script(), re.S
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    assert found, f"no function {name} in the dev UI"
+    return found.group(0)
 
 
-def test_ui_explains_a_compensated_run_and_a_blocked_one(stack: DevStack, tmp_path: Path) -> None:
-    t = uuid.uuid4().hex[:8]
-    failed = stack.wait_finished(stack.start("saga", {"tag": t})["id"])
-    blocked = stack.start("dup", {"tag": t})["id"]
-    wait_for(lambda: stack.run(blocked)["blockers"], what="the duplicate step id blocker")
-
-    page = rendered(f"{stack.url}/#run={failed['id']}", tmp_path)
-    assert "failed, fully compensated" in page
-    assert "Unwind (reverse completion order)" in page
-    unwind = page[page.index("Unwind (reverse completion order)") :]
-    assert unwind.index(">ship<") < unwind.index(">charge<") < unwind.index(">reserve<")  # newest first
-
-    page = rendered(f"{stack.url}/#run={blocked}", tmp_path)
-    assert "duplicate_step_id" in page and "charge amount" in page and "charge fee" in page
-    assert "Forward work is blocked, not failed" in page
-    assert "Rediscover" in page
+def test_the_dev_ui_script_parses(tmp_path: Path) -> None:
+    (tmp_path / "ui.js").write_text(script())
+    assert NODE is not None
+    done = subprocess.run([NODE, "--check", str(tmp_path / "ui.js")], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
 
 
-def test_ui_shows_a_blocked_unwind_with_both_locations_and_its_remedies(stack: DevStack, tmp_path: Path) -> None:
-    t = uuid.uuid4().hex[:8]
-    run_id = stack.start("audited", {"tag": t})["id"]
-    wait_for(lambda: stack.run(run_id)["blockers"], what="the new_step_before_target blocker")
-    page = rendered(f"{stack.url}/#run={run_id}", tmp_path)
-    assert "new_step_before_target" in page
-    assert "new step <code>audit</code> at http_app.py:" in page
-    assert "before target <code>book</code> at http_app.py:" in page
-    assert "the compensator cannot be reached" in page  # the remedy
-    assert "Rediscover" in page and "It succeeded…" in page
+def test_a_heartbeat_shows_a_progress_bar_or_its_details() -> None:
+    program = f"""{function("esc")}
+{function("heartbeat")}
+console.log(JSON.stringify([heartbeat({{progress: 0.4}}), heartbeat("uploading <b>"), heartbeat(null), heartbeat({{progress: 7}})]));
+"""
+    assert NODE is not None
+    done = subprocess.run([NODE, "-e", program], capture_output=True, text=True, check=True)
+    bar, text, nothing, odd = json.loads(done.stdout)
+    assert bar == '<progress max="1" value="0.4"></progress> 40%'
+    assert text == "<code>&quot;uploading &lt;b&gt;&quot;</code>"  # escaped
+    assert nothing == ""
+    assert odd.startswith("<code>") and "progress" in odd  # not a fraction: shown as it is

@@ -69,7 +69,15 @@ function attempts(list){
     authorized ${esc((a.authorized_at||"-").slice(11,23))} settled ${esc((a.settled_at||"-").slice(11,23))}
     · op <code>${esc(a.operation_id)}</code> · release ${esc(a.release_id||"-")}
     ${a.error?`<br>&nbsp;&nbsp;${esc(a.error.type)}: ${esc(a.error.message)}`:""}${a.detail?`<br>&nbsp;&nbsp;${esc(a.detail)}`:""}
-    ${a.stale_submissions.length?`<br>&nbsp;&nbsp;${a.stale_submissions.length} stale submission(s)`:""}</div>`).join("");
+    ${a.stale_submissions.length?`<br>&nbsp;&nbsp;${a.stale_submissions.length} stale submission(s)`:""}
+    ${a.heartbeat?`<br>&nbsp;&nbsp;last heartbeat ${esc((a.heartbeat.at||"-").slice(11,23))} ${heartbeat(a.heartbeat.details)}`:""}</div>`).join("");
+}
+function heartbeat(details){  // decision 33: a progress bar where the details carry a fraction
+  if (details === null || details === undefined) return "";
+  const p = details && typeof details === "object" ? details.progress : undefined;
+  if (typeof p === "number" && p >= 0 && p <= 1)
+    return `<progress max="1" value="${p}"></progress> ${Math.round(p*100)}%`;
+  return `<code>${esc(JSON.stringify(details).slice(0,200))}</code>`;
 }
 const CALLS = {  // how a blocker names the two calls it is about
   duplicate_step_id: [["first", "first at"], ["duplicate", "again at"]],
