@@ -201,3 +201,25 @@ def test_review25_a_task_the_result_function_authorized_has_a_lease_timer() -> N
     assert ship.status.value != "authorized", (
         f"ship is still authorized {env.clock.now - ship.lease_expires_at} past its lease: nothing watches it"
     )
+
+
+# FINDING D: a heartbeat is verified for its signature and its clock skew (300 s) only: nothing records its nonce,
+# so one genuine heartbeat, captured (a proxy's or a Function URL's request log) and replayed, extends the lease of
+# an attempt whose callback is dead for up to 5 minutes past its heartbeat interval, and rolls its details back.
+def test_review25_a_replayed_heartbeat_does_not_extend_the_lease_again() -> None:
+    env, app, run_id = long_step_in_flight(heartbeat_s=10.0)
+    body = (
+        f'{{"kind": "heartbeat", "run_id": "{run_id}", "step_id": "encode", "phase": "forward",'
+        f' "generation": 1, "details": {{"progress": 0.1}}}}'
+    ).encode()
+    headers = signed_heartbeat(env, app.app_id, body)
+    env.engine.submit_heartbeat(body, headers)  # the genuine one
+    [attempt] = attempts(env, run_id, "encode")
+    lease = attempt.lease_expires_at
+    env.advance(timedelta(seconds=12))  # the callback died; its lease (10 s + 3 s grace) is about to end
+    try:
+        env.engine.submit_heartbeat(body, headers)  # the same bytes and signature, again
+    except Exception:  # noqa: BLE001 - a refusal is the right answer
+        pass
+    [attempt] = attempts(env, run_id, "encode")
+    assert attempt.lease_expires_at == lease, "a replayed heartbeat extended the lease of a dead callback"
