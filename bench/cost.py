@@ -18,15 +18,15 @@ takes a duration D, for D = 0.1 s, 1 s, 10 s and 10 minutes. Two kinds of user e
   for the whole callback.
 
 **Simulated time.** A step's cost to Ryusen depends on D in only two ways. The first is which path the
-attempt takes. If the callback ends within ``acknowledge_after_s`` (0.25 s), it is answered inline and the
-dispatcher pays for D. Otherwise it is acknowledged, the dispatcher pays for those 0.25 s, and the outcome
+attempt takes. If the callback ends within ``acknowledge_after_s`` (0.1 s), it is answered inline and the
+dispatcher pays for D. Otherwise it is acknowledged, the dispatcher pays for those 0.1 s, and the outcome
 comes back by the result path. The second is what happens while the callback runs: the lease timer (the
 dispatch message comes back at the step's timeout plus the grace), heartbeats (not used here) and the
 sweeper. So the callback sleeps D itself when D <= ``--real-up-to`` (1 s). A longer D is run on a
 compressed clock: the callback sleeps 1 s. A step declares a timeout 2 s past what it sleeps. That is beyond
 the SDK's late margin (1 s): a callback that ends closer to its timeout posts its outcome a second time. The
 events on the engine's side happen in the same order as at D: the
-``accepted`` answer at 0.25 s, the posted outcome, then the lease's end. Every handler invocation is billed
+``accepted`` answer at 0.1 s, the posted outcome, then the lease's end. Every handler invocation is billed
 its own measured wall time. The one exception is a callback sleep that falls entirely within a dispatch
 invocation, which means the dispatcher waited for it (an inline answer). That sleep is billed at D instead of
 the time actually slept. The bench checks this: on the ``http`` endpoint every compressed attempt must have
@@ -519,7 +519,7 @@ def measure(
 
 def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str, int], steps: int) -> None:
     notes = {
-        "http": "the app served over HTTP (WSGI, threaded): it acknowledges attempts past 0.25 s",
+        "http": "the app served over HTTP (WSGI, threaded): it acknowledges attempts past 0.1 s",
         "lambda": "the app as a Lambda behind a Function URL: it answers inline, the dispatcher waits",
     }
     print(f"Ryusen cost per million steps: {steps}-step runs, us-east-1 prices, {datetime.now(UTC):%Y-%m-%d}")

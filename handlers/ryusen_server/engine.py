@@ -287,6 +287,8 @@ RELEASE_RECHECK_S = 1.0
 ACKNOWLEDGE_AFTER_S = 0.1
 """The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
 RESULT_CARRY_ON_S = 10.0
+LEASE_TIMER_SLACK_S = 5.0
+"""How long after the result function's carrying on should have ended its lease-timer message comes back."""
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
 
@@ -1272,13 +1274,15 @@ class Engine:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         return decision
 
-    def submit_result(self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None) -> Decision:
+    def submit_result(
+        self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None, path: str | None = None
+    ) -> Decision:
         """An attempt's outcome posted to the result function (an acknowledged attempt's, or a late one): verified
         and fenced as a late result, and, in the same write, the run's next task authorized with the newest
         release; that task is then invoked here, as a dispatcher chains, for at most ``RESULT_CARRY_ON_S``
         (``budget_s``: what the invocation has left). A store that refuses the write raises
         :class:`StoreUnavailableError`: the SDK holds the outcome and posts it again."""
-        late, state = self._verified_late_result(body, headers)
+        late, state = self._verified_late_result(body, headers, path=path)
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         carry_until = time.monotonic() + RESULT_CARRY_ON_S
         if deadline is not None:
@@ -1300,14 +1304,25 @@ class Engine:
         decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
-        # no message holds a lease here: a task authorized now is watched by the run's lease-timer message if one
-        # is out, and by the sweeper in any case (docs/design/dispatch.md)
+        # No message was received here to hold the lease of a task authorized now: one is sent before the task is
+        # invoked, as the run's lease timer (docs/design/dispatch.md). It comes back when that task's lease ends or
+        # when this carrying on is over, whichever is first, and from then on follows the lease of whatever the
+        # run has in flight (reemit_stalled): a task this function authorized and never invoked (it died), or one
+        # that goes silent, is Unknown within a few seconds of its lease's end.
+        if (invoke := next((c for c in decision.commands if isinstance(c, InvokeTask)), None)) is not None:
+            lease_at = _window(decision.state, invoke.task, self.settings.engine).lease_at
+            wait_s = max(1.0, (lease_at - self.clock()).total_seconds())
+            wait_s = min(wait_s, RESULT_CARRY_ON_S + LEASE_TIMER_SLACK_S)
+            self.queue.send(invoke.task, wait_s, app_id=decision.state.app_id)
         self._carry_on(decision, release, deadline, None, chain_until=carry_until)
         return decision
 
-    def _verified_late_result(self, body: bytes, headers: dict[str, str]) -> tuple[LateResult, RunState | None]:
+    def _verified_late_result(
+        self, body: bytes, headers: dict[str, str], *, path: str | None = None
+    ) -> tuple[LateResult, RunState | None]:
         """A posted outcome, checked: its size, its signature (the app of its run, its scope, the keys read
-        afresh), its values. The run as read for the check (None on an unkeyed server).
+        afresh), its values. The run as read for the check (None on an unkeyed server). ``path``: the path it was
+        posted to, which its signature covers (by default the result URL's).
 
         Before the body is parsed, its size is checked (at most ``MAX_LATE_RESULT_BYTES``) and, on a keyed
         server, its signature header's form. Every refusal of the signature, whether the run exists or not,
@@ -1343,7 +1358,7 @@ class Engine:
             if signature.key_id not in {key_id(key) for key in keys}:
                 raise _late_result_refused()  # no such run, or a key this server does not hold for its app
             assert state is not None
-            path = url_path(self.settings.result_url or "/v1/results")
+            path = path or url_path(self.settings.result_url or "/v1/results")
             scope = late_result_scope(late, path=path, app_id=state.app_id)
             try:
                 verify(keys, scope, body, header, now=time.time())
@@ -1354,7 +1369,7 @@ class Engine:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         return late, state
 
-    def submit_heartbeat(self, body: bytes, headers: dict[str, str]) -> HeartbeatReply:
+    def submit_heartbeat(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> HeartbeatReply:
         """A running callback's heartbeat (decision 33), checked as a late result is (its size first, then its
         signature, with the same answer for every refusal), for the attempt in flight. Its reply says whether
         the run is stopping, so that the callback can finish or clean up."""
@@ -1382,7 +1397,8 @@ class Engine:
             if signature.key_id not in {key_id(key) for key in keys}:
                 raise _late_result_refused()
             assert state is not None
-            scope = heartbeat_scope(beat, path=url_path(self.settings.result_url or "/v1/results"), app_id=state.app_id)
+            path = path or url_path(self.settings.result_url or "/v1/results")
+            scope = heartbeat_scope(beat, path=path, app_id=state.app_id)
             try:
                 verify(keys, scope, body, header, now=time.time())
                 verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
@@ -1390,7 +1406,7 @@ class Engine:
                 raise _late_result_refused() from None
         if state is None:
             raise NotFoundError(f"no run {beat.run_id!r}", run_id=beat.run_id)
-        if (problem := _values_problem(beat.details)) is not None or len(
+        if (problem := json_value_problem(beat.details)) is not None or len(
             json.dumps(beat.details, separators=(",", ":"))
         ) > MAX_HEARTBEAT_DETAILS_BYTES:
             raise InvalidRequestError(
@@ -1399,7 +1415,7 @@ class Engine:
                 code="invalid_value",
             )
         event = HeartbeatReported(
-            step_id=beat.step_id, phase=beat.phase, generation=beat.generation, details=beat.details
+            step_id=beat.step_id, phase=beat.phase, generation=beat.generation, details=beat.details, seq=beat.seq
         )
         decision = self.apply(beat.run_id, event, known=state)
         step = decision.state.step(beat.step_id)

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ryusen._internal.app import DiscoveryDivergence, HandlerResponse, Ryusen, ServeOptions
+from ryusen._internal.app import DiscoveryDivergence, HandlerResponse, Ryusen, ServeOptions, features
 from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign, url_path
 from ryusen._internal.wire import (
-    SDK_FEATURES,
     Heartbeat,
     HeartbeatReply,
     LateResult,
@@ -350,7 +349,7 @@ class WorkflowEnvironment:
         manifest = app.manifest()
         if release_id is not None:
             manifest = Manifest.model_validate({**manifest.model_dump(), "release_id": release_id})
-        self.engine.sync_release(app.app_id, url, manifest, frozenset(SDK_FEATURES))
+        self.engine.sync_release(app.app_id, url, manifest, frozenset(features(self._options)))
 
     def endpoint(self, app: Ryusen) -> Callable[[str, dict[str, str], bytes], HandlerResponse]:
         """``app``'s handler as its endpoint would run it, with this environment's options: with its own keys, or

@@ -3,7 +3,7 @@ finding it demonstrates and fails against the reviewed commit."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -70,7 +70,11 @@ def test_review25_a_lambda_endpoint_keeps_the_late_result_grace(monkeypatch: pyt
     # the endpoint, still running the callback, submits the outcome itself when it ends
     env.faults.crash_before_invoke("charge")
     run_id = env.start("pay")
-    env.drive(until=lambda: bool(attempts(env, run_id, "charge")) and attempts(env, run_id, "charge")[0].status.value == "authorized")
+    env.drive(
+        until=lambda: (
+            bool(attempts(env, run_id, "charge")) and attempts(env, run_id, "charge")[0].status.value == "authorized"
+        )
+    )
     [first] = attempts(env, run_id, "charge")
     assert first.respond_by is not None
     late_at = first.respond_by + timedelta(seconds=10)  # well within lease_grace_s (60 s)
@@ -153,7 +157,9 @@ def shop(ships: list[int]) -> Ryusen:
     def order(o: Any, step: Step) -> Any:
         charge = step.run("charge", lambda: {"charge_id": "ch_1"}, timeout=timedelta(seconds=30))
         ship = step.run(
-            "ship", lambda: ships.append(1) or {"tracking": "t1"}, timeout=timedelta(hours=1),
+            "ship",
+            lambda: ships.append(1) or {"tracking": "t1"},
+            timeout=timedelta(hours=1),
             heartbeat=timedelta(seconds=10),
         )
         return {"charge": charge, "ship": ship}
@@ -182,7 +188,10 @@ def test_review25_a_task_the_result_function_authorized_has_a_lease_timer() -> N
     # the endpoint's post of charge's outcome reaches the result function, which records it, authorizes ship in the
     # same write, and dies invoking it (a crash, its 60 s limit, a throttled write of the answer...)
     late = LateResult(
-        run_id=run_id, step_id="charge", phase=Phase.FORWARD, generation=1,
+        run_id=run_id,
+        step_id="charge",
+        phase=Phase.FORWARD,
+        generation=1,
         attempt=CallbackSucceeded(result={"charge_id": "ch_1"}),
     )
     env.faults.crash_before_invoke("ship")
@@ -217,9 +226,7 @@ def test_review25_a_replayed_heartbeat_does_not_extend_the_lease_again() -> None
     [attempt] = attempts(env, run_id, "encode")
     lease = attempt.lease_expires_at
     env.advance(timedelta(seconds=12))  # the callback died; its lease (10 s + 3 s grace) is about to end
-    try:
+    with contextlib.suppress(Exception):  # a refusal is the right answer
         env.engine.submit_heartbeat(body, headers)  # the same bytes and signature, again
-    except Exception:  # noqa: BLE001 - a refusal is the right answer
-        pass
     [attempt] = attempts(env, run_id, "encode")
     assert attempt.lease_expires_at == lease, "a replayed heartbeat extended the lease of a dead callback"

@@ -23,11 +23,13 @@ class FakeEngine:
         self.posted: list[tuple[str, bytes, float | None]] = []
         self.refuse: Exception | None = None
 
-    def submit_heartbeat(self, body: bytes, headers: dict[str, str]) -> HeartbeatReply:
+    def submit_heartbeat(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> HeartbeatReply:
         self.posted.append(("heartbeat", body, None))
         return HeartbeatReply(current=True, stop_requested="cancel")
 
-    def submit_result(self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None) -> Any:
+    def submit_result(
+        self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None, path: str | None = None
+    ) -> Any:
         if self.refuse is not None:
             raise self.refuse
         self.posted.append(("result", body, budget_s))

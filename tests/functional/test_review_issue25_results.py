@@ -4,7 +4,6 @@ Each test names its finding and fails against the reviewed commit."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from types import SimpleNamespace
@@ -23,11 +22,13 @@ class FakeEngine:
         self.settings = ServerSettings()
         self.posted: list[bytes] = []
 
-    def submit_heartbeat(self, body: bytes, headers: dict[str, str]) -> HeartbeatReply:
+    def submit_heartbeat(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> HeartbeatReply:
         self.posted.append(body)
         return HeartbeatReply(current=True)
 
-    def submit_result(self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None) -> Any:
+    def submit_result(
+        self, body: bytes, headers: dict[str, str], *, budget_s: float | None = None, path: str | None = None
+    ) -> Any:
         self.posted.append(body)
         return SimpleNamespace(note=None)
 

@@ -1318,12 +1318,15 @@ class _Transition:
         current = self.s.steps[found].current(event.phase) if found is not None else None
         if current is None or current.generation != event.generation or current.status is not AttemptStatus.AUTHORIZED:
             return self.ignore(f"heartbeat of {event.step_id} #{event.generation}, which is not in flight")
+        if event.seq and event.seq <= current.heartbeat_seq:
+            return self.ignore(f"heartbeat #{event.seq} of {event.step_id} was taken already (or a later one)")
         step = self.step(event.step_id)
         assert step is not None
         attempt = step.current(event.phase)
         assert attempt is not None and attempt.lease_expires_at is not None and attempt.respond_by is not None
         attempt.heartbeat_at = self.now
         attempt.heartbeat_details = event.details
+        attempt.heartbeat_seq = max(attempt.heartbeat_seq, event.seq)
         if step.heartbeat_s is not None:
             grace = timedelta(seconds=attempt.lease_grace_s or 0.0)
             until = min(attempt.respond_by, self.now + timedelta(seconds=step.heartbeat_s)) + grace

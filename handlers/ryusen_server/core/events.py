@@ -201,6 +201,8 @@ class HeartbeatReported:
     phase: Phase
     generation: int
     details: Any = None
+    seq: int = 0
+    """The heartbeat's number for its attempt (``Heartbeat.seq``): one not above the last taken is ignored."""
 
 
 Event = (

@@ -187,7 +187,8 @@ class Attempt(_State):
     """How long past its response window (or past a heartbeat's interval) the lease ran, as authorized."""
     heartbeat_at: datetime | None = None
     heartbeat_details: Any = None
-    """The last heartbeat (decision 33): when, and the details it carried."""
+    heartbeat_seq: int = 0
+    """The last heartbeat (decision 33): when, the details it carried, and its number (``Heartbeat.seq``)."""
     unknown_at: datetime | None = None
     unknown_reason: str | None = None
     """When and why the attempt's outcome became Unknown: kept after a late result or an operator settles it

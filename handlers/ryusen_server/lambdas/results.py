@@ -10,14 +10,16 @@ An outcome is recorded with the run's next task authorized in the same write, an
 (``Engine.submit_result``), so that a run of long steps needs no queue message per step.
 
 The result URL handed to SDKs is this function's own URL. A function's environment cannot name its own URL
-(the template would be circular), so it is read from the first request's ``requestContext.domainName``
-unless ``RYUSEN_RESULT_URL`` is set.
+(the template would be circular), so unless ``RYUSEN_RESULT_URL`` is set it is read from the
+``requestContext.domainName`` of the first request that verified, and only in the form of a Function URL's
+domain.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -42,14 +44,25 @@ refuses the old key here within this time (the API's route reads the secret for 
 post per long step does not cost two Secrets Manager reads ($10 per million steps, bench/cost.py)."""
 
 
-def engine(domain: str | None) -> AwsEngine:
+FUNCTION_URL_DOMAIN = re.compile(r"[a-z0-9]{1,64}\.lambda-url\.[a-z0-9-]{1,32}\.on\.aws")
+"""What a Lambda Function URL's domain looks like (``<url-id>.lambda-url.<region>.on.aws``)."""
+
+
+def engine() -> AwsEngine:
     global _engine
     if _engine is None:
         _engine = aws_engine(AwsResources.from_env(), deployed=True, fresh_keys_recheck_s=FRESH_KEYS_RECHECK_S)
-    if _engine.engine.settings.result_url is None and domain:
-        settings = replace(_engine.engine.settings, result_url=f"https://{domain}/")
-        _engine.engine.settings = settings
     return _engine
+
+
+def _learn_own_url(wired: AwsEngine, domain: Any) -> None:
+    """Take this function's URL, to hand SDKs, from a request that verified (never from one that did not), and only
+    in the form of a Function URL's domain; until then the tasks it sends carry no result URL (they are waited
+    for, not acknowledged)."""
+    if wired.engine.settings.result_url is not None or not isinstance(domain, str):
+        return
+    if FUNCTION_URL_DOMAIN.fullmatch(domain):
+        wired.engine.settings = replace(wired.engine.settings, result_url=f"https://{domain}/")
 
 
 def _answer(status: int, body: Any) -> dict[str, Any]:
@@ -60,6 +73,7 @@ def _answer(status: int, body: Any) -> dict[str, Any]:
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     http = (event.get("requestContext") or {}).get("http") or {}
+    path = str(http.get("path") or "/")  # what the SDK's signature covers: the path it posted to
     if http.get("method") != "POST":
         return _answer(405, {"error": {"code": "method_not_allowed", "message": "POST an outcome or a heartbeat"}})
     raw = event.get("body") or ""
@@ -70,13 +84,17 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     except ValueError:
         return _answer(400, {"error": {"code": "malformed_body", "message": "the body is not valid base64"}})
     headers = {str(k): str(v) for k, v in (event.get("headers") or {}).items()}
-    wired = engine((event.get("requestContext") or {}).get("domainName"))
+    wired = engine()
+    domain = (event.get("requestContext") or {}).get("domainName")
     try:
         if is_heartbeat(body):
             metrics.add_metric(name="Heartbeats", unit=MetricUnit.Count, value=1)
-            return _answer(200, wired.engine.submit_heartbeat(body, headers).model_dump(mode="json"))
+            reply = wired.engine.submit_heartbeat(body, headers, path=path)
+            _learn_own_url(wired, domain)
+            return _answer(200, reply.model_dump(mode="json"))
         budget_s = max(0.0, context.get_remaining_time_in_millis() / 1000 - RESERVE_S)
-        decision = wired.engine.submit_result(body, headers, budget_s=budget_s)
+        decision = wired.engine.submit_result(body, headers, budget_s=budget_s, path=path)
+        _learn_own_url(wired, domain)
     except ServerError as exc:
         if exc.status >= 500:
             logger.warning("could not take a posted outcome", extra={"code": exc.code, "error": exc.message})

@@ -598,7 +598,7 @@ class Ryusen:
         own with the key its environment derives for it, or in-process and ``insecure``, unsigned), and with
         ``options`` (its environment's)."""
         arrived, wall = time.monotonic(), self.clock()
-        admitted = self._admit(method, headers, body, path, keys, insecure=insecure)
+        admitted = self._admit(method, headers, body, path, keys, insecure=insecure, options=options)
         if isinstance(admitted, HandlerResponse):
             return admitted
         sent, answering = admitted
@@ -795,7 +795,15 @@ class Ryusen:
         return self._reply(200, encode_response(response), answering)
 
     def _admit(
-        self, method: str, headers: dict[str, str], body: bytes, path: str, keys: list[str], *, insecure: bool = False
+        self,
+        method: str,
+        headers: dict[str, str],
+        body: bytes,
+        path: str,
+        keys: list[str],
+        *,
+        insecure: bool = False,
+        options: ServeOptions | None = None,
     ) -> tuple[TaskRequest, _Answering | None] | HandlerResponse:
         """The task request to run and what its answer is signed with, or the answer that refuses it (before
         any user code): a GET (the manifest), another method, an oversized body, no key outside insecure local
@@ -804,7 +812,8 @@ class Ryusen:
         if method == "GET":
             lowered = {k.lower(): v for k, v in headers.items()}
             held = choose_key(keys, parse_key_ids(lowered.get(KEY_IDS_HEADER.lower())))  # mid-rotation: the server's
-            return self._manifest_reply(path, [held] if held else keys, insecure, lowered.get(CHALLENGE_HEADER.lower()))
+            challenge = lowered.get(CHALLENGE_HEADER.lower())
+            return self._manifest_reply(path, [held] if held else keys, insecure, challenge, features(options))
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
@@ -861,12 +870,14 @@ class Ryusen:
             return self._error(400, "invalid_task_request", str(exc.errors(include_url=False)[:3]), answering)
         return sent, answering
 
-    def _manifest_reply(self, path: str, keys: list[str], insecure: bool, challenge: str | None) -> HandlerResponse:
+    def _manifest_reply(
+        self, path: str, keys: list[str], insecure: bool, challenge: str | None, announced: tuple[str, ...]
+    ) -> HandlerResponse:
         """The manifest, signed (with the features it announces) as this app's answer to a GET at ``path``, with
         the server's ``challenge`` as the nonce (so that it holds for that fetch only)."""
         manifest = self.manifest().model_copy(update={"signed": bool(keys)})
         body = manifest.model_dump_json().encode()
-        features = ",".join(SDK_FEATURES)
+        features = ",".join(announced)
         headers = {"content-type": "application/json", FEATURES_HEADER: features}
         if keys:
             scope = Scope("response", "GET", path, self.app_id, extra=features)
@@ -1086,6 +1097,15 @@ def _previous_key_window_s() -> float:
     except ValueError:
         log.warning("%s=%r is not a number of seconds; using %g", PREVIOUS_KEY_WINDOW_ENV, raw, PREVIOUS_KEY_WINDOW_S)
         return PREVIOUS_KEY_WINDOW_S
+
+
+def features(options: ServeOptions | None) -> tuple[str, ...]:
+    """The features this SDK announces where it is served so: all of them, except ``acknowledge`` on Lambda,
+    which freezes the process once the handler returns, so an attempt there is always answered inline (the
+    server then keeps the late-result grace of an attempt it waits for)."""
+    if _on_lambda(options):
+        return tuple(f for f in SDK_FEATURES if f != "acknowledge")
+    return SDK_FEATURES
 
 
 def _on_lambda(options: ServeOptions | None) -> bool:

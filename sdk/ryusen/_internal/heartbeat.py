@@ -10,7 +10,9 @@ that declares none) post nothing, so a tight loop may call it freely. Outside a 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import json
 import logging
 import threading
 import time
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import RyusenError
-from .wire import MAX_HEARTBEAT_DETAILS_BYTES, Heartbeat, HeartbeatReply, Phase
+from .wire import MAX_HEARTBEAT_DETAILS_BYTES, Heartbeat, HeartbeatReply, Phase, json_value_problem
 
 log = logging.getLogger("ryusen")
 
@@ -52,6 +54,7 @@ class HeartbeatSink:
     throttled: bool = True
     """False: every heartbeat is posted (``ryusen.testing``, whose virtual clock does not move on its own)."""
     _last_sent: float | None = None
+    _seq: int = 0
     _stop: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -61,11 +64,11 @@ class HeartbeatSink:
             self.interval_s = heartbeat_s / 4
 
     def beat(self, details: Any) -> None:
-        beat = Heartbeat(
-            run_id=self.run_id, step_id=self.step_id, phase=self.phase, generation=self.generation, details=details
-        )
-        size = len(beat.model_dump_json(include={"details"}))  # also refuses what JSON cannot hold
-        if size > MAX_HEARTBEAT_DETAILS_BYTES + len('{"details":}'):
+        problem = json_value_problem(details)
+        if problem is not None:
+            raise ValueError(f"heartbeat details must be JSON: the value {problem}")
+        size = len(json.dumps(details, separators=(",", ":"), allow_nan=False))
+        if size > MAX_HEARTBEAT_DETAILS_BYTES:
             raise ValueError(
                 f"heartbeat details are {size} bytes serialized; the limit is {MAX_HEARTBEAT_DETAILS_BYTES}"
             )
@@ -76,11 +79,39 @@ class HeartbeatSink:
             if self.throttled and self._last_sent is not None and now - self._last_sent < self.interval_s:
                 return
             self._last_sent = now
+            self._seq += 1
+            beat = Heartbeat(
+                run_id=self.run_id,
+                step_id=self.step_id,
+                phase=self.phase,
+                generation=self.generation,
+                seq=self._seq,
+                details=details,
+            )
+        if _on_event_loop():
+            # an async callback: the post must not hold the loop (other requests' attempts run on it); a stop it
+            # brings back is raised by the next heartbeat
+            threading.Thread(target=self._post, args=(beat,), daemon=True).start()
+            return
+        self._post(beat)
+        with self._lock:
+            if self._stop is not None:
+                raise StopRequested(self._stop)
+
+    def _post(self, beat: Heartbeat) -> None:
         reply = self.post(beat)
         if reply is not None and reply.stop_requested is not None:
             with self._lock:
                 self._stop = reply.stop_requested
-            raise StopRequested(reply.stop_requested)
+
+
+def _on_event_loop() -> bool:
+    """Called from a coroutine (an ``async def`` callback), on its event loop's thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 SINK: contextvars.ContextVar[HeartbeatSink | None] = contextvars.ContextVar("ryusen_heartbeat", default=None)

@@ -897,9 +897,8 @@ class Step:
             return value  # type: ignore[no-any-return]
         if action == "park":  # pragma: no cover - only an asyncio task can park
             raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
-        _declare_heartbeat(heartbeat)
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
-        return replay.run_callback(step_id, call)  # type: ignore[no-any-return]
+        return replay.run_callback(step_id, _declaring(heartbeat, call))  # type: ignore[no-any-return]
 
 
 class AsyncStep:
@@ -940,9 +939,8 @@ class AsyncStep:
                 return value  # type: ignore[no-any-return]
             if action == "park":
                 await replay.park()
-            _declare_heartbeat(heartbeat)
             compensating = replay.kind is TaskKind.COMPENSATE
-            call = value if compensating else (lambda: value(*args, **kwargs))
+            call = _declaring(heartbeat, value if compensating else (lambda: value(*args, **kwargs)))
             if not _is_async(compensate if compensating else fn):
                 call = _off_the_loop(call)  # a plain callback must not hold the event loop (other requests')
             await replay.run_callback_async(call)
@@ -950,11 +948,19 @@ class AsyncStep:
         return run()
 
 
-def _declare_heartbeat(heartbeat: timedelta | None) -> None:
-    """The callback about to run declared ``heartbeat``: its heartbeats are posted at most a quarter of that apart."""
-    sink = SINK.get()
-    if sink is not None and isinstance(heartbeat, timedelta) and heartbeat.total_seconds() > 0:
-        sink.declared(heartbeat.total_seconds())
+def _declaring(heartbeat: timedelta | None, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call``, telling the heartbeat sink of the context it runs in (the attempt's request's, also in a kept pass)
+    that the step declared ``heartbeat``: its heartbeats are posted at most a quarter of that apart."""
+    if not isinstance(heartbeat, timedelta) or heartbeat.total_seconds() <= 0:
+        return call
+
+    def declared() -> Any:
+        sink = SINK.get()
+        if sink is not None:
+            sink.declared(heartbeat.total_seconds())
+        return call()
+
+    return declared
 
 
 def _is_async(fn: Any) -> bool:
