@@ -75,6 +75,7 @@ class Checker:
         self.seen: dict[Key, tuple[AttemptStatus, object, str, object]] = {}
         """Each attempt as the last write showed it: status, heartbeat time, its details, lease."""
         self.ack_settled: set[Key] = set()
+        self.stopped_early: set[Key] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -187,6 +188,8 @@ class Checker:
                 if not any(a.status in (AttemptStatus.SUCCEEDED, AttemptStatus.FENCED) for a in undo):
                     self.fail(f"{run}: {step.id}'s compensation was skipped without asking the endpoint")
             elif status is CompensationStatus.COMPENSATED:
+                if isinstance(step.result, dict) and "stopped" in step.result:
+                    self.sim.cases["a callback that returned early on a stop: compensated in the unwind"] += 1
                 ran = self.sim.executions[(run, step.id, "compensation")] > 0
                 declared = any(
                     (run, step.id, "compensation", a.generation, "succeed") in self.sim.resolved for a in undo
@@ -258,9 +261,19 @@ class Checker:
             self.fail(f"{what} was {before[0].value}, and its heartbeat or lease changed: {before[1:]} -> {shown[1:]}")
         if key in self.sim.accepted_by_endpoint and a.status in SETTLED and key not in self.ack_settled:
             self.ack_settled.add(key)
-            self._acknowledged_settled(what, a, key)
+            self._acknowledged_settled(what, a, key, before[0] if before is not None else None)
+        if (
+            a.phase is Phase.FORWARD
+            and a.status is AttemptStatus.SUCCEEDED
+            and step.status is StepStatus.COMPLETED
+            and isinstance(step.result, dict)
+            and "stopped" in step.result
+            and key not in self.stopped_early
+        ):
+            self.stopped_early.add(key)
+            self.sim.cases["a callback that returned early on a stop: its success accepted"] += 1
 
-    def _acknowledged_settled(self, what: str, a: Attempt, key: Key) -> None:
+    def _acknowledged_settled(self, what: str, a: Attempt, key: Key, before: AttemptStatus | None) -> None:
         """An attempt its endpoint answered ``accepted`` is settled by its posted outcome, an operator, or a retry
         of its Unknown the step consented to (``on_unknown="retry"``): by nothing else."""
         if a.resolution is not None:
@@ -275,6 +288,8 @@ class Checker:
             self.fail(f"{what}: its posted outcome was {posting[1]}, and it is recorded {a.status.value}")
         else:
             self.sim.cases[f"acknowledged attempt settled by its posted outcome ({a.status.value})"] += 1
+            if before is AttemptStatus.UNKNOWN:
+                self.sim.cases["acknowledged attempt Unknown by its lease, then settled by its posted outcome"] += 1
 
     def heartbeat_replied(self, beat: Heartbeat, reply: HeartbeatReply) -> None:
         """Right after the engine answered a heartbeat (nothing else has run since its write)."""

@@ -226,6 +226,8 @@ class Actor:
         """It works (virtual time) until then: the scheduler does not move it before."""
         self.handback: threading.Semaphore | None = None
         """Who gets the baton when it next parks or ends, if not the scheduler (the actor that forked it)."""
+        self.job: Job | None = None
+        """The attempt it runs, if it is an endpoint's thread."""
         self.posting: tuple[Key, str] | None = None
         """The acknowledged attempt whose outcome (its type) this actor is posting to the result endpoint."""
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -327,7 +329,10 @@ class Report:
 
 
 class Simulation:
-    def __init__(self, seed: int, profile: Profile | None = None) -> None:
+    def __init__(self, seed: int, profile: Profile | None = None, *, new_dispatch: bool = True) -> None:
+        """``new_dispatch``: False runs the seed as it ran before the new dispatch path (issue 25, decision 33): no
+        release acknowledges, no step heartbeats, none of its faults (a seed that found a bug before it replays
+        as it did then)."""
         self.seed = seed
         self.rng = random.Random(seed)
         self.profile = profile or Profile.draw(self.rng)
@@ -349,8 +354,9 @@ class Simulation:
         self.xrng = random.Random(f"dispatch-{seed}")
         """The new dispatch path's own draws (issue 25, decision 33), apart from ``rng``: a seed whose releases do
         not acknowledge and whose steps do not heartbeat replays as it did before them."""
-        self.acknowledging = self.xrng.random() < ACKNOWLEDGING
-        if not self.profile.is_clean:
+        self.new_dispatch = new_dispatch
+        self.acknowledging = self.xrng.random() < ACKNOWLEDGING and new_dispatch
+        if not self.profile.is_clean and new_dispatch:
             extra = frozenset(k for k in sorted(DISPATCH_FAULTS) if self.xrng.random() < 0.6)
             self.profile = replace(self.profile, kinds=self.profile.kinds | extra)
         self.accepted_by_endpoint: set[Key] = set()
@@ -403,7 +409,8 @@ class Simulation:
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.hooks.append(self._observe_answers)
-        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=self.xrng)
+        long_steps = self.xrng if new_dispatch else None
+        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=long_steps)
         self.specs = [self.spec]
         self.releases = 0
         self.run_ids: list[str] = []
@@ -437,6 +444,8 @@ class Simulation:
         holder = actor.name if actor is not None else "setup"
         if kind == "decided":
             event, decision = payload
+            if isinstance(event, AttemptReported) and event.source == "late_submission" and event.next is not None:
+                self._next_used(actor, decision.state, event)
             key = _answer_key(decision.state.id, event)
             if key is not None:
                 for held in self.answers.values():
@@ -478,6 +487,21 @@ class Simulation:
         else:
             self.note(f"{holder}: an answer could be neither recorded nor deferred: {payload[2]}")
             self.cases["answer dropped (store and queue both failed)"] += 1
+
+    def _next_used(self, actor: Actor | None, state: RunState, event: AttemptReported) -> None:
+        """A posted outcome's ``next`` was used: it was found by the build that ran the attempt."""
+        step = state.step(event.step_id)
+        attempt = step.attempt(event.phase, event.generation) if step is not None else None
+        newest = self.store.inner.get_release(workload.FUNCTION_ID)
+        held = actor.posting if actor is not None else None
+        if held is None or held[0] != (state.id, event.step_id, event.phase.value, event.generation):
+            self.violation(f"{state.id}: {event.step_id} #{event.generation}: a next was used that no post carried")
+        elif attempt is None or newest is None:
+            return
+        elif attempt.build_id != newest.build_id:
+            self.cases["acknowledged outcome's next used, though a newer release was synced (release cache)"] += 1
+        else:
+            self.cases["acknowledged outcome's next used"] += 1
 
     def _answers_kept(self) -> None:
         for holder, keys in self.answers.items():
@@ -523,12 +547,13 @@ class Simulation:
         self.note(f"{name}: begins")
         self._run(actor)
 
-    def fork(self, name: str, body: Callable[[], None]) -> None:
+    def fork(self, name: str, body: Callable[[], None], job: Job | None = None) -> None:
         """From an actor: start another one now (the endpoint starts a thread for an attempt as its request
         arrives), run it until its first boundary or its end, then go on. The scheduler moves it from there."""
         parent = self._by_thread.get(threading.get_ident())
         assert parent is not None, "fork is called by an actor"
         actor = Actor(self, name, body, endpoint=True)
+        actor.job = job
         back = threading.Semaphore(0)
         actor.handback = back
         self.actors.append(actor)
@@ -594,7 +619,9 @@ class Simulation:
         apps = [workload.build_app(spec, self, master_key=self.master, seen=self.seen) for _ in range(2)]
         self.invoker.endpoints[url] = apps
         self.spec_at[url] = spec
-        if spec.release and self.xrng.random() < 0.2:  # a release served another way (on Lambda: inline), or back
+        if (
+            spec.release and self.new_dispatch and self.xrng.random() < 0.2
+        ):  # a release served another way (on Lambda: inline), or back
             self.acknowledging = not self.acknowledging
         features = frozenset(f for f in SDK_FEATURES if f != "acknowledge" or self.acknowledging)
         return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), features)
@@ -668,6 +695,8 @@ class Simulation:
                 choices.append((1.0, "sweep", None))
             if self.chaos and self.profile.operators:
                 choices.append((0.2, "operator", None))
+                if self._long_steps_running():  # so that a stop reaches a callback through its heartbeat now and then
+                    choices.append((0.3, "operator cancels a run whose long step runs", None))
             if self.chaos and self.profile.releases and self.releases < 3:
                 # more often while an acknowledged outcome carrying ``next`` is on its way (is it still trusted?)
                 nexts = any(h.acknowledged is not None and h.acknowledged.next is not None for h in self.held)
@@ -715,6 +744,10 @@ class Simulation:
             self.spawn("sweeper", lambda: self._sweep(engine))
         elif what == "operator":
             self._operator()
+        elif what == "operator cancels a run whose long step runs":
+            run_id = self.rng.choice(self._long_steps_running())
+            engine = self.rng.choice(self.engines)
+            self.spawn(f"operator: cancel {run_id}", lambda: _refused_ok(lambda: engine.cancel(run_id)))
         elif what == "release":
             self._release()
         elif what == "store outage":
@@ -778,6 +811,19 @@ class Simulation:
         if self.chaos and "fired_twice" in self.profile.kinds and self.rng.random() < self.profile.rate:
             self.faults["fired_twice"] += 1
             self.queue.put(TimerMessage(timer=timer), self.rng.uniform(0, 30))
+
+    def _long_steps_running(self) -> list[str]:
+        """Runs (not yet stopping) whose forward attempt of a step that heartbeats runs on an endpoint thread."""
+        runs = []
+        for actor in self.actors:
+            job = actor.job
+            if job is None or job.request.operation is None or job.request.operation.phase is not Phase.FORWARD:
+                continue
+            step = job.spec.step_spec(job.request.step_id or "")
+            state = self.store.peek(job.request.run_id)
+            if step is not None and step.beats and state is not None and state.stop_intent is None:
+                runs.append(job.request.run_id)
+        return sorted(set(runs))
 
     def _endpoint_busy(self) -> bool:
         """An acknowledged attempt's callback still runs, or its outcome is on its way."""
@@ -1518,7 +1564,7 @@ class SimInvoker:
         op = request.operation
         assert op is not None
         name = f"endpoint r{spec.release} [{request.run_id} {request.step_id} {op.phase.value} #{op.generation}]"
-        sim.fork(name, lambda: self._work(app, job, sent, window))
+        sim.fork(name, lambda: self._work(app, job, sent, window), job)
         if job.finished:  # within acknowledge_after_s: answered as any request is
             outcome = job.outcome
             if isinstance(outcome, CallbackInterruptedError):
