@@ -76,6 +76,7 @@ class Checker:
         """Each attempt as the last write showed it: status, heartbeat time, its details, lease."""
         self.ack_settled: set[Key] = set()
         self.stopped_early: set[Key] = set()
+        self.unknown_seen: set[Key] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -250,6 +251,10 @@ class Checker:
             and a.unknown_at < lease
         ):
             self.fail(f"{what} went Unknown at {a.unknown_at} by its lease, which runs to {lease}")
+        if a.status is AttemptStatus.UNKNOWN and key not in self.unknown_seen:
+            self.unknown_seen.add(key)
+            if "no heartbeat within" in (a.unknown_reason or ""):
+                self.sim.cases[f"{a.phase.value} attempt Unknown by a missed heartbeat (before its timeout)"] += 1
         shown = (a.status, a.heartbeat_at, _json(a.heartbeat_details), lease)
         before = self.seen.get(key)
         self.seen[key] = shown
