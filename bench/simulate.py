@@ -3,10 +3,13 @@
     .venv/bin/python bench/simulate.py --seeds 10000            # seeds 0..9999, on every core
     .venv/bin/python bench/simulate.py --seeds 500 --first 20000
     .venv/bin/python bench/simulate.py --seed 349 --trace       # replay one seed and print its whole trace
+    .venv/bin/python bench/simulate.py --seed 2275 --trace --before-dispatch   # as it ran before issue 25
 
 Prints seeds, scheduling events, runs by how they ended, faults injected by kind, callback executions, how
 often each case of decisions 23-29 came up (callbacks that opened a step, results over the limit, guards that
-ended passes, skips by reason, operator resolutions, blockers, timeouts), and violations (each with its seed,
+ended passes, skips by reason, operator resolutions, blockers, timeouts), the new dispatch path's (attempts
+answered accepted, outcomes posted, retried, settling an Unknown, ``next`` used, heartbeats, stops seen by
+callbacks), and violations (each with its seed,
 and the command that replays it). Figures, not assertions: the CI test
 (tests/conformance/test_simulation.py) asserts on a fixed number of seeds.
 
@@ -36,7 +39,7 @@ def _setup() -> None:
     logging.disable(logging.CRITICAL)  # the engine logs every injected failure; the trace tells them
 
 
-def run_block(seeds: list[int]) -> dict[str, Any]:
+def run_block(seeds: list[int], new_dispatch: bool = True) -> dict[str, Any]:
     _setup()
     from tests.simulation.world import Simulation
 
@@ -45,7 +48,7 @@ def run_block(seeds: list[int]) -> dict[str, Any]:
     out["violations"] = []
     out["clean"] = 0
     for seed in seeds:
-        report = Simulation(seed).run()
+        report = Simulation(seed, new_dispatch=new_dispatch).run()
         out["seeds"] += 1
         out["events"] += report.events
         out["effects"] += report.effects
@@ -65,6 +68,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, help="replay this one seed")
     parser.add_argument("--trace", action="store_true", help="with --seed: print the whole trace")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--before-dispatch",
+        action="store_true",
+        help="run seeds as before issue 25's dispatch path (no acknowledging release, no heartbeats)",
+    )
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         os.environ["PYTHONHASHSEED"] = "0"
@@ -73,7 +81,7 @@ def main() -> int:
     if args.seed is not None:
         from tests.simulation.world import Simulation
 
-        report = Simulation(args.seed).run()
+        report = Simulation(args.seed, new_dispatch=not args.before_dispatch).run()
         print(report.trace_text(len(report.trace)) if args.trace else report.trace_text(60))
         print(f"\nseed {args.seed}: {report.events} events, faults {dict(report.faults)}, runs {dict(report.outcomes)}")
         print(f"decisions 23-29: {dict(report.cases)}")
@@ -88,7 +96,8 @@ def main() -> int:
     cases: Counter[str] = Counter()
     violations: list[tuple[int, str]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for result in pool.map(run_block, [b for b in blocks if b]):
+        new_dispatch = [not args.before_dispatch] * len(blocks)
+        for result in pool.map(run_block, [b for b in blocks if b], new_dispatch):
             for key in total:
                 total[key] += result[key]
             faults.update(result["faults"])
@@ -104,7 +113,7 @@ def main() -> int:
     print("runs by how they ended:")
     for kind, count in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:34s} {count:8,}")
-    print("decisions 23-29, how often each case came up:")
+    print("decisions 23-29 and the dispatch path (issue 25, decision 33), how often each case came up:")
     for kind, count in sorted(cases.items()):
         print(f"  {kind:48s} {count:8,}")
     print(f"violations {len(violations)}")

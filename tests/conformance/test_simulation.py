@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -30,8 +31,8 @@ from tests.simulation.world import Profile, Simulation
 SEEDS = int(os.environ.get("RYUSEN_SIM_SEEDS", "400"))
 
 
-def _run(seed: int, profile: Profile | None = None) -> Any:
-    report = Simulation(seed, profile).run()
+def _run(seed: int, profile: Profile | None = None, *, new_dispatch: bool = True) -> Any:
+    report = Simulation(seed, profile, new_dispatch=new_dispatch).run()
     if report.violations:
         pytest.fail(f"seed {seed}: {report.violations[0]}\n\n{report.trace_text()}", pytrace=False)
     return report
@@ -60,12 +61,17 @@ REGRESSION_SEEDS = {
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
     2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"
     " the run looked a day overdue and the sweeper, backing off, left the compensation's lost message for a day",
+    8172: "a deferred answer's receiver claimed a chained attempt (never sent) of an acknowledging release and"
+    " re-authorized it with the lease of one that neither acknowledges nor heartbeats: its timeout plus 60 s, not"
+    " one heartbeat interval plus 3 s (issue 25; test_acknowledged_dispatch.py has it alone)",
 }
-"""Seeds that found a bug, with what they found (each fixed, each also a test of its own elsewhere)."""
+"""Seeds that found a bug, with what they found (each fixed, each also a test of its own elsewhere). Each runs as
+it did when it found the bug (a seed before issue 25's dispatch path: ``new_dispatch=False``) and as it runs now."""
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
 def test_regression_seed(seed: int) -> None:
+    _run(seed, new_dispatch=False)  # as the seed ran when it found the bug (before issue 25's dispatch path)
     _run(seed)
 
 
@@ -228,6 +234,56 @@ def _forget_the_unknown(original: Callable[..., Any]) -> Callable[..., Any]:
     return settle
 
 
+def _heartbeat_past_the_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 33): a heartbeat extends the lease a whole interval, past the attempt's timeout."""
+
+    def heartbeat(self: Any, event: Any) -> Any:
+        step = self.s.steps[i] if (i := self.s.step_index(event.step_id)) is not None else None
+        attempt = step.current(event.phase) if step is not None else None
+        if attempt is None or attempt.generation != event.generation or attempt.status is not AttemptStatus.AUTHORIZED:
+            return original(self, event)
+        original(self, event)
+        step = self.step(event.step_id)
+        attempt = step.current(event.phase)
+        if step.heartbeat_s is not None:
+            grace = timedelta(seconds=step.heartbeat_s + (attempt.lease_grace_s or 0.0))
+            attempt.lease_expires_at = max(attempt.lease_expires_at, self.now + grace)
+        return None
+
+    return heartbeat
+
+
+def _heartbeat_revives(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (decision 33): a heartbeat of an attempt that is no longer in flight (Unknown, settled) is taken:
+    its details kept, its lease extended."""
+
+    def heartbeat(self: Any, event: Any) -> Any:
+        step = self.step(event.step_id)
+        attempt = step.attempt(event.phase, event.generation) if step is not None else None
+        if attempt is None or attempt.status is AttemptStatus.AUTHORIZED or attempt.lease_expires_at is None:
+            return original(self, event)
+        attempt.heartbeat_at, attempt.heartbeat_details = self.now, event.details
+        if step.heartbeat_s is not None and attempt.respond_by is not None:
+            until = min(attempt.respond_by, self.now + timedelta(seconds=step.heartbeat_s))
+            attempt.lease_expires_at = max(attempt.lease_expires_at, until)
+        self.touch()
+        return self.ignore("heartbeat")
+
+    return heartbeat
+
+
+def _expired_lease_fails(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Broken (issue 25): an attempt whose lease expired is failed (a timeout), not Unknown, so an acknowledged
+    attempt whose outcome is still on its way is settled by nothing it did."""
+
+    def outcome_lost(self: Any, step: Any, attempt: Any, detail: str) -> Any:
+        if "lease expired" in detail:
+            return self.attempt_failed(step, attempt, ErrorInfo(type="timeout", message=detail))
+        return original(self, step, attempt, detail)
+
+    return outcome_lost
+
+
 BROKEN = {
     "compensation is skipped after a stop": (
         "advance_unwind",
@@ -289,6 +345,21 @@ BROKEN = {
         _forget_the_unknown,
         ("was Unknown at",),
     ),
+    "H: a heartbeat extends a lease past the attempt's timeout": (
+        "heartbeat",
+        _heartbeat_past_the_timeout,
+        ("past respond_by",),
+    ),
+    "H: a heartbeat changes an attempt no longer in flight": (
+        "heartbeat",
+        _heartbeat_revives,
+        ("its heartbeat or lease changed", "went Unknown at"),
+    ),
+    "issue 25: an expired lease fails an attempt, even one answered accepted": (
+        "outcome_lost",
+        _expired_lease_fails,
+        ("by no posted outcome nor operator",),
+    ),
     "D29: step ids that change on every pass are never blocked": (
         "unstable_step_id",
         lambda original: lambda self, plan: None,
@@ -311,6 +382,19 @@ def test_the_simulator_catches_a_summary_that_hides_an_operator_skip(monkeypatch
     monkeypatch.setattr(view_module, "operator_skips", lambda state: 0)
     caught = _first_violation(range(300))
     assert caught is not None and "the operator skipped" in caught, caught
+
+
+def test_the_simulator_catches_a_heartbeat_reply_that_stops_a_run_with_no_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken (decision 33): every heartbeat's reply says the run is stopping (the callback returns early)."""
+    submit = Engine.submit_heartbeat
+
+    def stop_always(self: Engine, body: bytes, headers: dict[str, str]) -> Any:
+        reply = submit(self, body, headers)
+        return reply.model_copy(update={"stop_requested": "cancel"}) if reply.current else reply
+
+    monkeypatch.setattr(Engine, "submit_heartbeat", stop_always)
+    caught = _first_violation(range(300))
+    assert caught is not None and "the reply says the run is stopping; it has no stop intent" in caught, caught
 
 
 def test_the_simulator_catches_a_missing_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:

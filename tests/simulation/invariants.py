@@ -1,5 +1,12 @@
 """The invariants the simulator checks, as RFD 1 states them (docs/design/invariants.md explains each).
 
+The new dispatch path (issue 25, decision 33) adds its own (:meth:`Checker._dispatch_rules`,
+:meth:`Checker.heartbeat_replied`): an attempt answered ``accepted`` is settled only by its posted outcome (the
+same outcome), an operator, or, once Unknown, a retry the step consented to; an attempt goes Unknown by its lease
+no sooner than its lease; a lease never runs past ``respond_by`` plus its grace, nor past one heartbeat interval
+(plus the grace) after the latest heartbeat; a heartbeat never changes an attempt that is not in flight; a
+heartbeat's reply says the run is stopping only for a forward attempt in flight of a run with a stop intent.
+
 :meth:`Checker.committed` runs on every write that commits, with the state written; :meth:`Checker.effect`
 runs as a callback or compensator starts executing, with the request that carries it and the durable state
 at that moment; :meth:`Checker.at_end` compares fault-free runs with what their code says they must end with.
@@ -8,10 +15,12 @@ Decisions 23-29 are checked at the same moments by :class:`.decisions.Decisions`
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from ryusen._internal.wire import Phase, TaskRequest
+from ryusen._internal.wire import Heartbeat, HeartbeatReply, Phase, TaskRequest
 from ryusen_server.core.model import (
     Attempt,
     AttemptStatus,
@@ -20,11 +29,12 @@ from ryusen_server.core.model import (
     Recovery,
     RunPhase,
     RunState,
+    StepState,
     StepStatus,
 )
 
 from . import workload
-from .decisions import Decisions, omitted_success
+from .decisions import Decisions, Key, omitted_success
 
 if TYPE_CHECKING:
     from .world import Simulation
@@ -37,8 +47,8 @@ PHASE_ORDER = {RunPhase.RUNNING: 0, RunPhase.SETTLING: 1, RunPhase.COMPENSATING:
 FINISHED_RECOVERY = frozenset({Recovery.NOT_REQUIRED, Recovery.COMPENSATED, Recovery.PARTIALLY_COMPENSATED})
 UNWOUND = frozenset({CompensationStatus.COMPENSATED, CompensationStatus.SKIPPED})
 
-Key = tuple[str, str, str, int]
-"""(run, step, phase, generation): one attempt."""
+POSTED = {"succeeded": AttemptStatus.SUCCEEDED, "failed": AttemptStatus.FAILED}
+"""What a posted outcome of each type settles its attempt as."""
 
 
 class Checker:
@@ -60,6 +70,13 @@ class Checker:
         self.blockers_seen: Counter[str] = Counter()
         """Runs that showed each blocker type (figures)."""
         self._blocked: set[tuple[str, str]] = set()
+        self.last_beat: dict[Key, datetime] = {}
+        """The latest heartbeat each attempt's writes have shown (two containers' clocks: not always the last)."""
+        self.seen: dict[Key, tuple[AttemptStatus, object, str, object]] = {}
+        """Each attempt as the last write showed it: status, heartbeat time, its details, lease."""
+        self.ack_settled: set[Key] = set()
+        self.stopped_early: set[Key] = set()
+        self.unknown_seen: set[Key] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -94,6 +111,7 @@ class Checker:
                     self.fail(
                         f"{run}: {step.id} {a.phase.value} #{a.generation} was {self.settled[key]}, now {a.status.value}"
                     )
+                self._dispatch_rules(run, step, a, key)
             if any(n > 1 for n in live.values()):
                 self.fail(f"{run}: {step.id} has more than one live attempt in a phase")
             # a success is accepted (the step completed), unless the callback returned too much: then the step
@@ -171,6 +189,8 @@ class Checker:
                 if not any(a.status in (AttemptStatus.SUCCEEDED, AttemptStatus.FENCED) for a in undo):
                     self.fail(f"{run}: {step.id}'s compensation was skipped without asking the endpoint")
             elif status is CompensationStatus.COMPENSATED:
+                if isinstance(step.result, dict) and "stopped" in step.result:
+                    self.sim.cases["a callback that returned early on a stop: compensated in the unwind"] += 1
                 ran = self.sim.executions[(run, step.id, "compensation")] > 0
                 declared = any(
                     (run, step.id, "compensation", a.generation, "succeed") in self.sim.resolved for a in undo
@@ -206,6 +226,94 @@ class Checker:
         if PHASE_ORDER[phase] < PHASE_ORDER[before]:
             self.fail(f"{run}: phase went back from {before} to {phase}")
         self.phase[run] = phase
+
+    # ---- the new dispatch path: acknowledged attempts and heartbeats (issue 25, decision 33) ----------------
+
+    def _dispatch_rules(self, run: str, step: StepState, a: Attempt, key: Key) -> None:
+        what = f"{run}: {step.id} {a.phase.value} #{a.generation}"
+        if a.heartbeat_at is not None:
+            self.last_beat[key] = max(self.last_beat.get(key, a.heartbeat_at), a.heartbeat_at)
+        lease, grace = a.lease_expires_at, a.lease_grace_s
+        if lease is not None and a.respond_by is not None and grace is not None and a.authorized_at is not None:
+            if lease > a.respond_by + timedelta(seconds=grace):
+                self.fail(f"{what}: its lease runs to {lease}, past respond_by {a.respond_by} + {grace:g}s grace")
+            if step.heartbeat_s is not None:
+                since = max(a.authorized_at, self.last_beat.get(key, a.authorized_at))
+                if lease > since + timedelta(seconds=step.heartbeat_s + grace):
+                    self.fail(
+                        f"{what}: its lease runs to {lease}, more than one heartbeat ({step.heartbeat_s:g}s) and the"
+                        f" grace after {since} (its start, or its latest heartbeat)"
+                    )
+        if (
+            a.unknown_at is not None
+            and lease is not None
+            and "lease expired" in (a.unknown_reason or "")
+            and a.unknown_at < lease
+        ):
+            self.fail(f"{what} went Unknown at {a.unknown_at} by its lease, which runs to {lease}")
+        if a.status is AttemptStatus.UNKNOWN and key not in self.unknown_seen:
+            self.unknown_seen.add(key)
+            if "no heartbeat within" in (a.unknown_reason or ""):
+                self.sim.cases[f"{a.phase.value} attempt Unknown by a missed heartbeat (before its timeout)"] += 1
+        shown = (a.status, a.heartbeat_at, _json(a.heartbeat_details), lease)
+        before = self.seen.get(key)
+        self.seen[key] = shown
+        if (
+            before is not None
+            and before[0] not in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED)
+            and before[1:] != shown[1:]
+        ):
+            self.fail(f"{what} was {before[0].value}, and its heartbeat or lease changed: {before[1:]} -> {shown[1:]}")
+        if key in self.sim.accepted_by_endpoint and a.status in SETTLED and key not in self.ack_settled:
+            self.ack_settled.add(key)
+            self._acknowledged_settled(what, a, key, before[0] if before is not None else None)
+        if (
+            a.phase is Phase.FORWARD
+            and a.status is AttemptStatus.SUCCEEDED
+            and step.status is StepStatus.COMPLETED
+            and isinstance(step.result, dict)
+            and "stopped" in step.result
+            and key not in self.stopped_early
+        ):
+            self.stopped_early.add(key)
+            self.sim.cases["a callback that returned early on a stop: its success accepted"] += 1
+
+    def _acknowledged_settled(self, what: str, a: Attempt, key: Key, before: AttemptStatus | None) -> None:
+        """An attempt its endpoint answered ``accepted`` is settled by its posted outcome, an operator, or a retry
+        of its Unknown the step consented to (``on_unknown="retry"``): by nothing else."""
+        if a.resolution is not None:
+            return
+        if a.status is AttemptStatus.FAILED and a.error is not None and a.error.type == "unknown_outcome":
+            return
+        actor = self.sim._by_thread.get(threading.get_ident())
+        posting = actor.posting if actor is not None else None
+        if posting is None or posting[0] != key:
+            self.fail(f"{what} was answered accepted, and is {a.status.value} by no posted outcome nor operator")
+        elif posting[1] in POSTED and POSTED[posting[1]] is not a.status:
+            self.fail(f"{what}: its posted outcome was {posting[1]}, and it is recorded {a.status.value}")
+        else:
+            self.sim.cases[f"acknowledged attempt settled by its posted outcome ({a.status.value})"] += 1
+            if before is AttemptStatus.UNKNOWN:
+                self.sim.cases["acknowledged attempt Unknown by its lease, then settled by its posted outcome"] += 1
+
+    def heartbeat_replied(self, beat: Heartbeat, reply: HeartbeatReply) -> None:
+        """Right after the engine answered a heartbeat (nothing else has run since its write)."""
+        run = beat.run_id
+        what = f"{run}: heartbeat of {beat.step_id} {beat.phase.value} #{beat.generation}"
+        state = self.sim.store.peek(run)
+        step = state.step(beat.step_id) if state is not None else None
+        attempt = step.attempt(beat.phase, beat.generation) if step is not None else None
+        if reply.current and (attempt is None or attempt.status is not AttemptStatus.AUTHORIZED):
+            self.fail(f"{what}: the reply says it is in flight; it is {attempt.status.value if attempt else 'absent'}")
+        if reply.stop_requested is not None:
+            if state is None or state.stop_intent is None:
+                self.fail(f"{what}: the reply says the run is stopping; it has no stop intent")
+            elif beat.phase is not Phase.FORWARD or not reply.current:
+                self.fail(f"{what}: the reply says stop to an attempt that is not a forward one in flight")
+            elif state.stop_intent.kind.value != reply.stop_requested:
+                self.fail(f"{what}: the reply says {reply.stop_requested}, the stop intent is {state.stop_intent.kind}")
+            else:
+                self.sim.cases[f"a heartbeat's reply said stop ({reply.stop_requested})"] += 1
 
     # ---- every callback execution ---------------------------------------------------------------------
 

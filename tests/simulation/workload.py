@@ -14,6 +14,11 @@ ends compensation passes before their target; a callback or compensator that ret
 run's deadline falls while it runs); a step id that changes on every pass. None of them is in a fault-free
 seed's workflow.
 
+And long steps (decision 33): a step may declare ``heartbeat=`` (and a timeout a few intervals long); its callback
+works a while between heartbeats (``ryusen.heartbeat``), a few times, and returns early, with a result of its own,
+once a heartbeat says the run is stopping (``StopRequested``). How long each pause is, and whether the callback goes
+silent, the world decides (:class:`Hooks`).
+
 A release of the same app may rename, add, remove or retire steps, stop or start nesting, return less, make an
 unstable id stable or drop the guard: :func:`variant` derives one from a workflow; :func:`fixed` is the release
 an operator deploys as the remedy of a definition blocker.
@@ -27,7 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
-from ryusen import OmittedResult, RetryPolicy, Ryusen, Step, StepFailed
+from ryusen import OmittedResult, RetryPolicy, Ryusen, Step, StepFailed, StopRequested, heartbeat
 from ryusen._internal.wire import MAX_VALUE_BYTES
 
 APP_ID = "sim"
@@ -62,6 +67,12 @@ class StepSpec:
     """Virtual time the callback takes: a run's deadline may pass while it runs (decisions 26)."""
     unstable: bool = False
     """Its id changes on every pass, as one made from a random number or the clock would (decisions 29)."""
+    heartbeat_s: float | None = None
+    """Decision 33: the step declares this heartbeat interval (and ``timeout_s``); its callback posts ``beats``
+    heartbeats, working ``beat_every_s`` of virtual time before each (more than the interval: its lease may end)."""
+    beats: int = 0
+    beat_every_s: float = 0.0
+    timeout_s: float | None = None
 
     @property
     def succeeds(self) -> bool:
@@ -70,7 +81,9 @@ class StepSpec:
     @property
     def plain(self) -> bool:
         """None of decisions 23-29's cases: a fault-free run of it ends as :func:`expected` says."""
-        return not (self.nests or self.undo_nests or self.big or self.undo_big or self.takes_s or self.unstable)
+        return not (
+            self.nests or self.undo_nests or self.big or self.undo_big or self.takes_s or self.unstable or self.beats
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +124,7 @@ class WorkflowSpec:
                 f"{'[nests]' if s.nests else ''}{'[undo-nests]' if s.undo_nests else ''}"
                 f"{f'[big:{s.big}]' if s.big else ''}{'[undo-big]' if s.undo_big else ''}"
                 f"{f'[{s.takes_s:g}s]' if s.takes_s else ''}{'[unstable-id]' if s.unstable else ''}"
+                f"{f'[heartbeat {s.heartbeat_s:g}s x{s.beats} every {s.beat_every_s:g}s]' if s.heartbeat_s else ''}"
                 for s in g.steps
             )
             guard = "guard: " if self.guard_at == gi else ""
@@ -119,9 +133,11 @@ class WorkflowSpec:
         return " | ".join(parts) + (" | raise" if self.raise_at_end else "") + retired
 
 
-def generate(rng: random.Random, *, clean: bool = False) -> WorkflowSpec:
+def generate(rng: random.Random, *, clean: bool = False, long_steps: random.Random | None = None) -> WorkflowSpec:
     """A workflow of 1 to 6 steps. ``clean``: every step succeeds first time, and none has a case of decisions
-    23-29 (a fault-free baseline's shape still varies: compensators, groups)."""
+    23-29 (a fault-free baseline's shape still varies: compensators, groups). ``long_steps``: where the steps
+    that heartbeat are drawn from (a generator of their own, so a seed that draws none is the workflow it was
+    before heartbeats); None: no step heartbeats."""
     groups: list[GroupSpec] = []
     n = 0
     for _ in range(rng.randint(1, 4)):
@@ -141,7 +157,11 @@ def generate(rng: random.Random, *, clean: bool = False) -> WorkflowSpec:
                 on_unknown=rng.choice(["block", "block", "retry"]),
                 undo_on_unknown=rng.choice(["block", "block", "retry"]),
             )
-            steps.append(spec if clean else _with_cases(spec, rng))
+            if not clean:
+                spec = _with_cases(spec, rng)
+                if long_steps is not None:
+                    spec = _with_heartbeat(spec, long_steps)
+            steps.append(spec)
             n += 1
         groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3))
     guard_at = rng.randrange(len(groups)) if not clean and rng.random() < 0.4 else None
@@ -158,6 +178,21 @@ def _with_cases(spec: StepSpec, rng: random.Random) -> StepSpec:
         undo_big=spec.compensate and rng.random() < 0.1,
         takes_s=round(rng.uniform(1, 25), 1) if rng.random() < 0.4 else 0.0,
         unstable=rng.random() < 0.04,
+    )
+
+
+def _with_heartbeat(spec: StepSpec, rng: random.Random) -> StepSpec:
+    """Now and then a long step (decision 33): a heartbeat interval, a timeout of a few intervals, and a callback
+    that heartbeats one to five times, working up to 1.3 intervals before each (past its lease, sometimes)."""
+    if rng.random() >= 0.3:
+        return spec
+    interval = rng.choice([4.0, 10.0, 20.0])
+    return replace(
+        spec,
+        heartbeat_s=interval,
+        timeout_s=interval * rng.choice([3, 8]),
+        beats=rng.randint(1, 5),
+        beat_every_s=round(interval * rng.uniform(0.2, 1.3), 1),
     )
 
 
@@ -286,6 +321,15 @@ class Hooks(Protocol):
         """A step id made from something that changes on every pass (decisions 29)."""
         ...
 
+    def pause(self, seconds: float) -> None:
+        """A long step's callback works this long before its next heartbeat (the world may let it go silent
+        here: it never heartbeats again nor returns)."""
+        ...
+
+    def stop_seen(self, kind: str) -> None:
+        """A heartbeat raised ``StopRequested`` in the callback (it returns early)."""
+        ...
+
 
 def big_value(kind: str) -> dict[str, str]:
     """A result over the server's limit (``server``) or over the SDK's own 256 KiB (``sdk``)."""
@@ -302,11 +346,25 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
         build_id=f"b{spec.release}",
     )
 
+    def works(s: StepSpec) -> str | None:
+        """A long step's work between heartbeats (decision 33); the stop's kind if a heartbeat said the run is
+        stopping (the callback then returns early)."""
+        for i in range(s.beats):
+            hooks.pause(s.beat_every_s)
+            try:
+                heartbeat({"progress": round((i + 1) / s.beats, 2)})
+            except StopRequested as stop:
+                hooks.stop_seen(stop.kind)
+                return stop.kind
+        return None
+
     def callback(step: Step, s: StepSpec, step_id: str) -> Callable[[Any], Any]:
         def run(data: Any) -> Any:
             before = hooks.effect(step_id, "forward")
             if s.takes_s:
                 hooks.takes(s.takes_s)
+            if (stopped := works(s)) is not None:
+                return {**result_of(s.id, data), "stopped": stopped}  # finish early, with what was done
             if s.nests:  # refused (ConcurrentStepError), and the refusal escapes the callback (decisions 23)
                 step.run(f"{step_id}-receipt", lambda: "sent")
             if before < s.fails:
@@ -335,6 +393,11 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
 
     def run_step(step: Step, s: StepSpec, data: Any) -> Any:
         retry = RetryPolicy(max_attempts=s.max_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.on_unknown)
+        long: dict[str, Any] = {}
+        if s.heartbeat_s is not None:
+            long = {"heartbeat": timedelta(seconds=s.heartbeat_s)}
+            if s.timeout_s is not None:
+                long["timeout"] = timedelta(seconds=s.timeout_s)
         undo_retry = RetryPolicy(
             max_attempts=s.undo_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.undo_on_unknown
         )
@@ -347,6 +410,7 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
                 compensate=compensator(step, s, step_id),
                 retry=retry,
                 compensate_retry=undo_retry,
+                **long,
             )
         return step.run(
             s.id,
@@ -355,6 +419,7 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
             compensate=compensator(step, s, s.id),
             retry=retry,
             compensate_retry=undo_retry,
+            **long,
         )
 
     @app.function(FUNCTION_ID, retired_steps=spec.retired)

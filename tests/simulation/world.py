@@ -14,6 +14,13 @@ mark their orders cancelled, which a workflow's guard reads), resolve Unknowns a
 (retry, succeed, fail, skip, with a reason), rediscover, and sync a release whose code renames, adds, removes or
 retires steps, or stops (or starts) opening steps inside callbacks, returning too much, or using unstable ids.
 
+The new dispatch path (issue 25, decision 33) too: most seeds' releases announce ``acknowledge`` to a server with a
+result URL, so an attempt's callback runs on an endpoint thread of its own (an actor, started as the request
+arrives); one that has not ended when the endpoint answers is answered ``202 accepted``, and its outcome, with what
+the replay found next, is posted to the result endpoint later (delayed past the lease, lost, doubled, or retried
+as the SDK does while the store refuses it). Long steps heartbeat through the result endpoint while they work,
+may go silent, and return early once a heartbeat says the run is stopping.
+
 Only one thread runs at a time, and every choice comes from the seed, so a seed replays exactly (in one
 process; run the bench with ``PYTHONHASHSEED=0`` to replay across processes). The invariants
 (:mod:`.invariants`) are checked at every committed write and every callback execution, and liveness at the
@@ -22,22 +29,36 @@ end: with the faults over and delivery fair, every run finishes or carries a blo
 
 from __future__ import annotations
 
+import contextvars
 import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from ryusen._internal.app import (
+    ACKNOWLEDGED_DELAYS_S,
+    HandlerResponse,
+    ResponseWindow,
+    ServeOptions,
+    _memo_miss,
+    encode_response,
+)
+from ryusen._internal.heartbeat import SINK
 from ryusen._internal.signing import SIGNATURE_HEADER, SeenRequests, app_key, sign, url_path
+from ryusen._internal.step import CallbackInterruptedError
 from ryusen._internal.wire import (
     NESTED_STEP_ERROR,
     SDK_FEATURES,
     ErrorInfo,
+    Heartbeat,
+    HeartbeatReply,
     LateResult,
     Phase,
+    TaskKind,
     TaskRequest,
     TaskResponse,
     late_result_scope,
@@ -62,7 +83,7 @@ from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError, Sto
 from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
 
 from . import workload
-from .decisions import Answer, Ground, held_step_id
+from .decisions import Answer, Ground, Key, held_step_id
 from .invariants import Checker
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -72,10 +93,24 @@ SWEEP_EVERY_S = 60.0
 MAX_ACTORS = 4
 STALL = timedelta(hours=6)
 """Fair delivery for this long redoes any lost work (or twice as long as it had been overdue, if longer)."""
+RESULT_URL = "sim://results.sim/v1/results"
+"""The server's result URL: posts and heartbeats are signed for its path. Not http(s), so the SDK posts nothing
+to it by itself: the simulated endpoint hands them to the engine as an actor the scheduler runs."""
+ACKNOWLEDGING = 0.7
+"""The share of seeds whose releases announce ``acknowledge`` (each later release keeps it, or not, 4 times in 5)."""
 
 
 class Crash(BaseException):
     """The process running this actor died here (a Lambda timeout, an OOM, a host failure)."""
+
+
+class Killed(Crash):
+    """The seed is over: every actor still parked dies at its boundary (never caught, unlike a crash of a call
+    made on the actor's behalf by another process, such as a heartbeat's result endpoint)."""
+
+
+class Silent(BaseException):
+    """A long step's callback goes silent here: it never heartbeats again and never returns."""
 
 
 class InjectedError(Exception):
@@ -100,16 +135,31 @@ OUTAGE_FAULTS = ("store_outage",)
 """A stretch of time in which DynamoDB refuses every write (a hot partition, a new table's warm-up), and half
 the time every read too: long enough that a dispatcher's retries run out and it defers what it has."""
 TIMER_FAULTS = ("fired_late", "fired_twice")
-ALL_FAULTS = frozenset(
-    WRITE_FAULTS
-    + READ_FAULTS
-    + SEND_FAULTS
-    + SCHEDULE_FAULTS
-    + INVOKE_FAULTS
-    + ANSWER_FAULTS
-    + DELIVERY_FAULTS
-    + TIMER_FAULTS
-    + OUTAGE_FAULTS
+POST_FAULTS = ("post_lost", "post_delayed", "post_doubled")
+"""An acknowledged attempt's outcome, posted to the result endpoint: the endpoint dies before it posts; the post
+arrives 5 s to 2 min late (often past the lease: the attempt is Unknown first); it arrives twice."""
+CALLBACK_FAULTS = ("crash_before", "callback_silent")
+"""An acknowledged attempt's callback, between two stretches of work: the endpoint's process dies; the callback
+goes silent (no more heartbeats, no outcome, ever)."""
+HEARTBEAT_FAULTS = ("heartbeat_lost", "heartbeat_reply_lost")
+ACCEPTED_FAULTS = ("accepted_replayed",)
+"""An attempt's answer is replaced by the signed ``accepted`` the endpoint gave another request."""
+DISPATCH_FAULTS = frozenset(POST_FAULTS + CALLBACK_FAULTS[1:] + HEARTBEAT_FAULTS + ACCEPTED_FAULTS)
+"""Faults of the new dispatch path (issue 25, decision 33), drawn from a generator of their own: a seed drawn
+before them keeps its profile."""
+ALL_FAULTS = (
+    frozenset(
+        WRITE_FAULTS
+        + READ_FAULTS
+        + SEND_FAULTS
+        + SCHEDULE_FAULTS
+        + INVOKE_FAULTS
+        + ANSWER_FAULTS
+        + DELIVERY_FAULTS
+        + TIMER_FAULTS
+        + OUTAGE_FAULTS
+    )
+    | DISPATCH_FAULTS
 )
 
 
@@ -130,7 +180,7 @@ class Profile:
     def draw(rng: random.Random) -> Profile:
         if rng.random() < 0.1:
             return Profile.clean(rng)
-        kinds = frozenset(k for k in sorted(ALL_FAULTS) if rng.random() < 0.6)
+        kinds = frozenset(k for k in sorted(ALL_FAULTS - DISPATCH_FAULTS) if rng.random() < 0.6)
         return Profile(
             rate=rng.choice([0.02, 0.05, 0.1, 0.2]),
             kinds=kinds,
@@ -159,7 +209,7 @@ class Profile:
 class Actor:
     """One concurrent activity, run by its own thread only while the scheduler hands it the baton."""
 
-    def __init__(self, sim: Simulation, name: str, body: Callable[[], None]) -> None:
+    def __init__(self, sim: Simulation, name: str, body: Callable[[], None], *, endpoint: bool = False) -> None:
         self.sim = sim
         self.name = name
         self.body = body
@@ -169,7 +219,26 @@ class Actor:
         self.verdict = "ok"
         self.kill = False
         self.finished = False
+        self.endpoint = endpoint
+        """A thread of the user's endpoint (an acknowledged attempt's callback), not a server process: it does not
+        count against ``MAX_ACTORS``."""
+        self.wake_at: datetime | None = None
+        """It works (virtual time) until then: the scheduler does not move it before."""
+        self.handback: threading.Semaphore | None = None
+        """Who gets the baton when it next parks or ends, if not the scheduler (the actor that forked it)."""
+        self.job: Job | None = None
+        """The attempt it runs, if it is an endpoint's thread."""
+        self.posting: tuple[Key, str] | None = None
+        """The acknowledged attempt whose outcome (its type) this actor is posting to the result endpoint."""
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def give_back(self) -> None:
+        """Hand the baton on: to the actor that forked this one, the first time, else to the scheduler."""
+        if self.handback is not None:
+            handback, self.handback = self.handback, None
+            handback.release()
+        else:
+            self.sim.baton.release()
 
     def _main(self) -> None:
         self.resume.acquire()
@@ -185,7 +254,7 @@ class Actor:
             self.sim.violation(f"{self.name} raised {type(exc).__name__}: {exc}")
         finally:
             self.finished = True
-            self.sim.baton.release()
+            self.give_back()
 
 
 @dataclass(slots=True)
@@ -203,6 +272,40 @@ class Held:
     body: bytes
     headers: dict[str, str]
     times: int
+    due: datetime = EPOCH
+    """Not posted before then."""
+    acknowledged: LateResult | None = None
+    """The outcome of an attempt answered ``accepted`` (signed afresh for each try, tried again as the SDK does
+    while the server answers 5xx: ``ACKNOWLEDGED_DELAYS_S``)."""
+    tries: int = 0
+
+
+@dataclass(slots=True)
+class Job:
+    """An attempt an acknowledging endpoint runs on a thread of its own."""
+
+    request: TaskRequest
+    spec: workload.WorkflowSpec
+    slow: bool
+    """Its callback runs past ``acknowledge_after_s`` even with no work of its own to do."""
+    finished: bool = False
+    outcome: TaskResponse | CallbackInterruptedError | None = None
+    """None once finished: the callback went silent (or the process died)."""
+    accepted: bool = False
+    """The endpoint answered ``accepted``: the outcome goes to the result endpoint."""
+
+    @property
+    def key(self) -> Key:
+        assert self.request.operation is not None and self.request.step_id is not None
+        op = self.request.operation
+        return (self.request.run_id, self.request.step_id, op.phase.value, op.generation)
+
+
+SERVING: contextvars.ContextVar[tuple[TaskRequest, workload.WorkflowSpec, Job | None] | None] = contextvars.ContextVar(
+    "sim_serving", default=None
+)
+"""The request a callback serves, the release whose code runs it, and its job if an endpoint thread runs it (a
+context variable: a kept pass runs callbacks on its own thread, in the request's context)."""
 
 
 @dataclass
@@ -226,7 +329,10 @@ class Report:
 
 
 class Simulation:
-    def __init__(self, seed: int, profile: Profile | None = None) -> None:
+    def __init__(self, seed: int, profile: Profile | None = None, *, new_dispatch: bool = True) -> None:
+        """``new_dispatch``: False runs the seed as it ran before the new dispatch path (issue 25, decision 33): no
+        release acknowledges, no step heartbeats, none of its faults (a seed that found a bug before it replays
+        as it did then)."""
         self.seed = seed
         self.rng = random.Random(seed)
         self.profile = profile or Profile.draw(self.rng)
@@ -245,6 +351,17 @@ class Simulation:
         self.events = 0
         self.ids = iter(range(1, 1 << 40))
 
+        self.xrng = random.Random(f"dispatch-{seed}")
+        """The new dispatch path's own draws (issue 25, decision 33), apart from ``rng``: a seed whose releases do
+        not acknowledge and whose steps do not heartbeat replays as it did before them."""
+        self.new_dispatch = new_dispatch
+        self.acknowledging = self.xrng.random() < ACKNOWLEDGING and new_dispatch
+        if not self.profile.is_clean and new_dispatch:
+            extra = frozenset(k for k in sorted(DISPATCH_FAULTS) if self.xrng.random() < 0.6)
+            self.profile = replace(self.profile, kinds=self.profile.kinds | extra)
+        self.accepted_by_endpoint: set[Key] = set()
+        """Attempts whose endpoint answered ``accepted``: only their posted outcome, an operator, or their lease
+        (Unknown) may settle them."""
         self.store = SimStore(self)
         self.queue = SimQueue(self)
         self.timers = SimTimers(self)
@@ -278,7 +395,7 @@ class Simulation:
                 queue=self.queue,
                 timers=self.timers,
                 invoker=self.invoker,
-                settings=ServerSettings(engine=settings, chain=True, master_key=master),
+                settings=ServerSettings(engine=settings, chain=True, master_key=master, result_url=RESULT_URL),
                 clock=self._clock_of(i),
                 new_id=lambda: f"run_{next(self.ids):04d}",
             )
@@ -292,16 +409,13 @@ class Simulation:
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.hooks.append(self._observe_answers)
-        self.spec = workload.generate(self.rng, clean=self.profile.is_clean)
+        long_steps = self.xrng if new_dispatch else None
+        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=long_steps)
         self.specs = [self.spec]
         self.releases = 0
         self.run_ids: list[str] = []
         self.inputs: dict[str, Any] = {}
         self.executions: Counter[tuple[str, str, str]] = Counter()
-        self.request: TaskRequest | None = None
-        """The request the endpoint is executing (its callback reads its run and generation)."""
-        self.serving: workload.WorkflowSpec | None = None
-        """The release whose code is executing it."""
         self.spec_at: dict[str, workload.WorkflowSpec] = {}
         self.cancelled_orders: set[str] = set()
         """Runs whose order is marked cancelled in the world outside (what a workflow's guard reads)."""
@@ -330,6 +444,8 @@ class Simulation:
         holder = actor.name if actor is not None else "setup"
         if kind == "decided":
             event, decision = payload
+            if isinstance(event, AttemptReported) and event.source == "late_submission" and event.next is not None:
+                self._next_used(actor, decision.state, event)
             key = _answer_key(decision.state.id, event)
             if key is not None:
                 for held in self.answers.values():
@@ -348,6 +464,13 @@ class Simulation:
                     # attempt's lease (here 35 s) lets its expiry come first; the deferred answer then settles
                     # the Unknown as a late result does
             return
+        if kind == "acknowledged":
+            task = payload
+            key = (task.run_id, task.step_id, task.phase.value if task.phase else "", task.generation)
+            if key not in self.accepted_by_endpoint:
+                self.violation(f"{holder} took an answer for {task.describe()} as accepted; its endpoint never said so")
+            self.cases["engine heard accepted: the message is the lease timer"] += 1
+            return
         if kind not in ("answer", "answer_deferred", "answer_dropped"):
             return
         run_id, event = payload[0], payload[1]
@@ -364,6 +487,21 @@ class Simulation:
         else:
             self.note(f"{holder}: an answer could be neither recorded nor deferred: {payload[2]}")
             self.cases["answer dropped (store and queue both failed)"] += 1
+
+    def _next_used(self, actor: Actor | None, state: RunState, event: AttemptReported) -> None:
+        """A posted outcome's ``next`` was used: it was found by the build that ran the attempt."""
+        step = state.step(event.step_id)
+        attempt = step.attempt(event.phase, event.generation) if step is not None else None
+        newest = self.store.inner.get_release(workload.FUNCTION_ID)
+        held = actor.posting if actor is not None else None
+        if held is None or held[0] != (state.id, event.step_id, event.phase.value, event.generation):
+            self.violation(f"{state.id}: {event.step_id} #{event.generation}: a next was used that no post carried")
+        elif attempt is None or newest is None:
+            return
+        elif attempt.build_id != newest.build_id:
+            self.cases["acknowledged outcome's next used, though a newer release was synced (release cache)"] += 1
+        else:
+            self.cases["acknowledged outcome's next used"] += 1
 
     def _answers_kept(self) -> None:
         for holder, keys in self.answers.items():
@@ -388,10 +526,11 @@ class Simulation:
         if actor is None:
             return "ok"  # the simulator's own setup or checks
         actor.at = (kind, detail, faults)
-        self.baton.release()
+        actor.give_back()
         actor.resume.acquire()
+        actor.wake_at = None
         if actor.kill:
-            raise Crash()
+            raise Killed()
         return actor.verdict
 
     def _verdict(self, faults: tuple[str, ...]) -> str:
@@ -408,15 +547,55 @@ class Simulation:
         self.note(f"{name}: begins")
         self._run(actor)
 
+    def fork(self, name: str, body: Callable[[], None], job: Job | None = None) -> None:
+        """From an actor: start another one now (the endpoint starts a thread for an attempt as its request
+        arrives), run it until its first boundary or its end, then go on. The scheduler moves it from there."""
+        parent = self._by_thread.get(threading.get_ident())
+        assert parent is not None, "fork is called by an actor"
+        actor = Actor(self, name, body, endpoint=True)
+        actor.job = job
+        back = threading.Semaphore(0)
+        actor.handback = back
+        self.actors.append(actor)
+        actor.thread.start()
+        self._by_thread[actor.thread.ident or 0] = actor
+        self.note(f"{name}: begins")
+        actor.resume.release()
+        back.acquire()
+        if actor.finished:
+            self._reap(actor)
+
+    def _reap(self, actor: Actor) -> None:
+        self.actors.remove(actor)
+        self._by_thread.pop(actor.thread.ident or 0, None)
+        actor.thread.join()
+
+    def sleep(self, seconds: float, what: str, faults: tuple[str, ...] = ()) -> str:
+        """The calling actor works ``seconds`` of virtual time: it parks, and moves on no sooner (or first
+        meets one of ``faults``). Outside an actor (a kept pass's thread) the clock moves at once."""
+        actor = self._by_thread.get(threading.get_ident())
+        if actor is None:
+            self.advance(seconds, what)
+            return "ok"
+        actor.wake_at = self.now + timedelta(seconds=seconds)
+        verdict = self.boundary("endpoint.works", f"{what} ({seconds:g}s)", faults)
+        _fail_before(verdict, "")
+        return verdict
+
+    def inject(self, kind: str) -> bool:
+        """Whether fault ``kind`` happens to what is not a call (a post the endpoint makes, or not)."""
+        if not self.chaos or kind not in self.profile.kinds or self.xrng.random() >= self.profile.rate:
+            return False
+        self.faults[kind] += 1
+        return True
+
     def _run(self, actor: Actor) -> None:
         self.current = actor
         actor.resume.release()
         self.baton.acquire()
         self.current = None
-        if actor.finished:
-            self.actors.remove(actor)
-            self._by_thread.pop(actor.thread.ident or 0, None)
-            actor.thread.join()
+        for done in [a for a in self.actors if a.finished]:  # it, and any endpoint thread it started that ended
+            self._reap(done)
 
     def _resume(self, actor: Actor) -> None:
         assert actor.at is not None
@@ -440,28 +619,53 @@ class Simulation:
         apps = [workload.build_app(spec, self, master_key=self.master, seen=self.seen) for _ in range(2)]
         self.invoker.endpoints[url] = apps
         self.spec_at[url] = spec
-        return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), frozenset(SDK_FEATURES))
+        if (
+            spec.release and self.new_dispatch and self.xrng.random() < 0.2
+        ):  # a release served another way (on Lambda: inline), or back
+            self.acknowledging = not self.acknowledging
+        features = frozenset(f for f in SDK_FEATURES if f != "acknowledge" or self.acknowledging)
+        return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), features)
 
     # ---- what a release's code reaches of the world (workload.Hooks) ------------------------------------
 
     def effect(self, step_id: str, phase: str, received: Any = None) -> int:
-        request = self.request
-        assert request is not None, "a callback ran outside a request"
+        serving = SERVING.get()
+        assert serving is not None, "a callback ran outside a request"
+        request, spec, job = serving
         key = (request.run_id, step_id, phase)
         before = self.executions[key]
         self.executions[key] += 1
-        build = f"b{self.serving.release}" if self.serving is not None else None
+        build = f"b{spec.release}"
         self.check.effect(request, step_id, phase, build, received)
         self.note(f"  effect {request.run_id} {step_id} {phase} #{before + 1}")
+        if job is not None and job.slow:  # on an endpoint thread: it runs past acknowledge_after_s
+            self.sleep(round(self.xrng.uniform(0.3, 8.0), 1), "the callback runs", CALLBACK_FAULTS[:1])
         return before
 
     def takes(self, seconds: float) -> None:
         self.cases["callback took time"] += 1
-        self.advance(seconds, "the callback runs")
+        serving = SERVING.get()
+        if serving is not None and serving[2] is not None:
+            self.sleep(seconds, "the callback runs", CALLBACK_FAULTS[:1])
+        else:
+            self.advance(seconds, "the callback runs")
+
+    def pause(self, seconds: float) -> None:
+        serving = SERVING.get()
+        self.cases["a long step worked between heartbeats"] += 1
+        if serving is None or serving[2] is None:  # the dispatcher waits for it (a release that does not acknowledge)
+            self.advance(seconds, "the callback works before its next heartbeat")
+            return
+        if self.sleep(seconds, "the callback works before its next heartbeat", CALLBACK_FAULTS) == "callback_silent":
+            raise Silent()
+
+    def stop_seen(self, kind: str) -> None:
+        self.cases[f"a heartbeat raised StopRequested ({kind}): the callback returned early"] += 1
 
     def order_cancelled(self) -> bool:
-        request = self.request
-        assert request is not None, "the guard read the order outside a request"
+        serving = SERVING.get()
+        assert serving is not None, "the guard read the order outside a request"
+        request = serving[0]
         cancelled = request.run_id in self.cancelled_orders
         if cancelled:
             self.cases[f"guard returned early in a {request.kind.value} pass"] += 1
@@ -473,15 +677,17 @@ class Simulation:
     # ---- what the scheduler can do ----------------------------------------------------------------------
 
     def _choices(self) -> list[tuple[float, str, Any]]:
-        choices: list[tuple[float, str, Any]] = [(4.0, "resume", actor) for actor in self.actors]
-        if len(self.actors) < MAX_ACTORS:
+        choices: list[tuple[float, str, Any]] = [
+            (4.0, "resume", actor) for actor in self.actors if actor.wake_at is None or actor.wake_at <= self.now
+        ]
+        if sum(not a.endpoint for a in self.actors) < MAX_ACTORS:
             visible = self.queue.visible()
             if visible:
                 choices.append((3.0, "dispatch", visible))
             due = self.timers.due()
             if due:
                 choices.append((2.0, "timer", due))
-            if self.held:
+            if any(h.due <= self.now for h in self.held):
                 choices.append((0.5, "late result", None))
             if self.starts:
                 choices.append((1.0, "client retries", None))
@@ -489,11 +695,16 @@ class Simulation:
                 choices.append((1.0, "sweep", None))
             if self.chaos and self.profile.operators:
                 choices.append((0.2, "operator", None))
+                if self._long_steps_running():  # so that a stop reaches a callback through its heartbeat now and then
+                    choices.append((0.3, "operator cancels a run whose long step runs", None))
             if self.chaos and self.profile.releases and self.releases < 3:
-                choices.append((0.05, "release", None))
+                # more often while an acknowledged outcome carrying ``next`` is on its way (is it still trusted?)
+                nexts = any(h.acknowledged is not None and h.acknowledged.next is not None for h in self.held)
+                choices.append((0.3 if nexts else 0.05, "release", None))
         if self.chaos and "store_outage" in self.profile.kinds and self.outage_until is None:
             choices.append((0.03, "store outage", None))
-        if self.chaos:
+        if self.chaos and not (self.profile.is_clean and self._endpoint_busy()):
+            # a fault-free seed's acknowledged outcomes arrive within their leases: no time passes meanwhile
             choices.append((0.3, "time passes", None))
             if self.profile.jumps:
                 choices.append((0.02, "clock jumps", None))
@@ -533,6 +744,10 @@ class Simulation:
             self.spawn("sweeper", lambda: self._sweep(engine))
         elif what == "operator":
             self._operator()
+        elif what == "operator cancels a run whose long step runs":
+            run_id = self.rng.choice(self._long_steps_running())
+            engine = self.rng.choice(self.engines)
+            self.spawn(f"operator: cancel {run_id}", lambda: _refused_ok(lambda: engine.cancel(run_id)))
         elif what == "release":
             self._release()
         elif what == "store outage":
@@ -597,12 +812,36 @@ class Simulation:
             self.faults["fired_twice"] += 1
             self.queue.put(TimerMessage(timer=timer), self.rng.uniform(0, 30))
 
+    def _long_steps_running(self) -> list[str]:
+        """Runs (not yet stopping) whose forward attempt of a step that heartbeats runs on an endpoint thread."""
+        runs = []
+        for actor in self.actors:
+            job = actor.job
+            if job is None or job.request.operation is None or job.request.operation.phase is not Phase.FORWARD:
+                continue
+            step = job.spec.step_spec(job.request.step_id or "")
+            state = self.store.peek(job.request.run_id)
+            if step is not None and step.beats and state is not None and state.stop_intent is None:
+                runs.append(job.request.run_id)
+        return sorted(set(runs))
+
+    def _endpoint_busy(self) -> bool:
+        """An acknowledged attempt's callback still runs, or its outcome is on its way."""
+        return any(a.endpoint for a in self.actors) or any(h.acknowledged is not None for h in self.held)
+
     def _late_result(self) -> None:
-        held = self.rng.choice(self.held)
+        held = self.rng.choice([h for h in self.held if h.due <= self.now])
         held.times -= 1
         if held.times <= 0:
             self.held.remove(held)
         engine = self.rng.choice(self.engines)
+        if held.acknowledged is not None:
+            late = held.acknowledged
+            self.spawn(
+                f"result endpoint [{late.run_id} {late.step_id} {late.phase.value} #{late.generation}]",
+                lambda: self._submit_acknowledged(engine, held),
+            )
+            return
         self.spawn("result endpoint", lambda: self._submit(engine, held))
 
     def _submit(self, engine: Engine, held: Held) -> None:
@@ -610,6 +849,64 @@ class Simulation:
             engine.submit_late_result(held.body, held.headers)
         except ServerError as exc:
             self.note(f"result endpoint: refused: {exc.code}")
+
+    def _submit_acknowledged(self, engine: Engine, held: Held) -> None:
+        """The SDK posts an acknowledged attempt's outcome (``_deliver_acknowledged``): signed afresh each try,
+        tried again after a server error or a dropped connection (the result endpoint's process died), for
+        about 16 minutes; a refusal (4xx) is final."""
+        late = held.acknowledged
+        assert late is not None
+        actor = self._by_thread[threading.get_ident()]
+        key: Key = (late.run_id, late.step_id, late.phase.value, late.generation)
+        actor.posting = (key, late.attempt.type)
+        self._next_figures(late)
+        body = late.model_dump_json(exclude_none=True).encode()
+        scope = late_result_scope(late, path=url_path(RESULT_URL), app_id=workload.APP_ID)
+        nonce = f"{self.xrng.getrandbits(128):032x}"
+        header = sign(app_key(self.master, workload.APP_ID), scope, body, now=time.time(), nonce=nonce)
+        try:
+            engine.submit_late_result(body, {SIGNATURE_HEADER: header})
+        except Killed:
+            raise
+        except ServerError as exc:
+            if exc.status < 500:
+                self.note(f"result endpoint: refused: {exc.code}")
+                self.cases[f"acknowledged outcome refused ({exc.code})"] += 1
+                return
+            self._post_again(held, f"{type(exc).__name__}: {exc}")
+        except (Crash, InjectedError) as exc:
+            self._post_again(held, f"the result endpoint failed ({type(exc).__name__})")
+            raise
+        else:
+            self.cases["acknowledged outcome posted and taken"] += 1
+        finally:
+            actor.posting = None
+
+    def _post_again(self, held: Held, why: str) -> None:
+        if held.tries >= len(ACKNOWLEDGED_DELAYS_S):
+            self.note(f"result endpoint: the SDK gives up on the outcome ({why})")
+            self.cases["acknowledged outcome given up after the SDK's retries"] += 1
+            return
+        delay = ACKNOWLEDGED_DELAYS_S[held.tries]
+        self.held.append(replace(held, times=1, due=self.now + timedelta(seconds=delay), tries=held.tries + 1))
+        self.note(f"result endpoint: {why}; the SDK posts again in {delay:g}s")
+        self.cases["acknowledged outcome posted again after a server error"] += 1
+
+    def _next_figures(self, late: LateResult) -> None:
+        """How often a posted outcome's ``next`` is one the server may use (the attempt's build is the newest
+        release's), and how often a release was synced in between."""
+        if late.next is None:
+            return
+        state = self.store.peek(late.run_id)
+        step = state.step(late.step_id) if state is not None else None
+        attempt = step.attempt(late.phase, late.generation) if step is not None else None
+        newest = self.store.inner.get_release(workload.FUNCTION_ID)
+        if attempt is None or newest is None:
+            return
+        if attempt.build_id == late.build_id == newest.build_id:
+            self.cases["acknowledged outcome posted with next, from the newest release's build"] += 1
+        else:
+            self.cases["acknowledged outcome posted with next, a release synced since (next not to be used)"] += 1
 
     def start_runs(self) -> None:
         for i in range(self.profile.runs):
@@ -793,7 +1090,11 @@ class Simulation:
             if self._all_settled():
                 return
             unsettled = self._unsettled()
-            due = [t for t in (self.queue.next_visible_at(), self.timers.next_due_at()) if t is not None]
+            due = [
+                t
+                for t in (self.queue.next_visible_at(), self.timers.next_due_at(), self._endpoint_due_at())
+                if t is not None
+            ]
             if due and min(due) <= self.now + timedelta(days=2):
                 target = max(self.now, min(due))
             else:  # nothing is on its way: only the sweeper can find what was lost, at a run's check time
@@ -848,9 +1149,22 @@ class Simulation:
         assert state is not None
         return state.model_copy(update={"probe_due_at": None}).work_due_at()
 
+    def _endpoint_due_at(self) -> datetime | None:
+        """When an endpoint thread next moves on, or an outcome is next posted."""
+        moments = [a.wake_at for a in self.actors if a.wake_at is not None]
+        moments += [h.due for h in self.held if h.acknowledged is not None]
+        return min(moments, default=None)
+
     def _all_settled(self) -> bool:
         deferred = any(isinstance(m.body, DeferredMessage) for m in self.queue.messages.values())
-        return not self.actors and not deferred and len(self.run_ids) == self.profile.runs and not self._unsettled()
+        posts = any(h.acknowledged is not None for h in self.held)  # every outcome posted is delivered (or refused)
+        return (
+            not self.actors
+            and not deferred
+            and not posts
+            and len(self.run_ids) == self.profile.runs
+            and not self._unsettled()
+        )
 
     def _remedies_worked(self) -> None:
         """After the operator did what each blocker said, no run waits on an Unknown, and none waits on nothing;
@@ -911,6 +1225,17 @@ class Simulation:
 
     def _spawn_rediscover(self, engine: Engine, run_id: str) -> None:
         self.spawn(f"operator: rediscover {run_id}", lambda: _refused_ok(lambda: engine.rediscover(run_id)))
+
+
+def _acknowledges(request: TaskRequest) -> bool:
+    """The SDK's ``_acknowledges``, for an endpoint that is not on Lambda."""
+    return (
+        request.acknowledge_after_s is not None
+        and request.kind is not TaskKind.DISCOVER
+        and request.operation is not None
+        and request.step_id is not None
+        and request.result_url is not None
+    )
 
 
 def _fail_before(verdict: str, failure: str, error: type[Exception] = InjectedError) -> None:
@@ -1153,11 +1478,23 @@ class SimTimers:
 
 
 class SimInvoker:
-    """HTTP to the user's endpoint: each release is served at its own URL by two instances."""
+    """HTTP to the user's endpoint: each release is served at its own URL by two instances.
+
+    An attempt whose request carries ``acknowledge_after_s`` is served as the SDK's threaded endpoint serves it
+    (``_serve_acknowledging``), with an actor for the thread: it starts as the request arrives and runs until it
+    first has to wait (its callback works, or heartbeats); if it ended by then its outcome is the answer, else the
+    answer is a signed ``202 accepted`` and the outcome is posted to the result endpoint when it ends. Heartbeats,
+    from either kind of endpoint, go to the engine's ``submit_heartbeat`` as the result endpoint's."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.endpoints: dict[str, list[Any]] = {}
+        self.waiting = ServeOptions(heartbeats=self._heartbeat, heartbeats_throttled=False)
+        """How an endpoint the dispatcher waits on serves (kept passes, as an app serves by itself)."""
+        self.threaded = ServeOptions(kept_passes=False, heartbeats=self._heartbeat, heartbeats_throttled=False)
+        """How an acknowledging endpoint runs an attempt on its thread (the simulator's actor)."""
+        self.last_accepted: HandlerResponse | None = None
+        """The last signed ``accepted`` an endpoint gave (a replay of it is a fault)."""
 
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult:
         sim = self.sim
@@ -1179,6 +1516,11 @@ class SimInvoker:
         if verdict == "duplicate_request":  # the network delivers the request twice (maybe to the other instance)
             again = self._serve(apps[sim.rng.randrange(len(apps))], url, request, headers, body)
             sim.note(f"  a duplicate of the request got HTTP {again.status}")
+        replayed = self.last_accepted
+        if request.operation is not None and replayed not in (None, response) and sim.inject("accepted_replayed"):
+            assert replayed is not None
+            sim.note("  the answer is replaced by the signed accepted another request got")
+            response = replayed
         answer = sim.boundary("http.response", f"{what} -> HTTP {response.status}", ANSWER_FAULTS)
         if answer == "crash_after":
             raise Crash()
@@ -1192,16 +1534,124 @@ class SimInvoker:
         return InvokeResult(kind="response", status=response.status, headers=response.headers, body=response.body)
 
     def _serve(self, app: Any, url: str, request: TaskRequest, headers: dict[str, str], body: bytes) -> Any:
-        sim = self.sim
-        sim.request, sim.serving = request, sim.spec_at[url]
+        spec = self.sim.spec_at[url]
+        if _acknowledges(request):
+            return self._serve_acknowledging(app, url, spec, headers, body)
+        token = SERVING.set((request, spec, None))
         try:
-            response = app.handle("POST", headers, body, path=url_path(url))
+            response = app._serve("POST", headers, body, url_path(url), app.signing_keys, options=self.waiting)
         finally:
-            sim.request = None
-        spec, sim.serving = sim.serving, None
+            SERVING.reset(token)
         if response.status == 200 and request.operation is not None and request.step_id is not None:
             self._record(request, spec, TaskResponse.model_validate_json(response.body))
         return response
+
+    def _serve_acknowledging(
+        self, app: Any, url: str, spec: workload.WorkflowSpec, headers: dict[str, str], body: bytes
+    ) -> HandlerResponse:
+        """``Ryusen._serve_acknowledging``, with an actor for the attempt's thread: the outcome is the answer if
+        the attempt ended before it had to wait for anything, else the answer is ``accepted``."""
+        sim = self.sim
+        admitted = app._admit("POST", headers, body, url_path(url), app.signing_keys)
+        if isinstance(admitted, HandlerResponse):
+            return admitted  # refused (a replayed request, a bad signature): nothing runs
+        sent, answering = admitted
+        request = app.memo_cache.resolve(sent)
+        if request is None:
+            return app._reply(200, encode_response(_memo_miss(sent)), answering)  # type: ignore[no-any-return]
+        window = ResponseWindow.of(request, arrived=time.monotonic(), wall=app.clock())
+        job = Job(request, spec, slow=sim.xrng.random() < 0.6)
+        op = request.operation
+        assert op is not None
+        name = f"endpoint r{spec.release} [{request.run_id} {request.step_id} {op.phase.value} #{op.generation}]"
+        sim.fork(name, lambda: self._work(app, job, sent, window), job)
+        if job.finished:  # within acknowledge_after_s: answered as any request is
+            outcome = job.outcome
+            if isinstance(outcome, CallbackInterruptedError):
+                return app._error(500, "callback_interrupted", str(outcome), answering)  # type: ignore[no-any-return]
+            assert outcome is not None
+            sim.cases["acknowledgeable attempt answered inline"] += 1
+            self._record(request, spec, outcome)
+            return app._reply(200, encode_response(outcome), answering)  # type: ignore[no-any-return]
+        job.accepted = True
+        sim.accepted_by_endpoint.add(job.key)
+        sim.cases["attempt answered 202 accepted"] += 1
+        accepted = TaskResponse(kind=request.kind, run_id=request.run_id, accepted=True)
+        response: HandlerResponse = app._reply(202, encode_response(accepted), answering)
+        self.last_accepted = response
+        return response
+
+    def _work(self, app: Any, job: Job, sent: TaskRequest, window: ResponseWindow) -> None:
+        """The endpoint's thread for one attempt: run it, and post its outcome if the answer said ``accepted``."""
+        sim = self.sim
+        token = SERVING.set((job.request, job.spec, job))
+        beating = SINK.set(app._heartbeat_sink(job.request, self.threaded, app.signing_keys))
+        outcome: TaskResponse | CallbackInterruptedError | None
+        try:
+            outcome = app.execute(job.request, sent, options=self.threaded, window=window)
+        except CallbackInterruptedError as exc:
+            outcome = exc
+        except Silent:
+            sim.note("  the callback went silent: no heartbeat, no outcome, ever")
+            sim.cases["a long step's callback went silent"] += 1
+            outcome = None
+        finally:
+            SINK.reset(beating)
+            SERVING.reset(token)
+        job.finished, job.outcome = True, outcome
+        if job.accepted:
+            self._post(app, job)
+
+    def _post(self, app: Any, job: Job) -> None:
+        """``Ryusen._deliver_acknowledged``: the outcome, with what the replay found next and the build that found
+        it, goes to the result endpoint (an actor of its own, when the scheduler lets it)."""
+        sim, outcome = self.sim, job.outcome
+        if outcome is None:
+            return
+        if isinstance(outcome, CallbackInterruptedError) or outcome.attempt is None:
+            sim.note(f"  {job.key} was acknowledged and ended with no outcome: its lease will say Unknown")
+            return
+        self._record(job.request, job.spec, outcome)
+        op = job.request.operation
+        assert op is not None and job.request.step_id is not None
+        late = LateResult(
+            run_id=job.request.run_id,
+            step_id=job.request.step_id,
+            phase=op.phase,
+            generation=op.generation,
+            attempt=outcome.attempt,
+            next=outcome.next,
+            build_id=app.build_id if outcome.next is not None else None,
+        )
+        if sim.inject("post_lost"):
+            sim.note(f"  the endpoint dies before it posts the outcome of {job.key}")
+            return
+        due = sim.now + timedelta(seconds=sim.xrng.uniform(5, 120) if sim.inject("post_delayed") else 0.0)
+        times = 2 if sim.inject("post_doubled") else 1
+        sim.held.append(Held(b"", {}, times=times, due=due, acknowledged=late))
+        sim.note(f"  the outcome of {job.key} ({outcome.attempt.type}) is posted" + (" twice" if times > 1 else ""))
+
+    def _heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> HeartbeatReply | None:
+        """A callback's heartbeat, posted to the result endpoint (its own process: its failure is not the
+        caller's); its reply, or None when it did not arrive or its reply was lost."""
+        sim = self.sim
+        what = f"POST {RESULT_URL} heartbeat {beat.run_id} {beat.step_id} {beat.phase.value} #{beat.generation}"
+        verdict = sim.boundary("http.heartbeat", what, HEARTBEAT_FAULTS)
+        if verdict == "heartbeat_lost":
+            return None
+        engine = sim.engines[sim.xrng.randrange(len(sim.engines))]
+        try:
+            reply = engine.submit_heartbeat(beat.model_dump_json().encode(), headers)
+        except Killed:
+            raise
+        except (Crash, InjectedError, ServerError) as exc:
+            sim.note(f"  the heartbeat was not taken ({type(exc).__name__}: {exc})")
+            return None
+        sim.check.heartbeat_replied(beat, reply)
+        sim.cases["heartbeat taken" if reply.current else "heartbeat of an attempt no longer in flight"] += 1
+        if verdict == "heartbeat_reply_lost":
+            return None
+        return reply
 
     def _record(self, request: TaskRequest, spec: workload.WorkflowSpec, response: TaskResponse) -> None:
         """What the endpoint answered to an attempt, and what the code that answered says about its step."""

@@ -389,7 +389,7 @@ class _Transition:
                         self.settle(attempt, AttemptStatus.FENCED, detail="never sent; fenced by the stop intent")
                         step.status = StepStatus.FENCED
                         return self.evaluate_recovery()
-                    self.reauthorize(attempt, self.timeout_s(step, phase))
+                    self.reauthorize(attempt, self.timeout_s(step, phase), step.heartbeat_s)
                 self.commands.append(InvokeTask(task=task))
                 return None
 
@@ -397,13 +397,18 @@ class _Transition:
         """Authorized by a delivery this one claims (a deferring dispatcher that never sent it)."""
         return task.status is AttemptStatus.AUTHORIZED and task.delivery_id in self.claims
 
-    def reauthorize(self, task: DiscoveryTask | Attempt, timeout_s: float) -> None:
-        """A claimed task, authorized afresh for this delivery: its window starts now."""
+    def reauthorize(self, task: DiscoveryTask | Attempt, timeout_s: float, heartbeat_s: float | None = None) -> None:
+        """A claimed task, authorized afresh for this delivery: its window starts now. An attempt's lease is what
+        ``authorize_attempt`` gave it: at most one heartbeat interval (decision 33), and the grace of the release
+        it was authorized with (``acknowledged_lease_grace_s`` for one that acknowledges)."""
         task.delivery_id = self.delivery_id
         task.authorized_at = self.now
+        grace = self.settings.lease_grace_s
         if isinstance(task, Attempt):
             task.respond_by = self.now + timedelta(seconds=timeout_s)
-        task.lease_expires_at = self.now + timedelta(seconds=timeout_s + self.settings.lease_grace_s)
+            grace = task.lease_grace_s if task.lease_grace_s is not None else grace
+        silent_s = timeout_s if heartbeat_s is None else min(timeout_s, heartbeat_s)
+        task.lease_expires_at = self.now + timedelta(seconds=silent_s + grace)
         self.touch()
 
     def owns(self, task: DiscoveryTask | Attempt) -> bool:
