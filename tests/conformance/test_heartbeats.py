@@ -222,7 +222,7 @@ def test_a_heartbeat_not_signed_by_the_runs_app_is_refused_and_changes_nothing()
     def long(data: Any, step: Step) -> Any:
         def work() -> str:
             held.append(run_id)
-            beat = Heartbeat(run_id=run_id, step_id="work", phase=Phase.FORWARD, generation=1, details="forged")
+            beat = Heartbeat(run_id=run_id, step_id="work", phase=Phase.FORWARD, generation=1, seq=1, details="forged")
             body = beat.model_dump_json().encode()
             before = env.store.get(run_id)
             scope = heartbeat_scope(beat, path="/v1/results", app_id="victim")
@@ -242,3 +242,36 @@ def test_a_heartbeat_not_signed_by_the_runs_app_is_refused_and_changes_nothing()
     run_id = env.start("long")
     run = env.wait(run_id)
     assert held and run.outcome == "completed" and run.attempts("work")[0]["heartbeat"] is None
+
+
+def test_a_steps_heartbeat_binds_its_forward_callback_not_its_compensator() -> None:
+    """``heartbeat=`` is declared for the callback: the compensator, which need not heartbeat, is bounded by its
+    ``compensate_timeout`` only (the simulator found compensators Unknown one interval after they started)."""
+    app = Ryusen("refunds")
+    leases: list[tuple[datetime, datetime]] = []
+    env: WorkflowEnvironment
+
+    def refund(charge: Any) -> str:
+        state = env.store.get(run_id)
+        assert state is not None and state.step("charge") is not None
+        attempt = state.step("charge").current(Phase.COMPENSATION)  # type: ignore[union-attr]
+        leases.append((env.clock.now, attempt.lease_expires_at))
+        return "refunded"
+
+    @app.function("pay")
+    def pay(data: Any, step: Step) -> Any:
+        step.run(
+            "charge",
+            lambda: {"charge": 1},
+            compensate=refund,
+            heartbeat=timedelta(seconds=10),
+            compensate_timeout=timedelta(minutes=5),
+        )
+        raise RuntimeError("the order was refused")
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("pay")
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated"
+    [(now, lease)] = leases
+    assert lease >= now + timedelta(minutes=5)  # not the 10 s heartbeat's

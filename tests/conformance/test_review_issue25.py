@@ -141,7 +141,7 @@ def test_review25_heartbeat_details_that_are_not_storable_json_are_refused(detai
     env, app, run_id = long_step_in_flight()
     body = (
         f'{{"kind": "heartbeat", "run_id": "{run_id}", "step_id": "encode", "phase": "forward",'
-        f' "generation": 1, "details": {details}}}'
+        f' "generation": 1, "seq": 1, "details": {details}}}'
     ).encode()
     before = env.store.peek(run_id)
     with pytest.raises(InvalidRequestError):
@@ -219,7 +219,7 @@ def test_review25_a_replayed_heartbeat_does_not_extend_the_lease_again() -> None
     env, app, run_id = long_step_in_flight(heartbeat_s=10.0)
     body = (
         f'{{"kind": "heartbeat", "run_id": "{run_id}", "step_id": "encode", "phase": "forward",'
-        f' "generation": 1, "details": {{"progress": 0.1}}}}'
+        f' "generation": 1, "seq": 1, "details": {{"progress": 0.1}}}}'
     ).encode()
     headers = signed_heartbeat(env, app.app_id, body)
     env.engine.submit_heartbeat(body, headers)  # the genuine one

@@ -237,11 +237,11 @@ class Checker:
         if lease is not None and a.respond_by is not None and grace is not None and a.authorized_at is not None:
             if lease > a.respond_by + timedelta(seconds=grace):
                 self.fail(f"{what}: its lease runs to {lease}, past respond_by {a.respond_by} + {grace:g}s grace")
-            if step.heartbeat_s is not None:
+            if (beat_s := step.heartbeat_for(a.phase)) is not None:  # the forward callback's heartbeat only
                 since = max(a.authorized_at, self.last_beat.get(key, a.authorized_at))
-                if lease > since + timedelta(seconds=step.heartbeat_s + grace):
+                if lease > since + timedelta(seconds=beat_s + grace):
                     self.fail(
-                        f"{what}: its lease runs to {lease}, more than one heartbeat ({step.heartbeat_s:g}s) and the"
+                        f"{what}: its lease runs to {lease}, more than one heartbeat ({beat_s:g}s) and the"
                         f" grace after {since} (its start, or its latest heartbeat)"
                     )
         if (

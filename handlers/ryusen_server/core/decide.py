@@ -153,11 +153,12 @@ def lease_expired(step: StepState, attempt: Attempt) -> str:
     if attempt.authorized_at is None or attempt.respond_by is None or attempt.lease_expires_at is None:
         return "the attempt's lease expired with no result"
     timeout = (attempt.respond_by - attempt.authorized_at).total_seconds()
-    if attempt.lease_expires_at < attempt.respond_by and step.heartbeat_s is not None:
+    beat_s = step.heartbeat_for(attempt.phase)
+    if attempt.lease_expires_at < attempt.respond_by and beat_s is not None:
         since = attempt.heartbeat_at or attempt.authorized_at
-        grace = (attempt.lease_expires_at - since).total_seconds() - step.heartbeat_s
+        grace = (attempt.lease_expires_at - since).total_seconds() - beat_s
         return (
-            f"no heartbeat within the step's heartbeat of {step.heartbeat_s:g}s (+{grace:g}s grace)"
+            f"no heartbeat within the step's heartbeat of {beat_s:g}s (+{grace:g}s grace)"
             f" {'since the last one' if attempt.heartbeat_at else 'since it started'}: its lease expired"
         )
     grace = (attempt.lease_expires_at - attempt.respond_by).total_seconds()
@@ -389,7 +390,7 @@ class _Transition:
                         self.settle(attempt, AttemptStatus.FENCED, detail="never sent; fenced by the stop intent")
                         step.status = StepStatus.FENCED
                         return self.evaluate_recovery()
-                    self.reauthorize(attempt, self.timeout_s(step, phase), step.heartbeat_s)
+                    self.reauthorize(attempt, self.timeout_s(step, phase), step.heartbeat_for(phase))
                 self.commands.append(InvokeTask(task=task))
                 return None
 
@@ -677,7 +678,8 @@ class _Transition:
         attempt.authorized_at = self.now
         attempt.respond_by = self.now + timedelta(seconds=timeout)
         grace = self.settings.acknowledged_lease_grace_s if release.acknowledges else self.settings.lease_grace_s
-        silent_s = timeout if step.heartbeat_s is None else min(timeout, step.heartbeat_s)  # decision 33
+        beat_s = step.heartbeat_for(phase)  # decision 33
+        silent_s = timeout if beat_s is None else min(timeout, beat_s)
         attempt.lease_grace_s = grace
         attempt.lease_expires_at = self.now + timedelta(seconds=silent_s + grace)
         attempt.release_id, attempt.build_id = release.release_id, release.build_id
@@ -1332,9 +1334,9 @@ class _Transition:
         attempt.heartbeat_at = self.now
         attempt.heartbeat_details = event.details
         attempt.heartbeat_seq = max(attempt.heartbeat_seq, event.seq)
-        if step.heartbeat_s is not None:
+        if (beat_s := step.heartbeat_for(event.phase)) is not None:
             grace = timedelta(seconds=attempt.lease_grace_s or 0.0)
-            until = min(attempt.respond_by, self.now + timedelta(seconds=step.heartbeat_s)) + grace
+            until = min(attempt.respond_by, self.now + timedelta(seconds=beat_s)) + grace
             attempt.lease_expires_at = max(attempt.lease_expires_at, until)
         self.touch()
         return self.ignore("heartbeat")

@@ -211,6 +211,12 @@ class StepState(_State):
     compensate_timeout_s: float | None = None
     heartbeat_s: float | None = None
     """Decision 33: an attempt silent for longer than this (no heartbeat) is Unknown before its timeout."""
+
+    def heartbeat_for(self, phase: Phase) -> float | None:
+        """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``
+        declares it for the callback); a compensator is bounded by its ``compensate_timeout`` only."""
+        return self.heartbeat_s if phase is Phase.FORWARD else None
+
     status: StepStatus = StepStatus.PENDING
     result: Any = None
     error: ErrorInfo | None = None

@@ -607,7 +607,7 @@ class Heartbeat(_Wire):
     step_id: str
     phase: Phase
     generation: int
-    seq: int = Field(default=0, ge=0, le=2**53)
+    seq: int = Field(ge=1, le=2**53)
     """Counts the attempt's posted heartbeats from 1: the server takes each once, in order, so a heartbeat sent
     again (a retry, or a replay by whoever captured it) extends nothing."""
     details: Any = None
