@@ -287,8 +287,8 @@ RELEASE_RECHECK_S = 1.0
 ACKNOWLEDGE_AFTER_S = 0.1
 """The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
 RESULT_CARRY_ON_S = 10.0
-LEASE_TIMER_SLACK_S = 5.0
-"""How long after the result function's carrying on should have ended its lease-timer message comes back."""
+LEASE_TIMER_MAX_DELAY_S = 900.0
+"""SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
 
@@ -442,6 +442,9 @@ class Delivered:
 
     done: bool
     redeliver_after_s: float = 0.0
+    in_flight: TaskRef | None = None
+    """The attempt left in flight when the message is kept as its lease timer (it was answered ``accepted``, or
+    its dispatcher stopped listening)."""
 
 
 class Engine:
@@ -977,12 +980,16 @@ class Engine:
             # The endpoint runs the callback and will post its outcome to the result URL: nothing to record, and
             # no waiting. This message, the lease timer, comes back when the lease expires.
             self._emit("acknowledged", task)
-            return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
+            return Delivered(
+                done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()), in_flight=task
+            )
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
-            return Delivered(done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()))
+            return Delivered(
+                done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()), in_flight=task
+            )
         if result.kind == "timed_out":
             result = replace(result, detail=window.no_response())  # the declared timeout, not the socket's
         chaining = self.may_chain(deadline, chain_until)
@@ -1304,17 +1311,15 @@ class Engine:
         decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
-        # No message was received here to hold the lease of a task authorized now: one is sent before the task is
-        # invoked, as the run's lease timer (docs/design/dispatch.md). It comes back when that task's lease ends or
-        # when this carrying on is over, whichever is first, and from then on follows the lease of whatever the
-        # run has in flight (reemit_stalled): a task this function authorized and never invoked (it died), or one
-        # that goes silent, is Unknown within a few seconds of its lease's end.
-        if (invoke := next((c for c in decision.commands if isinstance(c, InvokeTask)), None)) is not None:
-            lease_at = _window(decision.state, invoke.task, self.settings.engine).lease_at
-            wait_s = max(1.0, (lease_at - self.clock()).total_seconds())
-            wait_s = min(wait_s, RESULT_CARRY_ON_S + LEASE_TIMER_SLACK_S)
-            self.queue.send(invoke.task, wait_s, app_id=decision.state.app_id)
-        self._carry_on(decision, release, deadline, None, chain_until=carry_until)
+        delivered = self._carry_on(decision, release, deadline, None, chain_until=carry_until)
+        if delivered.in_flight is not None and delivered.in_flight.kind is not TaskKind.DISCOVER:
+            # No message was received here to be the lease timer of the attempt this left in flight (answered
+            # "accepted"): it gets one of its own, which comes back when its lease ends (later, if heartbeats
+            # extended it) and is done once the attempt is settled (docs/design/dispatch.md). An attempt this
+            # function authorized and died before invoking or hearing from is noticed by the sweeper.
+            wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
+            timer = delivered.in_flight.model_copy(update={"lease_timer": True})
+            self.queue.send(timer, wait_s, app_id=decision.state.app_id)
         return decision
 
     def _verified_late_result(

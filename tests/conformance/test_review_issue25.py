@@ -199,9 +199,12 @@ def test_review25_a_task_the_result_function_authorized_has_a_lease_timer() -> N
         env.engine.submit_result(late.model_dump_json().encode(), env._signed_late_result(app.app_id, late))
     [ship] = attempts(env, run_id, "ship")
     assert ship.status.value == "authorized" and ship.lease_expires_at is not None
-    # a deployment: messages and timers as due, and the sweeper every minute; two minutes past ship's lease
-    # (heartbeat 10 s + grace 3 s) the silent attempt must be Unknown
-    deadline = ship.lease_expires_at + timedelta(minutes=2)
+    # a deployment: messages and timers as due, and the sweeper every minute. The result function died between its
+    # write and the invocation, so no lease timer was sent for ship (one is sent only for an attempt left in flight,
+    # answered "accepted": tests/infra/test_stack_in_a_box.py): the sweeper notices, within its grace (300 s) and
+    # its period past the lease, as docs/design/dispatch.md says (it was never noticed before: the kit has no sweeper,
+    # and on AWS only after 5-7 minutes by chance of the sweeper's backoff)
+    deadline = ship.lease_expires_at + timedelta(minutes=7)
     while env.clock.now < deadline:
         env.drive(horizon=timedelta(minutes=1))
         env.advance(min(timedelta(minutes=1), deadline - env.clock.now))

@@ -589,10 +589,9 @@ def test_a_long_step_is_acknowledged_and_its_outcome_carries_the_run_on_through_
     encode_at = [s["id"] for s in run["steps"]].index("encode")
     assert [w.function for w in writes if completes_step(w.item, encode_at)] == ["results"]
     calls = deployed.box.calls[before:]
-    # it carried the run on itself: the one message it sent is the lease timer of the step it authorized (notify),
-    # sent before invoking it; no task went through the queue
-    [timer] = [c for c in calls if c.function == "results" and c.operation == "SendMessage"]
-    assert json.loads(timer.params["MessageBody"])["step_id"] == "notify"
+    # it carried the run on itself (notify answered inline, then the run completed): no task went through the queue,
+    # and nothing was left in flight to need a lease timer
+    assert not [c for c in calls if c.function == "results" and c.operation == "SendMessage"]
     assert [s["id"] for s in run["steps"]] == ["fetch", "encode", "notify"]
 
 
@@ -667,3 +666,63 @@ BILLED_PER_STEP = {
     "CreateSchedule",
     "DeleteSchedule",
 }
+
+
+def _relay_app(master: str) -> Any:
+    """Two long steps over WSGI: the first's outcome reaches the result function, which invokes the second itself;
+    the second heartbeats once, then goes silent for ``silent_s`` (a callback stuck, or its process gone)."""
+    from datetime import timedelta
+
+    import ryusen
+    from ryusen import Ryusen, Step
+    from ryusen._internal.signing import app_key
+
+    app = Ryusen("relay", signing_key=app_key(master, "relay"))
+
+    def stuck(silent_s: float) -> dict[str, Any]:
+        ryusen.heartbeat({"progress": 0.1})
+        time.sleep(silent_s)
+        return {"done": True}
+
+    @app.function("relay")
+    def relay(data: dict[str, Any], step: Step) -> Any:
+        step.run("first", lambda: time.sleep(0.5) or {"first": True})
+        return step.run("stuck", stuck, data["silent_s"], timeout=timedelta(minutes=5), heartbeat=timedelta(seconds=2))
+
+    return app
+
+
+@pytest.mark.rfd("H2")
+def test_an_attempt_the_result_function_left_in_flight_has_its_own_lease_timer(deployed: Deployed) -> None:
+    """The result function invokes "stuck" and it is answered "accepted": no dispatch message holds its lease, so
+    the function sends it a lease timer of its own. The callback heartbeats once and goes silent: it is Unknown
+    within its heartbeat (2 s) and the grace (3 s) of that heartbeat, not at its 5-minute timeout, and the outcome
+    it posts later settles it."""
+    from werkzeug.serving import make_server
+
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    server = make_server("127.0.0.1", 0, _relay_app(master).wsgi(), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/"
+        assert deployed.api("PUT", "/v1/apps/relay", {"url": url}).status_code == 200
+        before = len(deployed.box.calls)
+        response = deployed.api("POST", "/v1/functions/relay/runs", {"input": {"silent_s": 12}})
+        assert response.status_code == 201, response.text
+        run = deployed.finished(response.json()["id"], timeout=90)
+    finally:
+        server.shutdown()
+    assert run["outcome"] == "completed" and run["output"] == {"done": True}
+    [attempt] = next(s for s in run["steps"] if s["id"] == "stuck")["attempts"]
+    assert attempt["status"] == "succeeded"  # the late outcome settled it
+    assert attempt["unknown"] and attempt["unknown"]["reason"].startswith("no heartbeat within the step's heartbeat")
+    silent = datetime.fromisoformat(attempt["unknown"]["at"]) - datetime.fromisoformat(attempt["heartbeat"]["at"])
+    assert silent.total_seconds() < 2 + 3 + 3  # the heartbeat, the grace, and the timer's whole-second slack
+    timers = [
+        json.loads(c.params["MessageBody"])
+        for c in deployed.box.calls[before:]
+        if c.function == "results" and c.operation == "SendMessage"
+    ]
+    assert [t.get("step_id") for t in timers if t.get("lease_timer")] == ["stuck"]

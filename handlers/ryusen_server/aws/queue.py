@@ -145,7 +145,7 @@ class SqsQueue:
 
     def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
-        body = task.model_dump_json()
+        body = task.model_dump_json(exclude=None if task.lease_timer else {"lease_timer"})  # as before it existed
         group = message_group(app_id) if app_id is not None and self._fair else None
         if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
             self._hold(delay_s, lambda: self._send_message(body, 0, group))  # to the millisecond, not the second

@@ -566,6 +566,8 @@ class _Transition:
     def attempt_delivered(self, task: TaskRef, release: ReleaseRef | None) -> None:
         phase = task.phase
         assert phase is not None and task.step_id is not None and task.generation is not None
+        if task.lease_timer:
+            return self.lease_timer_delivered(task, phase)
         step = self.step(task.step_id)
         attempt = step.attempt(phase, task.generation) if step else None
         if step is not None and attempt is None and self.retry_is_due(step, phase, task):
@@ -690,6 +692,25 @@ class _Transition:
             step.compensation_status = CompensationStatus.RUNNING
         self.touch()
         self.commands.append(InvokeTask(task=task))
+
+    def lease_timer_delivered(self, task: TaskRef, phase: Phase) -> None:
+        """An attempt's own lease timer: while the attempt is in flight it comes back when the lease ends (later, if
+        heartbeats extended it), and then the attempt is Unknown; once the attempt is settled or replaced it is
+        done, and watches nothing else (one per attempt, not one per run)."""
+        assert task.step_id is not None and task.generation is not None
+        found = self.s.step_index(task.step_id)
+        current = self.s.steps[found].current(phase) if found is not None else None
+        if current is None or current.generation != task.generation or current.status is not AttemptStatus.AUTHORIZED:
+            return self.ignore(f"lease timer of {task.describe()}, which is no longer in flight")
+        assert current.lease_expires_at is not None
+        if self.now < current.lease_expires_at:
+            self.commands.append(RedeliverLater(delay_s=(current.lease_expires_at - self.now).total_seconds()))
+            return self.ignore(f"{task.describe()} is in flight")
+        step = self.step(task.step_id)
+        assert step is not None
+        attempt = step.current(phase)
+        assert attempt is not None
+        return self.outcome_lost(step, attempt, lease_expired(step, attempt))
 
     def retry_is_due(self, step: StepState, phase: Phase, task: TaskRef) -> bool:
         """``task`` is the retry that ``on_unknown="retry"`` planned for the step's Unknown attempt."""

@@ -604,6 +604,10 @@ class TaskRef(BaseModel):
     seq: int | None = None
     step_id: str | None = None
     generation: int | None = None
+    lease_timer: bool = False
+    """Only this attempt's lease timer (the result function's, which no dispatch message holds): it comes back
+    when the lease ends and watches nothing else, where a task's own message follows whatever its run has in
+    flight. Left out of a message when False."""
 
     @property
     def phase(self) -> Phase | None:
