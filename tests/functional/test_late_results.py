@@ -119,3 +119,38 @@ def test_a_result_endpoint_that_stays_down_is_given_up_on_loudly(app: Ryusen, ca
     with caplog.at_level(logging.ERROR, logger="ryusen"):
         app.handle("POST", *reversed(forward_task("http://127.0.0.1:9/v1/results")))  # nothing listens
     assert "could not deliver the late result" in caplog.text and "run_1" in caplog.text
+
+
+# ---- issue 25: an acknowledged attempt's outcome is posted before the process stops (drain) ------------------------
+
+
+def test_a_stopping_server_drains_its_acknowledged_attempts_before_it_goes(endpoint: ResultEndpoint) -> None:
+    """An attempt answered "accepted" runs on after the answer: ``drain`` (called on shutdown: the ASGI lifespan,
+    ``ryusen dev``'s reload) waits until it has ended and its outcome is posted, so a deploy does not leave it
+    Unknown; with too little time it says how many are still running."""
+    app = Ryusen("late", signing_key=KEY)
+
+    @app.function("wf")
+    def wf(data: Any, step: Step) -> Any:
+        return step.run("slow", lambda: time.sleep(0.6) or {"done": True})
+
+    def acknowledged_task(run_id: str) -> tuple[dict[str, str], bytes]:
+        request = TaskRequest(
+            kind=TaskKind.FORWARD,
+            run_id=run_id,
+            function_id="wf",
+            step_id="slow",
+            operation=OperationInfo(id=f"op_{run_id}", phase=Phase.FORWARD, generation=1),
+            result_url=endpoint.url,
+            respond_by=time.time() + 30,
+            acknowledge_after_s=0.05,
+        )
+        body = request.model_dump_json().encode()
+        scope = task_scope(request, path="/", app_id="late")
+        return {SIGNATURE_HEADER: sign(KEY, scope, body, now=time.time(), nonce=secrets.token_hex(16))}, body
+
+    assert app.handle("POST", *acknowledged_task("run_1")).status == 202
+    assert app.drain(0.01) == 1  # still running
+    assert app.drain(10) == 0 and [r["body"]["run_id"] for r in endpoint.received] == ["run_1"]
+    assert endpoint.received[0]["body"]["attempt"] == {"type": "succeeded", "result": {"done": True}}
+    assert app.drain(0) == 0  # nothing left: returns at once

@@ -12,7 +12,9 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     # only a loopback Host: a page rebound to 127.0.0.1 (DNS rebinding) reaches nothing
     server = make_server("127.0.0.1", args.port, loopback_only(app.wsgi(), lambda: args.port), threaded=True)
     print(f"serving app {app.app_id!r} ({args.spec}) on http://127.0.0.1:{args.port}/", flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        # ryusen dev stops this process on a reload or a restart: no new requests, then the attempts answered
+        # "accepted" end and post their outcomes (up to DRAIN_S), so a reload does not make them Unknown
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
+    left = app.drain(DRAIN_S)
+    if left:
+        print(f"ryusen: stopped with {left} acknowledged attempt(s) still running: Unknown at their leases", flush=True)
     return 0
+
+
+DRAIN_S = 4.0
+"""How long a stopping app process waits for its acknowledged attempts (ryusen dev kills it after 5 s)."""
 
 
 if __name__ == "__main__":

@@ -234,6 +234,9 @@ class Ryusen:
         """Signed requests accepted in the last minutes, one played back again is refused: this process's
         memory, or with ``RYUSEN_REPLAY_TABLE`` (or ``seen_requests``) a store every instance shares."""
         self.memo_cache = MemoCache()
+        self._draining = threading.Condition()
+        self._acknowledged_running = 0
+        """Attempts answered ``accepted`` whose outcome is not posted yet (:meth:`drain`)."""
         """The memos this process was sent, for the requests that extend them (the ``memo_cache`` feature)."""
         self.kept_passes = KeptPasses(kept_passes, memos=self.memo_cache)
         """Executions of chained runs' functions waiting at their next step for its attempt, so that it need not
@@ -621,6 +624,29 @@ class Ryusen:
         self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
 
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """Wait, at most ``timeout_s``, until every attempt this process answered ``accepted`` has ended and its
+        outcome has been posted (or given up on); call it when the server shuts down (a deploy, a scale-in), after
+        it stops taking requests: an attempt cut short there is Unknown at its lease's end. Returns how many were
+        still running. ``app.asgi()`` drains on the ASGI lifespan's shutdown; ``ryusen dev`` on a reload."""
+        deadline = time.monotonic() + timeout_s
+        with self._draining:
+            while self._acknowledged_running > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._draining.wait(left)
+            return self._acknowledged_running
+
+    def _acknowledged_started(self) -> None:
+        with self._draining:
+            self._acknowledged_running += 1
+
+    def _acknowledged_ended(self) -> None:
+        with self._draining:
+            self._acknowledged_running -= 1
+            self._draining.notify_all()
+
     def _serve_acknowledging(
         self,
         request: TaskRequest,
@@ -634,7 +660,7 @@ class Ryusen:
         ``accepted`` at once, and the outcome, with what the replay found next, goes to the result URL when the
         attempt ends. Exactly one of the two carries it (``_Acknowledgement``)."""
         assert request.acknowledge_after_s is not None
-        ack = _Acknowledgement()
+        ack = _Acknowledgement(on_accepted=self._acknowledged_started)
 
         def attempt() -> None:
             outcome: TaskResponse | CallbackInterruptedError
@@ -646,7 +672,10 @@ class Ryusen:
                 log.exception("run %s: the attempt's thread failed", request.run_id)
                 outcome = CallbackInterruptedError(f"{type(exc).__name__}: {exc}")
             if ack.finish(outcome):
-                self._deliver_acknowledged(request, outcome)
+                try:
+                    self._deliver_acknowledged(request, outcome)
+                finally:
+                    self._acknowledged_ended()
 
         context = contextvars.copy_context()
         name = f"ryusen-attempt-{request.step_id}"
@@ -670,6 +699,7 @@ class Ryusen:
         done, _ = await asyncio.wait({task}, timeout=request.acknowledge_after_s)
         if not done:
             _ACKNOWLEDGED_TASKS.add(task)  # the loop holds tasks weakly
+            self._acknowledged_started()
 
             def finished(task: asyncio.Task[TaskResponse]) -> None:
                 _ACKNOWLEDGED_TASKS.discard(task)
@@ -682,7 +712,14 @@ class Ryusen:
                     outcome = CallbackInterruptedError(f"{type(exc).__name__}: {exc}")
                 else:
                     outcome = task.result()
-                threading.Thread(target=self._deliver_acknowledged, args=(request, outcome), daemon=True).start()
+
+                def deliver() -> None:
+                    try:
+                        self._deliver_acknowledged(request, outcome)
+                    finally:
+                        self._acknowledged_ended()
+
+                threading.Thread(target=deliver, daemon=True).start()
 
             task.add_done_callback(finished)
             accepted = TaskResponse(kind=request.kind, run_id=request.run_id, accepted=True)
@@ -1163,11 +1200,12 @@ class _Acknowledgement:
     """Who carries an acknowledgeable attempt's outcome: the HTTP answer, if the attempt ends before the answer
     says ``accepted``; otherwise the post to the result URL. Decided once, under a lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_accepted: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._outcome: Any = None
         self._accepted = False
+        self._on_accepted = on_accepted
 
     def finish(self, outcome: Any) -> bool:
         """The attempt ended with ``outcome``: True if the answer already said ``accepted`` (post it)."""
@@ -1183,6 +1221,8 @@ class _Acknowledgement:
             if self._done.is_set():
                 return self._outcome
             self._accepted = True
+            if self._on_accepted is not None:
+                self._on_accepted()  # under the lock: counted before the attempt can finish and post
             return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,10 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+DRAIN_ON_SHUTDOWN_S = 30.0
+"""How long an ASGI server's shutdown waits for attempts answered ``accepted`` to end and post their outcomes."""
+
+
 def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -26,6 +31,8 @@ def asgi_app(app: Ryusen) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
+                    # attempts answered "accepted" end and post their outcomes first (a deploy, a scale-in)
+                    await asyncio.to_thread(app.drain, DRAIN_ON_SHUTDOWN_S)
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
