@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -106,6 +106,9 @@ from .ports import (
 )
 
 log = logging.getLogger("ryusen.engine")
+
+_Posted = TypeVar("_Posted", LateResult, Heartbeat)
+"""What an SDK posts to the result URL unasked."""
 
 MAX_RACES = 50
 WAKES_PER_MESSAGE = 100
@@ -1322,25 +1325,26 @@ class Engine:
             self.queue.send(timer, wait_s, app_id=decision.state.app_id)
         return decision
 
-    def _verified_late_result(
-        self, body: bytes, headers: dict[str, str], *, path: str | None = None
-    ) -> tuple[LateResult, RunState | None]:
-        """A posted outcome, checked: its size, its signature (the app of its run, its scope, the keys read
-        afresh), its values. The run as read for the check (None on an unkeyed server). ``path``: the path it was
-        posted to, which its signature covers (by default the result URL's).
-
-        Before the body is parsed, its size is checked (at most ``MAX_LATE_RESULT_BYTES``) and, on a keyed
-        server, its signature header's form. Every refusal of the signature, whether the run exists or not,
-        is the same answer: a caller without the run's key learns nothing about which runs exist. A late
-        result that verifies is verified again with the keys read afresh, so an emergency rotation refuses the
-        old key at once (a message that does not verify never costs a read of the secret).
-        """
-        if len(body) > MAX_LATE_RESULT_BYTES:
-            raise PayloadTooLargeError(
-                f"a late result is at most {MAX_LATE_RESULT_BYTES} bytes", limit=MAX_LATE_RESULT_BYTES
-            )
+    def _verified_post(
+        self,
+        body: bytes,
+        headers: dict[str, str],
+        model: type[_Posted],
+        scope_of: Callable[..., Scope],
+        *,
+        path: str | None,
+        limit: int,
+        what: str,
+    ) -> tuple[_Posted, RunState | None]:
+        """A message an SDK posted unasked (a late result, a heartbeat), checked in this order: its size, its
+        signature header's form (the body is not parsed without one), its shape, its ids, the key id against the
+        keys of its run's app (the only read), and its signature over its scope at ``path`` (by default the result
+        URL's), with the keys read afresh too, so an emergency rotation refuses the old key at once. Every refusal
+        of the signature, whether the run exists or not, is the same answer: a caller without the run's key learns
+        nothing about which runs exist. The run as read for the check (None on a server with no key)."""
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"a {what} is at most {limit} bytes", limit=limit)
         masters = self.master_keys()
-        state: RunState | None = None
         header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
         signature: Signature | None = None
         if masters:
@@ -1349,27 +1353,36 @@ class Engine:
             except SignatureError:
                 raise _late_result_refused() from None
         try:
-            late = LateResult.model_validate_json(body)
+            posted = model.model_validate_json(body)
         except ValidationError as exc:
             if masters:
                 raise _late_result_refused() from None
-            raise InvalidRequestError("malformed late result", errors=exc.errors(include_url=False)) from None
-        if signature is not None:
-            ids = (late.run_id, late.step_id)
-            if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in ids):
-                raise _late_result_refused()  # no such id: nothing is read
-            state = self.store.get(late.run_id)
-            keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
-            if signature.key_id not in {key_id(key) for key in keys}:
-                raise _late_result_refused()  # no such run, or a key this server does not hold for its app
-            assert state is not None
-            path = path or url_path(self.settings.result_url or "/v1/results")
-            scope = late_result_scope(late, path=path, app_id=state.app_id)
-            try:
-                verify(keys, scope, body, header, now=time.time())
-                verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
-            except SignatureError:
-                raise _late_result_refused() from None
+            raise InvalidRequestError(f"malformed {what}", errors=exc.errors(include_url=False)) from None
+        if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in (posted.run_id, posted.step_id)):
+            raise _late_result_refused() if masters else InvalidRequestError(f"malformed {what}")  # nothing is read
+        if signature is None:
+            return posted, None
+        state = self.store.get(posted.run_id)
+        keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
+        if signature.key_id not in {key_id(key) for key in keys}:
+            raise _late_result_refused()  # no such run, or a key this server does not hold for its app
+        assert state is not None
+        scope = scope_of(posted, path=path or url_path(self.settings.result_url or "/v1/results"), app_id=state.app_id)
+        try:
+            verify(keys, scope, body, header, now=time.time())
+            verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
+        except SignatureError:
+            raise _late_result_refused() from None
+        return posted, state
+
+    def _verified_late_result(
+        self, body: bytes, headers: dict[str, str], *, path: str | None = None
+    ) -> tuple[LateResult, RunState | None]:
+        """A posted outcome, checked as :meth:`_verified_post` says (at most ``MAX_LATE_RESULT_BYTES``), and its
+        values. The run as read for the check (None on a server with no key)."""
+        late, state = self._verified_post(
+            body, headers, LateResult, late_result_scope, path=path, limit=MAX_LATE_RESULT_BYTES, what="late result"
+        )
         if (problem := _values_problem(late.attempt, late.next)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
         return late, state
@@ -1378,37 +1391,10 @@ class Engine:
         """A running callback's heartbeat (decision 33), checked as a late result is (its size first, then its
         signature, with the same answer for every refusal), for the attempt in flight. Its reply says whether
         the run is stopping, so that the callback can finish or clean up."""
-        if len(body) > MAX_HEARTBEAT_BYTES:
-            raise PayloadTooLargeError(f"a heartbeat is at most {MAX_HEARTBEAT_BYTES} bytes", limit=MAX_HEARTBEAT_BYTES)
-        masters = self.master_keys()
-        header = {k.lower(): v for k, v in headers.items()}.get(SIGNATURE_HEADER.lower())
-        signature: Signature | None = None
-        if masters:
-            try:
-                signature = parse(header)
-            except SignatureError:
-                raise _late_result_refused() from None
-        try:
-            beat = Heartbeat.model_validate_json(body)
-        except ValidationError as exc:
-            if masters:
-                raise _late_result_refused() from None
-            raise InvalidRequestError("malformed heartbeat", errors=exc.errors(include_url=False)) from None
-        if not all(0 < len(i) <= MAX_ID_LENGTH and i.isprintable() for i in (beat.run_id, beat.step_id)):
-            raise _late_result_refused() if masters else InvalidRequestError("malformed heartbeat")
-        state = self.store.get(beat.run_id)
-        if signature is not None:
-            keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
-            if signature.key_id not in {key_id(key) for key in keys}:
-                raise _late_result_refused()
-            assert state is not None
-            path = path or url_path(self.settings.result_url or "/v1/results")
-            scope = heartbeat_scope(beat, path=path, app_id=state.app_id)
-            try:
-                verify(keys, scope, body, header, now=time.time())
-                verify(self.app_keys(state.app_id, fresh=True), scope, body, header, now=time.time())
-            except SignatureError:
-                raise _late_result_refused() from None
+        beat, state = self._verified_post(
+            body, headers, Heartbeat, heartbeat_scope, path=path, limit=MAX_HEARTBEAT_BYTES, what="heartbeat"
+        )
+        state = state or self.store.get(beat.run_id)  # on a server with no key, the run is read only here
         if state is None:
             raise NotFoundError(f"no run {beat.run_id!r}", run_id=beat.run_id)
         if (problem := json_value_problem(beat.details)) is not None or len(

@@ -47,6 +47,7 @@ from ryusen._internal.app import (
     _memo_miss,
     encode_response,
 )
+from ryusen._internal.app import _acknowledges as acknowledges
 from ryusen._internal.heartbeat import SINK
 from ryusen._internal.signing import SIGNATURE_HEADER, SeenRequests, app_key, sign, url_path
 from ryusen._internal.step import CallbackInterruptedError
@@ -58,7 +59,6 @@ from ryusen._internal.wire import (
     HeartbeatReply,
     LateResult,
     Phase,
-    TaskKind,
     TaskRequest,
     TaskResponse,
     late_result_scope,
@@ -1228,14 +1228,8 @@ class Simulation:
 
 
 def _acknowledges(request: TaskRequest) -> bool:
-    """The SDK's ``_acknowledges``, for an endpoint that is not on Lambda."""
-    return (
-        request.acknowledge_after_s is not None
-        and request.kind is not TaskKind.DISCOVER
-        and request.operation is not None
-        and request.step_id is not None
-        and request.result_url is not None
-    )
+    """The SDK's own rule, for an endpoint that is not on Lambda."""
+    return acknowledges(request, None)
 
 
 def _fail_before(verdict: str, failure: str, error: type[Exception] = InjectedError) -> None:

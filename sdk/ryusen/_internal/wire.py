@@ -427,30 +427,26 @@ def received_task_scope(body: bytes, *, path: str, app_id: str) -> Scope:
 def heartbeat_scope(beat: Heartbeat, *, path: str, app_id: str) -> Scope:
     """The signature scope of a heartbeat posted to ``path`` (the result URL's): a late result's, marked as a
     heartbeat, so that neither can stand for the other."""
-    return Scope(
-        direction="request",
-        method="POST",
-        path=path,
-        app_id=app_id,
-        run_id=beat.run_id,
-        step_id=beat.step_id,
-        phase=str(beat.phase),
-        generation=str(beat.generation),
-        extra="heartbeat",
-    )
+    return _posted_scope(beat, path=path, app_id=app_id, extra="heartbeat")
 
 
 def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     """The signature scope of a late result posted to ``path`` (the result URL's) about app ``app_id``'s run."""
+    return _posted_scope(late, path=path, app_id=app_id)
+
+
+def _posted_scope(posted: LateResult | Heartbeat, *, path: str, app_id: str, extra: str = "") -> Scope:
+    """What an SDK's unasked post about one attempt is signed for: the attempt, at ``path``."""
     return Scope(
         direction="request",
         method="POST",
         path=path,
         app_id=app_id,
-        run_id=late.run_id,
-        step_id=late.step_id,
-        phase=str(late.phase),
-        generation=str(late.generation),
+        run_id=posted.run_id,
+        step_id=posted.step_id,
+        phase=str(posted.phase),
+        generation=str(posted.generation),
+        extra=extra,
     )
 
 
