@@ -25,27 +25,16 @@ from aws_cdk import aws_lambda
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (REPO / "sdk" / "ryusen", REPO / "handlers" / "ryusen_server")
-RUNTIME_REQUIREMENTS = (
-    # what the handlers import beyond the Lambda runtime's boto3 (the ``server`` extra without the CLI)
-    "pydantic==2.14.4",
-    "aws-lambda-powertools==3.37.0",
-    "httpx==0.29.0",
-    # and what those need, for Python 3.14 on Linux
-    "pydantic-core==2.50.5",
-    "annotated-types==0.8.0",
-    "typing-extensions==4.16.0",
-    "typing-inspection==0.4.5",
-    "jmespath==1.1.0",
-    "httpcore==1.0.9",
-    "h11==0.16.0",
-    "anyio==4.16.0",
-    "idna==3.20",
-    "certifi==2026.10.19.post1",
+REQUIREMENTS_FILE = REPO / "infra" / "lambda-requirements.txt"
+RUNTIME_REQUIREMENTS = tuple(
+    line.strip()
+    for line in REQUIREMENTS_FILE.read_text().splitlines()
+    if line.strip() and not line.lstrip().startswith("#")
 )
 """Every third-party package in the asset, pinned to the version the tests run with (tests/infra/test_synth.py
-checks the list is the whole closure and matches the development environment). pip installs exactly these,
-with ``--no-deps``: a deploy ships what was tested, whatever the index holds that day. To move a version,
-upgrade it in the development environment, run the tests, and change it here."""
+checks the list is the whole closure and matches the development environment, which scripts/bootstrap installs
+with the same file as constraints). pip installs exactly these, with ``--no-deps``: a deploy ships what was
+tested, whatever the index holds that day."""
 PYTHON_VERSION = "3.14"
 PLATFORM = "manylinux2014_aarch64"
 RUNTIME = aws_lambda.Runtime.PYTHON_3_14
