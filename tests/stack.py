@@ -86,7 +86,7 @@ class DevStack:
         return {f["id"]: f for f in self.client.get("/v1/functions").json()["functions"]}
 
 
-def launch(tmp: Path, app_source: str = "http_app.py") -> Iterator[DevStack]:
+def launch(tmp: Path, app_source: str = "http_app.py", args: tuple[str, ...] = ()) -> Iterator[DevStack]:
     app_file = tmp / app_source
     shutil.copy(APPS / app_source, app_file)
     log_file = tmp / "invocations.log"
@@ -98,7 +98,7 @@ def launch(tmp: Path, app_source: str = "http_app.py") -> Iterator[DevStack]:
     ryusen = Path(sys.executable).parent / "ryusen"
     with output.open("w") as out:
         process = subprocess.Popen(
-            [str(ryusen), "dev", "--port", str(port), f"{app_file}:app"],
+            [str(ryusen), "dev", "--port", str(port), *args, f"{app_file}:app"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

@@ -195,6 +195,22 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             },
         )
 
+    @api.get("/v1/apps")
+    def list_apps() -> Response[str]:
+        apps = [
+            {
+                "app_id": release.app_id,
+                "url": release.url,
+                "release_id": release.release_id,
+                "build_id": release.build_id,
+                "synced_at": release.synced_at.isoformat(),
+                "signed": release.signed,
+                "functions": [f.id for f in release.functions],
+            }
+            for release in sorted(engine.store.list_releases(), key=lambda r: r.app_id)
+        ]
+        return _json(200, {"apps": apps})
+
     @api.get("/v1/functions")
     def list_functions() -> Response[str]:
         functions = []

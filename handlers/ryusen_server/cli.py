@@ -11,16 +11,15 @@ in, console out) so it can be tested without a server.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import re
 import sys
-import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, NoReturn
-from urllib.parse import quote, urlsplit
+from functools import update_wrapper
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import click
 import httpx
@@ -29,25 +28,25 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from ryusen._internal import client as client_module
+from ryusen._internal.client import (
+    ApiError,
+    Client,
+    ConnectionFailedError,
+    NotFoundError,
+    ResolveAction,
+    blocker_for,
+    is_loopback,
+)
+from ryusen._internal.client import WaitTimeoutError as ClientWaitTimeoutError
+
 from .core.model import DEFINITION_BLOCKERS
 
 DEFAULT_SERVER = "http://127.0.0.1:8700"
 DEFAULT_DEV_PORT = 8700
-SIGV4_SERVICE = "execute-api"
-REQUEST_TIMEOUT_S = 30.0
-
-POLL_INITIAL_S = 0.2
-POLL_MAX_S = 1.0
-POLL_GROWTH = 1.5
-BLOCKED_QUIET_S = 2.0
-"""With --wait: how long a blocked run must stay unchanged before waiting stops."""
 
 PHASES = ("running", "settling", "compensating", "finished")
 OUTCOMES = ("completed", "failed", "cancelled", "timed_out")
-
-sleep: Callable[[float], None] = time.sleep
-clock: Callable[[], float] = time.monotonic
-"""The poller's time sources (tests replace them)."""
 
 
 class CliError(click.ClickException):
@@ -59,114 +58,25 @@ class CliError(click.ClickException):
 
 
 # --- talking to the server -------------------------------------------------------------------------------------------
+#
+# The command line is built on ``ryusen.Client`` (decision 34: the client drives every operator action the CLI
+# has); this part only makes the client lazily (``dev`` and ``key`` need no server) and words its errors.
 
 
-def is_loopback(server: str) -> bool:
-    host = urlsplit(server).hostname or ""
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _region_for(server: str, session: Any) -> str:
-    """The region a request to ``server`` must be signed for: the API's own (from its URL) when the URL says,
-    else the caller's configured region (a custom domain name in front of the API)."""
-    match = re.search(r"\.execute-api\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?$", urlsplit(server).hostname or "")
-    if match:
-        return match.group(1)
-    region = (
-        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or session.get_config_variable("region")
-    )
-    if region:
-        return str(region)
-    raise CliError(f"cannot tell the AWS region to sign requests to {server} with; set AWS_REGION")
-
-
-class SigV4(httpx.Auth):
-    """Sign requests to one origin with SigV4 (service ``execute-api``); requests elsewhere go unsigned."""
-
-    requires_request_body = True
-
-    def __init__(self, server: str) -> None:
-        import botocore.exceptions
-        import botocore.session
-
-        try:
-            session = botocore.session.get_session()
-            credentials = session.get_credentials()
-        except botocore.exceptions.BotoCoreError as exc:
-            raise CliError(f"cannot load AWS credentials to sign requests to {server}: {exc}") from None
-        if credentials is None:
-            raise CliError(
-                f"no AWS credentials found to sign requests to {server} "
-                "(a server that is not on loopback is called with SigV4; configure the AWS credential chain)"
-            )
-        self.credentials = credentials
-        self.region = _region_for(server, session)
-        origin = httpx.URL(server)
-        self.origin = (origin.scheme, origin.host, origin.port)
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        if (request.url.scheme, request.url.host, request.url.port) == self.origin:
-            from botocore.auth import SigV4Auth
-            from botocore.awsrequest import AWSRequest
-            from botocore.exceptions import BotoCoreError
-
-            signed = AWSRequest(method=request.method, url=str(request.url), data=request.content)
-            try:  # refreshable credentials (SSO, assumed roles) refresh here
-                frozen = self.credentials.get_frozen_credentials()
-            except BotoCoreError as exc:
-                raise CliError(f"cannot refresh AWS credentials: {exc}") from None
-            SigV4Auth(frozen, SIGV4_SERVICE, self.region).add_auth(signed)
-            for name in ("Authorization", "X-Amz-Date", "X-Amz-Security-Token"):
-                if name in signed.headers:
-                    request.headers[name] = signed.headers[name]
-        yield request
-
-
-def make_client(server: str, *, transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    """The HTTP client for ``server``: unsigned on loopback, SigV4 otherwise (tests replace or wrap this)."""
-    auth = None if is_loopback(server) else SigV4(server)
-    return httpx.Client(
-        base_url=server,
-        auth=auth,
-        timeout=REQUEST_TIMEOUT_S,
-        headers={"user-agent": "ryusen-cli"},
-        transport=transport,
-    )
-
-
-def _segment(value: str | int) -> str:
-    return quote(str(value), safe="")
-
-
-def _error_text(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return f"{error.get('code', 'error')}: {error['message']}"
-        if isinstance(body.get("message"), str):  # API Gateway's own refusals
-            return f"HTTP {response.status_code}: {body['message']}"
-    text = response.text.strip()
-    return f"HTTP {response.status_code}" + (f": {text[:200]}" if text else "")
+def make_client(server: str, *, transport: httpx.BaseTransport | None = None) -> Client:
+    """The client for ``server``: unsigned on loopback, SigV4 otherwise (tests replace or wrap this)."""
+    return Client(server, transport=transport)
 
 
 class Api:
-    """The server API, one method per request the CLI makes."""
+    """The server the command was pointed at: its client, made on first use."""
 
     def __init__(self, server: str) -> None:
         self.server = server
-        self._client: httpx.Client | None = None
+        self._client: Client | None = None
 
     @property
-    def client(self) -> httpx.Client:
+    def client(self) -> Client:
         if self._client is None:
             self._client = make_client(self.server)
         return self._client
@@ -175,62 +85,55 @@ class Api:
         if self._client is not None:
             self._client.close()
 
-    def request(
-        self, method: str, url: str, *, body: Any = None, params: dict[str, Any] | None = None
-    ) -> tuple[int, Any]:
-        try:
-            response = self.client.request(
-                method, url, json=body, params={k: v for k, v in (params or {}).items() if v is not None}
-            )
-        except httpx.ConnectError:
-            if url.startswith(("http://", "https://")):  # not the server: an app's endpoint
-                raise CliError(f"cannot connect to {url}") from None
+    def describe(self, exc: ApiError) -> str:
+        """What to print for a refusal or a failure to reach the server."""
+        if isinstance(exc, ConnectionFailedError) and exc.code == "connection_failed":
+            if exc.details.get("url", self.server) != self.server:
+                return str(exc.message)
             hint = (
                 " (is `ryusen dev` running? start it, or point --server / RYUSEN_URL at a deployed API)"
                 if is_loopback(self.server)
                 else ""
             )
-            raise CliError(f"cannot connect to {self.server}{hint}") from None
-        except httpx.HTTPError as exc:
-            raise CliError(f"{method} {url} failed: {exc}") from None
-        if response.status_code >= 400:
-            raise CliError(_error_text(response))
+            return f"cannot connect to {self.server}{hint}"
+        if isinstance(exc, ConnectionFailedError):
+            return str(exc.message)
+        return str(exc)
+
+
+class _Commands(click.Group):
+    """Every command's ``ApiError`` becomes ``error: ...`` on stderr, exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
         try:
-            return response.status_code, response.json()
-        except ValueError:
-            raise CliError(f"{method} {url}: HTTP {response.status_code} with a body that is not JSON") from None
+            return super().invoke(ctx)
+        except ApiError as exc:
+            api = ctx.find_object(Api)
+            raise CliError(api.describe(exc) if api is not None else str(exc)) from None
 
-    def manifest(self, url: str) -> dict[str, Any]:
-        try:
-            _, manifest = self.request("GET", url)
-        except CliError as exc:
-            raise CliError(f"cannot read the manifest at {url}: {exc.message}; pass --app APP_ID to skip it") from None
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("app_id"), str):
-            raise CliError(f"{url} did not return a Ryusen manifest (no app_id); pass --app APP_ID")
-        return manifest
 
-    def sync(self, app_id: str, url: str) -> Any:
-        return self.request("PUT", f"/v1/apps/{_segment(app_id)}", body={"url": url})[1]
+F = TypeVar("F", bound=Callable[..., Any])
 
-    def start(self, function_id: str, body: dict[str, Any]) -> tuple[int, Any]:
-        return self.request("POST", f"/v1/functions/{_segment(function_id)}/runs", body=body)
 
-    def runs(self, **params: Any) -> Any:
-        return self.request("GET", "/v1/runs", params=params)[1]
+def pass_client(f: F) -> F:
+    """Hand the command the server's ``Client`` as its first argument."""
 
-    def run(self, run_id: str) -> Any:
-        return self.request("GET", f"/v1/runs/{_segment(run_id)}")[1]
+    def new_func(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        api = ctx.find_object(Api)
+        assert api is not None, "the ryusen group sets the Api"
+        return ctx.invoke(f, api.client, *args, **kwargs)
 
-    def cancel(self, run_id: str, reason: str | None) -> Any:
-        body = {"reason": reason} if reason else None
-        return self.request("POST", f"/v1/runs/{_segment(run_id)}/cancel", body=body)[1]
+    return update_wrapper(new_func, f)  # type: ignore[return-value]
 
-    def rediscover(self, run_id: str) -> Any:
-        return self.request("POST", f"/v1/runs/{_segment(run_id)}/rediscover")[1]
 
-    def resolve(self, run_id: str, step_id: str, phase: str, generation: int, body: dict[str, Any]) -> Any:
-        path = f"/v1/runs/{_segment(run_id)}/steps/{_segment(step_id)}/{_segment(phase)}/{_segment(generation)}/resolve"
-        return self.request("POST", path, body=body)[1]
+def wait_for_run(client: Client, run_id: str, *, timeout_s: float) -> tuple[dict[str, Any], bool]:
+    """Wait until the run finishes (True) or is blocked with nothing moving (False)."""
+    try:
+        run = client.wait(run_id, timeout_s, return_when_blocked=True)
+    except ClientWaitTimeoutError as timeout:
+        raise WaitTimeoutError(timeout.run.view) from None
+    return run.view, run.finished
 
 
 class WaitAbandonedError(CliError):
@@ -241,27 +144,6 @@ class WaitTimeoutError(Exception):
     def __init__(self, view: dict[str, Any]) -> None:
         super().__init__("timed out waiting")
         self.view = view
-
-
-def wait_for_run(api: Api, run_id: str, *, timeout_s: float) -> tuple[dict[str, Any], bool]:
-    """Poll the run until it finishes (True) or is blocked with nothing moving (False)."""
-    deadline = clock() + timeout_s
-    interval = POLL_INITIAL_S
-    last: Any = None
-    unchanged_since = clock()
-    while True:
-        view: dict[str, Any] = api.run(run_id)
-        now = clock()
-        if view.get("phase") == "finished":
-            return view, True
-        if view != last:
-            last, unchanged_since = view, now
-        elif view.get("blockers") and now - unchanged_since >= BLOCKED_QUIET_S:
-            return view, False
-        if now >= deadline:
-            raise WaitTimeoutError(view)
-        sleep(min(interval, max(deadline - now, 0.0)))
-        interval = min(interval * POLL_GROWTH, POLL_MAX_S)
 
 
 # --- rendering -------------------------------------------------------------------------------------------------------
@@ -371,6 +253,35 @@ def _error_line(error: Any) -> str:
     return line
 
 
+def traceback_lines(error: Any, *, expanded: bool) -> list[str]:
+    """Where ``error`` was raised: collapsed, its innermost frame and how to see the rest; expanded, every frame
+    (outermost first), as Python prints them."""
+    where = error.get("traceback") if isinstance(error, dict) else None
+    if not isinstance(where, dict) or not isinstance(where.get("frames"), list):
+        return []
+    frames = [f for f in where["frames"] if isinstance(f, dict)]
+    omitted = where.get("omitted") or 0
+    if not frames:
+        return [f"raised inside Ryusen's SDK ({omitted} frames left out)"] if omitted else []
+
+    def at(frame: dict[str, Any]) -> str:
+        return f"{frame.get('file', '?')}:{frame.get('line', '?')} in {frame.get('function', '?')}"
+
+    if not expanded:
+        inner = frames[-1]
+        code = f": {inner['code']}" if inner.get("code") else ""
+        more = f" ({len(frames)} frames: --traceback shows them)" if len(frames) > 1 else ""
+        return [f"raised at {at(inner)}{code}{more}"]
+    lines = ["Traceback (most recent call last):"]
+    for frame in frames:
+        lines.append(f"  {at(frame)}")
+        if frame.get("code"):
+            lines.append(f"    {frame['code']}")
+    if omitted:
+        lines.append(f"  ({omitted} frames in Ryusen's SDK or the middle of a deep stack left out)")
+    return lines
+
+
 _OCCURRENCE_LABELS = {  # how a blocker names the two calls it is about
     "duplicate_step_id": (("first", "first call"), ("duplicate", "duplicate call")),
     "concurrent_step": (("first", "open step"), ("second", "then started")),
@@ -384,9 +295,11 @@ _OCCURRENCE_LABELS = {  # how a blocker names the two calls it is about
 class _RunRenderer:
     """One rendering of one run view; remembers the release last shown, so a change of release stands out."""
 
-    def __init__(self, view: dict[str, Any], console: Console) -> None:
+    def __init__(self, view: dict[str, Any], console: Console, *, tracebacks: bool = False) -> None:
         self.view = view
         self.console = console
+        self.tracebacks = tracebacks
+        """Show every frame of an error's traceback (else its innermost frame only)."""
         created = _parse_time(view.get("created_at"))
         self.day = created.strftime("%Y-%m-%d") if created else None
         self.last_release: str | None = None
@@ -543,6 +456,8 @@ class _RunRenderer:
             label = f"{attempt.get('phase', '?')} #{attempt.get('generation', '?')}"
             if what:
                 table.add_row(Text(label), _status(status), Text(times), Text("; ".join(what)))
+                for line in traceback_lines(attempt.get("error"), expanded=self.tracebacks):
+                    table.add_row("", "", "", Text(line, style="red"))
                 if notes:
                     table.add_row("", "", "", Text(" · ".join(notes), style="dim"))
             else:
@@ -610,6 +525,8 @@ class _RunRenderer:
             )
             if error.get("data") is not None:
                 self.indented(Text(f"data {_compact(error['data'], 90)}", style="dim"), ATTEMPT_INDENT)
+            for line in traceback_lines(error, expanded=self.tracebacks):
+                self.indented(Text(line, style="red"), ATTEMPT_INDENT)
         elif view.get("outcome") == "completed":
             console.print()
             console.print(Text("Output", style="bold"))
@@ -641,10 +558,11 @@ def printable(value: Any) -> Any:
     return value
 
 
-def render_run(view: dict[str, Any], *, console: Console) -> None:
+def render_run(view: dict[str, Any], *, console: Console, tracebacks: bool = False) -> None:
     """Draw a run view (``GET /v1/runs/{id}``): header, blockers, step timeline, unwind, then output or error.
-    Every string is drawn as text (``Text``, never rich markup), with its control characters made visible."""
-    _RunRenderer(printable(view), console).render()
+    Every string is drawn as text (``Text``, never rich markup), with its control characters made visible.
+    An error's traceback is shown by its innermost frame, or whole with ``tracebacks``."""
+    _RunRenderer(printable(view), console, tracebacks=tracebacks).render()
 
 
 def render_runs(runs: list[dict[str, Any]], *, console: Console) -> None:
@@ -694,13 +612,7 @@ def _echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, default=str, ensure_ascii=False))
 
 
-def _api(ctx: click.Context) -> Api:
-    api = ctx.find_object(Api)
-    assert api is not None, "the ryusen group sets the Api"
-    return api
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--server",
     envvar="RYUSEN_URL",
@@ -721,16 +633,25 @@ def cli(ctx: click.Context, server: str) -> None:
 
 @cli.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_DEV_PORT, show_default=True)
+@click.option(
+    "--data",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="RYUSEN_DEV_DATA",
+    default=Path(".ryusen"),
+    show_default=True,
+    help="Where runs, releases and their history are kept across restarts (env RYUSEN_DEV_DATA).",
+)
+@click.option("--fresh", is_flag=True, help="Forget what --data holds and start with no runs.")
 @click.argument("apps", nargs=-1, metavar="[APP]...")
-def dev(port: int, apps: tuple[str, ...]) -> None:
+def dev(port: int, data: Path, fresh: bool, apps: tuple[str, ...]) -> None:
     """Run Ryusen locally: the server API, the engine, the development UI, and each APP.
 
-    APP is `path/to/file.py:app` or `package.module:app`.
+    APP is `path/to/file.py:app` or `package.module:app`. Runs are kept in --data across restarts.
     """
     try:
         from ryusen_server.local.dev import run_dev
 
-        status = run_dev(port=port, apps=list(apps))
+        status = run_dev(port=port, apps=list(apps), data=data, fresh=fresh)
     except ModuleNotFoundError as exc:  # moto and watchfiles are imported when the stack starts
         if not exc.name or exc.name.split(".")[0] in ("ryusen", "ryusen_server"):
             raise
@@ -743,12 +664,16 @@ def dev(port: int, apps: tuple[str, ...]) -> None:
 @cli.command()
 @click.argument("url")
 @click.option("--app", "app_id", metavar="APP_ID", help="The app id (default: read from the endpoint's manifest).")
-@click.pass_obj
-def sync(api: Api, url: str, app_id: str | None) -> None:
+@pass_client
+def sync(client: Client, url: str, app_id: str | None) -> None:
     """Record a release of the app served at URL (and wake its blocked runs)."""
     if app_id is None:
-        app_id = str(api.manifest(url)["app_id"])
-    release = api.sync(app_id, url)
+        try:
+            app_id = str(client.manifest(url)["app_id"])
+        except ApiError as exc:
+            why = exc.message if isinstance(exc, ConnectionFailedError) or exc.code == "not_a_manifest" else str(exc)
+            raise CliError(f"cannot read the manifest at {url}: {why}; pass --app APP_ID to skip it") from None
+    release = client.sync(url, app_id=app_id)
     signed = "" if release.get("signed", True) else " (unsigned: the app has no signing key)"
     # every value here is what the endpoint said: one line each, its control characters shown, never acted on
     functions = ", ".join(said(f.get("id")) for f in release.get("functions") or []) or "none"
@@ -759,8 +684,65 @@ def sync(api: Api, url: str, app_id: str | None) -> None:
 
 
 @cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the response as JSON.")
+@pass_client
+def apps(client: Client, as_json: bool) -> None:
+    """List the synced apps, each with its newest release."""
+    listed = client.apps()
+    if as_json:
+        _echo_json({"apps": listed})
+        return
+    if not listed:
+        click.echo("no apps synced (serve one with `ryusen dev APP`, or `ryusen sync URL`)")
+        return
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("APP", "RELEASE", "BUILD", "SYNCED", "URL", "FUNCTIONS"):
+        table.add_column(column, overflow="fold")
+    for app in listed:
+        table.add_row(
+            said(app.get("app_id")),
+            said(app.get("release_id")),
+            said(app.get("build_id")),
+            _full_time(app.get("synced_at")),
+            said(app.get("url")),
+            ", ".join(said(f) for f in app.get("functions") or []) or "none",
+        )
+    _console().print(table)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the response as JSON.")
+@pass_client
+def functions(client: Client, as_json: bool) -> None:
+    """List the functions of every synced app, with their newest release."""
+    listed = client.functions()
+    if as_json:
+        _echo_json({"functions": listed})
+        return
+    if not listed:
+        click.echo("no functions (no app is synced)")
+        return
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("FUNCTION", "APP", "TIMEOUT", "RELEASE", "SYNCED"):
+        table.add_column(column, overflow="fold")
+    for fn in sorted(listed, key=lambda f: (str(f.get("app_id")), str(f.get("id")))):
+        release = fn.get("release") or {}
+        timeout = fn.get("timeout_s")
+        table.add_row(
+            said(fn.get("id")),
+            said(fn.get("app_id")),
+            f"{timeout:g} s" if isinstance(timeout, (int, float)) else "-",
+            said(release.get("release_id")),
+            _full_time(release.get("synced_at")),
+        )
+    _console().print(table)
+
+
+@cli.command()
 @click.argument("function_id", metavar="FUNCTION")
-@click.option("--input", "input_", callback=parse_json, required=True, metavar="JSON", help="The run's input, as JSON.")
+@click.option(
+    "--input", "input_", callback=parse_json, metavar="JSON", help="The run's input, as JSON (default: null)."
+)
 @click.option("--idempotency-key", metavar="KEY", help="Starting again with the same key returns the same run.")
 @click.option(
     "--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), metavar="SECONDS", help="The run's timeout."
@@ -775,9 +757,9 @@ def sync(api: Api, url: str, app_id: str | None) -> None:
     help="With --wait: give up waiting after this long (exit 2).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the run view as JSON.")
-@click.pass_obj
+@pass_client
 def run(
-    api: Api,
+    client: Client,
     function_id: str,
     input_: Any,
     idempotency_key: str | None,
@@ -787,28 +769,24 @@ def run(
     as_json: bool,
 ) -> None:
     """Start a run of FUNCTION. With --wait, exit 0 only if it completes."""
-    body: dict[str, Any] = {"input": input_}
-    if idempotency_key is not None:
-        body["idempotency_key"] = idempotency_key
-    if timeout_s is not None:
-        body["timeout_s"] = timeout_s
-    status, view = api.start(function_id, body)
-    run_id = str(view["id"])
+    handle = client.start(function_id, input_, idempotency_key=idempotency_key, timeout=timeout_s)
+    assert handle.run is not None
+    view, run_id = handle.run.view, handle.id
     if not wait:
         if as_json:
             _echo_json(view)
         else:
-            how = "started" if status == 201 else "existing run for this idempotency key:"
+            how = "started" if handle.created else "existing run for this idempotency key:"
             click.echo(printable(f"{how} {run_id} ({function_id}): {view.get('summary', view.get('phase'))}"))
-            click.echo(f"follow it with: ryusen show {run_id}")
+            click.echo(f"follow it with: ryusen show {run_id} --follow")
         return
     err = Console(stderr=True, highlight=False)
     try:
         if err.is_terminal:
             with err.status(f"waiting for {run_id}…"):
-                view, finished = wait_for_run(api, run_id, timeout_s=wait_timeout)
+                view, finished = wait_for_run(client, run_id, timeout_s=wait_timeout)
         else:
-            view, finished = wait_for_run(api, run_id, timeout_s=wait_timeout)
+            view, finished = wait_for_run(client, run_id, timeout_s=wait_timeout)
     except WaitTimeoutError as timeout:
         _show(timeout.view, as_json)
         raise WaitAbandonedError(
@@ -821,11 +799,52 @@ def run(
         sys.exit(1)
 
 
-def _show(view: dict[str, Any], as_json: bool) -> None:
+def _show(view: dict[str, Any], as_json: bool, *, tracebacks: bool = False) -> None:
     if as_json:
         _echo_json(view)
     else:
-        render_run(view, console=_console())
+        render_run(view, console=_console(), tracebacks=tracebacks)
+
+
+PREFIX_MIN = 6
+"""The shortest run id prefix looked up among recent runs (``run_`` may be left out)."""
+PREFIX_SEARCH_PAGES = 5
+"""How many pages of the newest runs (200 each) a prefix is looked up in."""
+
+
+R = TypeVar("R")
+
+
+def on_run(client: Client, given: str, action: Callable[[str], R]) -> tuple[str, R]:
+    """``action(run_id)`` for the run ``given`` names: its id, or else a prefix of one recent run's id (the UI
+    shows prefixes). A prefix is looked up only when the id itself is not found, so a full id costs nothing."""
+    try:
+        return given, action(given)
+    except NotFoundError as missing:
+        if missing.code != "not_found":
+            raise
+        run_id = _run_with_prefix(client, given, missing)
+    return run_id, action(run_id)
+
+
+def _run_with_prefix(client: Client, given: str, missing: NotFoundError) -> str:
+    prefix = given if given.startswith("run_") else "run_" + given
+    if len(prefix) - len("run_") < PREFIX_MIN:
+        raise missing
+    matches: list[str] = []
+    cursor: str | None = None
+    for _ in range(PREFIX_SEARCH_PAGES):
+        page = client.list(limit=200, cursor=cursor)
+        matches += [r.id for r in page.runs if r.id.startswith(prefix)]
+        cursor = page.cursor
+        if not cursor or len(matches) > 1:
+            break
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise CliError(f"{given!r} names more than one run: {', '.join(matches[:5])}; give more of the id")
+    searched = "" if not cursor else f" among the newest {PREFIX_SEARCH_PAGES * 200} runs"
+    raise CliError(f"not_found: no run {given!r}, and no run's id starts with it{searched}")
 
 
 @cli.command()
@@ -835,9 +854,9 @@ def _show(view: dict[str, Any], as_json: bool) -> None:
 @click.option("--limit", type=click.IntRange(1, 200), default=20, show_default=True)
 @click.option("--cursor", metavar="CURSOR", help="The next page, from a previous listing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the response as JSON.")
-@click.pass_obj
+@pass_client
 def runs(
-    api: Api,
+    client: Client,
     function_id: str | None,
     phase: str | None,
     outcome: str | None,
@@ -846,52 +865,89 @@ def runs(
     as_json: bool,
 ) -> None:
     """List runs, newest first."""
-    page = api.runs(function_id=function_id, phase=phase, outcome=outcome, limit=limit, cursor=cursor)
+    page = client.list(function=function_id, phase=phase, outcome=outcome, limit=limit, cursor=cursor)
     if as_json:
-        _echo_json(page)
+        _echo_json({"runs": [r.view for r in page.runs], "cursor": page.cursor})
         return
-    listed = page.get("runs") or []
-    if not listed:
+    if not page.runs:
         click.echo("no runs")
     else:
-        render_runs(listed, console=_console())
-    if page.get("cursor"):
-        click.echo(f"more: ryusen runs --limit {limit} --cursor {page['cursor']}")
+        render_runs([r.view for r in page.runs], console=_console())
+    if page.cursor:
+        click.echo(f"more: ryusen runs --limit {limit} --cursor {page.cursor}")
+
+
+FOLLOW_INTERVAL_S = 1.0
 
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--json", "as_json", is_flag=True, help="Print the run view as JSON.")
-@click.pass_obj
-def show(api: Api, run_id: str, as_json: bool) -> None:
-    """Show a run: status, blockers, step timeline, unwind, result."""
-    _show(api.run(run_id), as_json)
+@click.option(
+    "--follow", "-f", is_flag=True, help="Show the run again each time it changes, until it finishes (Ctrl-C stops)."
+)
+@click.option("--traceback", "tracebacks", is_flag=True, help="Show every frame of each error's traceback.")
+@pass_client
+def show(client: Client, run_id: str, as_json: bool, follow: bool, tracebacks: bool) -> None:
+    """Show a run: status, blockers, step timeline, unwind, result. RUN may be a prefix of a recent run's id."""
+    run_id, run = on_run(client, run_id, client.get)
+    view = run.view
+    _show(view, as_json, tracebacks=tracebacks)
+    if not follow:
+        return
+    console = _console()
+    try:
+        while view.get("phase") != "finished":
+            client_module.sleep(FOLLOW_INTERVAL_S)
+            latest = client.get(run_id).view
+            if latest == view:
+                continue
+            view = latest
+            if as_json:
+                _echo_json(view)
+            else:
+                if console.is_terminal:
+                    console.clear()
+                else:
+                    console.rule()
+                render_run(view, console=console, tracebacks=tracebacks)
+    except KeyboardInterrupt:
+        return
 
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--reason", help="Recorded with the stop intent.")
-@click.pass_obj
-def cancel(api: Api, run_id: str, reason: str | None) -> None:
+@pass_client
+def cancel(client: Client, run_id: str, reason: str | None) -> None:
     """Cancel a run (it settles, then compensates)."""
-    view = api.cancel(run_id, reason)
-    click.echo(printable(f"cancel requested for {run_id}: {view.get('summary', '')}"))
+    run_id, run = on_run(client, run_id, lambda r: client.cancel(r, reason))
+    click.echo(printable(f"cancel requested for {run_id}: {run.summary}"))
 
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
-@click.pass_obj
-def rediscover(api: Api, run_id: str) -> None:
+@pass_client
+def rediscover(client: Client, run_id: str) -> None:
     """Retry discovery of a run blocked by a duplicate step id."""
-    view = api.rediscover(run_id)
-    click.echo(printable(f"rediscovery queued for {run_id}: {view.get('summary', '')}"))
+    run_id, run = on_run(client, run_id, client.rediscover)
+    click.echo(printable(f"rediscovery queued for {run_id}: {run.summary}"))
 
 
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("step_id", metavar="STEP")
-@click.option("--phase", type=click.Choice(["forward", "compensation"]), required=True)
-@click.option("--generation", type=click.IntRange(min=1), required=True, metavar="G")
+@click.option(
+    "--phase",
+    type=click.Choice(["forward", "compensation"]),
+    help="The attempt's phase (default: that of the step's one blocker).",
+)
+@click.option(
+    "--generation",
+    type=click.IntRange(min=1),
+    metavar="G",
+    help="The attempt's generation (default: that of the step's one blocker).",
+)
 @click.option(
     "--succeed", "result", callback=parse_json, metavar="JSON", help="Declare the attempt succeeded with this result."
 )
@@ -919,8 +975,8 @@ def resolve(
     ctx: click.Context,
     run_id: str,
     step_id: str,
-    phase: str,
-    generation: int,
+    phase: str | None,
+    generation: int | None,
     result: Any,
     message: str | None,
     retry: bool,
@@ -943,16 +999,33 @@ def resolve(
         )
     if final and message is None:
         _usage(ctx, "--final goes with --fail MESSAGE")
-    if succeed:
-        body: dict[str, Any] = {"action": "succeed", "result": result}
-    elif message is not None:
-        body = {"action": "fail", "error": {"type": "declared_failure", "message": message, "retryable": not final}}
-    else:
-        body = {"action": "retry" if retry else "skip"}
-    if reason is not None:
-        body["reason"] = reason
-    view = _api(ctx).resolve(run_id, step_id, phase, generation, body)
-    click.echo(printable(f"resolved {step_id} {phase} #{generation} ({body['action']}): {view.get('summary', '')}"))
+    action: ResolveAction = "succeed" if succeed else "fail" if message is not None else "retry" if retry else "skip"
+    api = ctx.find_object(Api)
+    assert api is not None, "the ryusen group sets the Api"
+    client = api.client
+    if phase is None or generation is None:
+        run_id, blocked = on_run(client, run_id, client.get)
+        try:
+            phase, generation = blocker_for(blocked, step_id, phase)
+        except ValueError as exc:
+            raise CliError(f"{exc} (--phase and --generation)") from None
+    attempt = (phase, generation)
+    run_id, run = on_run(
+        client,
+        run_id,
+        lambda r: client.resolve(
+            r,
+            step_id,
+            action,
+            result=result if succeed else None,
+            error=message,
+            final=final,
+            phase=attempt[0],
+            generation=attempt[1],
+            reason=reason,
+        ),
+    )
+    click.echo(printable(f"resolved {step_id} {phase} #{generation} ({action}): {run.summary}"))
 
 
 @cli.group()

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -450,6 +450,24 @@ class Delivered:
     its dispatcher stopped listening)."""
 
 
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _check_same_input(existing: RunState, input: Any) -> None:
+    """A start that names an existing run's idempotency key must ask for the same run (decision 34, K3): a
+    different input under the same key is a caller's mistake, refused rather than answered with a run that
+    did something else."""
+    if _canonical(existing.input) != _canonical(input):
+        raise ConflictError(
+            f"idempotency key {existing.idempotency_key!r} was used to start run {existing.id} with a different"
+            " input; use a new key for a new run",
+            code="idempotency_key_reused",
+            run_id=existing.id,
+            idempotency_key=existing.idempotency_key,
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -659,6 +677,7 @@ class Engine:
         if idempotency_key is not None:
             existing = self._run_for_key(function_id, idempotency_key)
             if existing is not None:
+                _check_same_input(existing, input)
                 self._resend_first_discovery(existing)
                 return existing, False
         deadline_at, source = self._deadline(function_id, timeout_s, manifest.timeout_s)
@@ -684,6 +703,7 @@ class Engine:
             current = self.store.get(exists.run_id)
             if current is None:  # pragma: no cover - the key's run vanished
                 raise ConflictError("idempotency key is taken by a run that no longer exists") from None
+            _check_same_input(current, input)
             return current, False
         self._emit("decided", (None, decision))
         self._send(decision)
@@ -1160,6 +1180,7 @@ class Engine:
             "memo": {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()},
             "memo_token": token,
             "memo_base": base,
+            "tracebacks": "tracebacks" in features,
         }
         if task.kind is TaskKind.DISCOVER:
             return TaskRequest(**common)
@@ -1472,7 +1493,23 @@ class Engine:
                     report.repaired.append(run_id)
         return report
 
-    def _sweep_run(self, run_id: str, now: datetime, before: datetime) -> bool:
+    def recover(self, run_ids: Iterable[str]) -> SweepReport:
+        """Look at each of ``run_ids`` now, as the sweeper would once their work is overdue: for a store brought
+        back without its queue and schedules (``ryusen dev``'s data directory), where no run's work has anything on
+        its way. Work due later (a lease, a deadline) is left to the sweeper, which finds it when it is due."""
+        now = self.clock()
+        report = SweepReport()
+        for run_id in run_ids:
+            report.checked += 1
+            try:
+                if self._sweep_run(run_id, now, now, messages_lost=True):
+                    report.repaired.append(run_id)
+            except Exception:
+                report.failed.append(run_id)
+                log.exception("could not look at run %s; the sweeper looks at it again", run_id)
+        return report
+
+    def _sweep_run(self, run_id: str, now: datetime, before: datetime, *, messages_lost: bool = False) -> bool:
         """Look at one run the index named; whether it needed (and got) a repair."""
         repaired = False
         state = self.store.get(run_id)
@@ -1480,7 +1517,7 @@ class Engine:
             return False
         due = state.work_due_at()
         if due is not None and due <= before:
-            decision = self.apply(run_id, SweepRequested(), known=state)
+            decision = self.apply(run_id, SweepRequested(messages_lost=messages_lost), known=state)
             if decision.changed or decision.commands:
                 repaired = True
                 log.warning(

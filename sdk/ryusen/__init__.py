@@ -8,18 +8,23 @@
 """
 
 from ._internal.app import Ryusen
+from ._internal.client import ApiError, AsyncClient, Client, RunFailedError
 from ._internal.errors import ConcurrentStepError, DefinitionError, NonRetryableError, RyusenError, StepFailed
 from ._internal.heartbeat import StopRequested, heartbeat
 from ._internal.step import AsyncStep, OmittedResult, Operation, RetryPolicy, Step, operation
 
 __all__ = [
+    "ApiError",
+    "AsyncClient",
     "AsyncStep",
+    "Client",
     "ConcurrentStepError",
     "DefinitionError",
     "NonRetryableError",
     "OmittedResult",
     "Operation",
     "RetryPolicy",
+    "RunFailedError",
     "Ryusen",
     "RyusenError",
     "Step",

@@ -15,6 +15,7 @@ import pytest
 
 from ryusen import Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
+from ryusen_server.ports import ConflictError
 
 
 def fulfilment(
@@ -156,3 +157,31 @@ def test_an_operator_retry_of_a_blocked_compensation_keeps_its_reason() -> None:
     assert run.summary == "cancelled, fully compensated" and refunds == [{"charge_id": "ch_1"}]
     resolution = run.attempts("charge", "compensation")[generation - 1]["resolution"]
     assert resolution["action"] == "retry" and resolution["reason"] == "RET-42"
+
+
+@pytest.mark.rfd("C10")
+def test_a_resolution_of_the_blocked_compensation_read_before_a_probe_still_moves_the_unwind_on() -> None:
+    """Found driving the client over ``ryusen dev``: the probe asks current code again and fences one more
+    compensation generation, so the blocker names generation 2 a moment after the operator read generation 1.
+    Neither ran; the operator's decision is about the step's blocked compensation, so it is taken, once."""
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    env = WorkflowEnvironment(fulfilment(refunds, orders, build="b1"))
+    run_id = cancelled_mid_run(env, orders)
+    read = env.wait(run_id)
+    seen = read.blockers[0]["generation"]
+    env.advance(timedelta(hours=2))  # the probe: still blocked, a newer fenced generation
+    run = env.wait(run_id)
+    assert run.blockers[0]["generation"] > seen
+    assert [a["status"] for a in run.attempts("charge", "compensation")] == ["fenced"] * run.blockers[0]["generation"]
+    env.resolve(run_id, "charge", phase="compensation", generation=seen, action="succeed", result={"refund": "by hand"})
+    run = env.wait(run_id)
+    assert refunds == [] and run.summary == "cancelled, fully compensated"
+    assert run.step("charge")["compensation"]["result"] == {"refund": "by hand"}
+    resolved = [a for a in run.attempts("charge", "compensation") if a["resolution"]]
+    assert len(resolved) == 1 and resolved[0]["status"] == "succeeded"
+    # the same request again changes nothing; a different one is refused
+    env.resolve(run_id, "charge", phase="compensation", generation=seen, action="succeed", result={"refund": "by hand"})
+    assert len([a for a in env.get(run_id).attempts("charge", "compensation") if a["resolution"]]) == 1
+    with pytest.raises(ConflictError):
+        env.resolve(run_id, "charge", phase="compensation", generation=seen, action="skip")

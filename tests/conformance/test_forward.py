@@ -220,7 +220,10 @@ def test_uncaught_exception_fails_run_and_starts_recovery_atomically() -> None:
     # the same write that set the outcome started recovery (the compensation is already queued)
     assert first.phase.value == "compensating" and first.recovery.value == "compensating"
     assert first.step("a").attempts[-1].phase.value == "compensation"
-    assert run.error == {"type": "ValueError", "message": "bad input after step a", "data": None, "retryable": True}
+    error = dict(run.error or {})
+    where = error.pop("traceback")  # where workflow code raised it (issue 26)
+    assert error == {"type": "ValueError", "message": "bad input after step a", "data": None, "retryable": True}
+    assert where["frames"][-1]["code"] == 'raise ValueError("bad input after step a")'
     assert run.summary == "failed, fully compensated"
 
 

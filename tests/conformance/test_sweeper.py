@@ -83,6 +83,23 @@ def test_a_start_whose_first_message_was_lost_is_repaired(store: str) -> None:
         assert run.output == "receipt" and calls == Counter({"reserve": 1, "charge": 1})
 
 
+def test_a_store_brought_back_without_its_queue_has_every_queued_task_sent_again_at_once() -> None:
+    """``ryusen dev`` restores its table but not its queue (issue 26): a task queued a moment before the stop is
+    not overdue past the sweeper's grace, yet nothing is on its way; ``recover`` sends it again now, once."""
+    calls: Counter[str] = Counter()
+    with WorkflowEnvironment(shop(calls)) as env:
+        lost = losing_sends(env, kinds={TaskKind.DISCOVER})
+        run_id = env.start("checkout", {"sku": "lamp"})
+        env.drive()
+        assert lost and calls == Counter()
+        assert env.engine.sweep(grace_s=0).repaired == []  # the sweeper leaves a task this fresh alone
+        report = env.engine.recover([run_id, "run_missing"])
+        assert report.repaired == [run_id] and report.checked == 2 and report.failed == []
+        assert [t.kind for t in env.pending_tasks()] == [TaskKind.DISCOVER]  # sent once
+        run = env.wait(run_id)
+        assert run.output == "receipt" and calls == Counter({"reserve": 1, "charge": 1})
+
+
 def test_a_retry_whose_delayed_message_was_lost_is_repaired() -> None:
     calls: Counter[str] = Counter()
     env = WorkflowEnvironment(shop(calls, fail_charges=1))

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.abc import MetaPathFinder
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from click.testing import CliRunner, Result
 from rich.console import Console
 
 from ryusen import NonRetryableError, RetryPolicy, Ryusen, Step
+from ryusen._internal import client as client_module
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server import cli
 from tests.stack import DevStack, launch
@@ -101,8 +103,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(cli, "sleep", fake.sleep)
-    monkeypatch.setattr(cli, "clock", fake)
+    monkeypatch.setattr(client_module, "sleep", fake.sleep)  # the CLI waits through ryusen.Client
+    monkeypatch.setattr(client_module, "clock", fake)
     return fake
 
 
@@ -313,7 +315,6 @@ def test_run_sends_only_the_input_when_nothing_else_is_given(server: FakeServer)
     [
         ["run", "checkout", "--input", "{sku: lamp}"],
         ["run", "checkout", "--input", ""],
-        ["run", "checkout"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--succeed", "{oops"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1"],
         ["resolve", "run_1", "charge", "--phase", "forward", "--generation", "1", "--retry", "--fail", "x"],
@@ -327,6 +328,81 @@ def test_bad_arguments_are_usage_errors_and_send_nothing(server: FakeServer, arg
     result = ryusen(*args)
     assert result.exit_code == 2, result.output
     assert server.requests == []
+
+
+def test_run_without_input_starts_the_function_with_null(server: FakeServer) -> None:
+    server.on("POST", "/v1/functions/checkout/runs", run_view(), status=201)
+    result = ryusen("run", "checkout")
+    assert result.exit_code == 0, result.output
+    assert server.requests[0].body == {"input": None}
+
+
+def test_apps_and_functions_list_what_is_synced(server: FakeServer) -> None:
+    release = {"release_id": "shop-abc", "build_id": "abc", "url": APP_URL, "synced_at": "2030-01-01T12:00:00+00:00"}
+    server.on("GET", "/v1/apps", {"apps": [{"app_id": "shop", **release, "signed": True, "functions": ["checkout"]}]})
+    server.on(
+        "GET",
+        "/v1/functions",
+        {"functions": [{"id": "checkout", "app_id": "shop", "timeout_s": 3600, "release": release}]},
+    )
+    apps = ryusen("apps")
+    assert apps.exit_code == 0, apps.output
+    assert "shop" in apps.stdout and "shop-abc" in apps.stdout and "checkout" in apps.stdout
+    functions = ryusen("functions")
+    assert functions.exit_code == 0, functions.output
+    assert "checkout" in functions.stdout and "3600 s" in functions.stdout and "shop-abc" in functions.stdout
+    assert json.loads(ryusen("functions", "--json").stdout)["functions"][0]["id"] == "checkout"
+
+
+def test_a_prefix_of_a_recent_runs_id_names_it(server: FakeServer) -> None:
+    full = "run_0123456789abcdef0123456789abcdef"
+    server.on("GET", "/v1/runs/0123456789abcdef", error("not_found", "no run 0123456789abcdef", 404))
+    server.on("GET", "/v1/runs", {"runs": [{"id": "run_ffff"}, {"id": full}], "cursor": None})
+    server.on("GET", f"/v1/runs/{full}", run_view(id=full))
+    result = ryusen("show", "0123456789abcdef")
+    assert result.exit_code == 0, result.output
+    assert full in result.stdout
+    assert [r.url.path for r in server.requests] == ["/v1/runs/0123456789abcdef", "/v1/runs", f"/v1/runs/{full}"]
+
+
+def test_an_ambiguous_or_unknown_prefix_is_refused(server: FakeServer) -> None:
+    server.on("GET", "/v1/runs/run_0123", error("not_found", "no run", 404))
+    short = ryusen("show", "run_0123")
+    assert short.exit_code == 1 and "not_found" in short.stderr  # too short to look up: the API's answer
+    server.on("POST", "/v1/runs/run_0123456/cancel", error("not_found", "no run", 404))
+    server.on("GET", "/v1/runs", {"runs": [{"id": "run_0123456a"}, {"id": "run_0123456b"}], "cursor": None})
+    ambiguous = ryusen("cancel", "run_0123456")
+    assert ambiguous.exit_code == 1 and "more than one run" in ambiguous.stderr
+    server.on("GET", "/v1/runs/run_abcdef12", error("not_found", "no run", 404))
+    unknown = ryusen("show", "run_abcdef12")
+    assert unknown.exit_code == 1 and "no run's id starts with it" in unknown.stderr
+    assert [r.method for r in server.requests].count("POST") == 1  # the cancel, refused: nothing was cancelled
+
+
+def test_resolve_without_the_attempt_acts_on_the_steps_one_blocker(server: FakeServer) -> None:
+    blocked = run_view(blockers=[{"type": "unknown_outcome", "step_id": "charge", "phase": "forward", "generation": 3}])
+    server.on("GET", "/v1/runs/run_1", blocked)
+    server.on("POST", "/v1/runs/run_1/steps/charge/forward/3/resolve", run_view(summary="running"))
+    result = ryusen("resolve", "run_1", "charge", "--fail", "declined", "--final", "--reason", "bank said so")
+    assert result.exit_code == 0, result.output
+    assert "resolved charge forward #3 (fail)" in result.stdout
+    assert server.requests[-1].body == {
+        "action": "fail",
+        "error": {"type": "declared_failure", "message": "declined", "retryable": False},
+        "reason": "bank said so",
+    }
+    none = ryusen("resolve", "run_1", "ship", "--retry")
+    assert none.exit_code == 1 and "no blocker on step 'ship'" in none.stderr and "--phase" in none.stderr
+
+
+def test_show_follow_prints_the_run_again_as_it_changes_until_it_finishes(server: FakeServer, clock: FakeClock) -> None:
+    running = run_view()
+    finished = run_view(phase="finished", outcome="completed", summary="completed", output={"ok": True})
+    server.on("GET", "/v1/runs/run_1", running, running, running, finished)
+    result = ryusen("show", "run_1", "--follow")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("run_1") >= 2 and "completed" in result.stdout
+    assert len(server.requests) == 4 and clock.sleeps == [1.0, 1.0, 1.0]
 
 
 def test_bad_input_json_says_what_is_wrong(server: FakeServer) -> None:
@@ -644,9 +720,12 @@ def test_dev_delegates_to_run_dev(monkeypatch: pytest.MonkeyPatch) -> None:
         return 0
 
     monkeypatch.setattr(dev, "run_dev", run_dev)
-    assert ryusen("dev", "examples/shop.py:app", "pkg.mod:app").exit_code == 0
-    assert ryusen("dev", "--port", "9001").exit_code == 0
-    assert calls == [{"port": 8700, "apps": ["examples/shop.py:app", "pkg.mod:app"]}, {"port": 9001, "apps": []}]
+    assert ryusen("dev", "examples/shop.py:app", "pkg.mod:app", env={"RYUSEN_DEV_DATA": None}).exit_code == 0
+    assert ryusen("dev", "--port", "9001", "--data", "/tmp/d", "--fresh").exit_code == 0
+    assert calls == [
+        {"port": 8700, "apps": ["examples/shop.py:app", "pkg.mod:app"], "data": Path(".ryusen"), "fresh": False},
+        {"port": 9001, "apps": [], "data": Path("/tmp/d"), "fresh": True},
+    ]
 
 
 def test_dev_without_the_local_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -837,6 +916,7 @@ def test_the_commands_over_ryusen_dev(stack: DevStack) -> None:
     assert saga.exit_code == 1, saga.output
     assert "failed, fully compensated" in saga.stdout and "Unwind" in saga.stdout
     assert "RuntimeError: order rejected after shipping" in saga.stdout
+    assert "raised at http_app.py:" in saga.stdout  # where, as the app's SDK reported it
 
     blocked = ryusen(*server, "run", "dup", "--input", '{"tag": "cli-dup"}', "--wait", "--wait-timeout", "120")
     assert blocked.exit_code == 1, blocked.output
@@ -847,6 +927,12 @@ def test_the_commands_over_ryusen_dev(stack: DevStack) -> None:
     assert listing.exit_code == 0 and run_id in listing.stdout
     view = json.loads(ryusen(*server, "show", run_id, "--json").stdout)
     assert view["id"] == run_id and view["blockers"][0]["type"] == "duplicate_step_id"
+    # the dev UI shows the first 16 characters of an id: they name the run
+    assert json.loads(ryusen(*server, "show", run_id[:16], "--json").stdout)["id"] == run_id
+    apps = ryusen(*server, "apps")
+    assert apps.exit_code == 0 and "conformance" in apps.stdout
+    functions = ryusen(*server, "functions")
+    assert functions.exit_code == 0 and "dup" in functions.stdout and "straight" in functions.stdout
     assert ryusen(*server, "rediscover", run_id).exit_code == 0
     assert ryusen(*server, "cancel", run_id).exit_code == 0
     refused = ryusen(*server, "resolve", run_id, "charge", "--phase", "forward", "--generation", "7", "--retry")

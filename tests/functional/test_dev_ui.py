@@ -49,3 +49,25 @@ console.log(JSON.stringify([heartbeat({{progress: 0.4}}), heartbeat("uploading <
     assert text == "<code>&quot;uploading &lt;b&gt;&quot;</code>"  # escaped
     assert nothing == ""
     assert odd.startswith("<code>") and "progress" in odd  # not a fraction: shown as it is
+
+
+def test_an_errors_traceback_is_shown_by_its_innermost_frame_and_opens_to_every_frame() -> None:
+    where = {
+        "frames": [
+            {"file": "shop.py", "line": 12, "function": "checkout", "code": "charge(order)"},
+            {"file": "shop.py", "line": 30, "function": "charge", "code": 'order["card"] < 1'},
+        ],
+        "omitted": 2,
+    }
+    program = f"""{function("esc")}
+{function("trace")}
+console.log(JSON.stringify([trace({{type: "KeyError", message: "x", traceback: {json.dumps(where)}}}), trace({{type: "E", message: "m"}})]));
+"""
+    assert NODE is not None
+    done = subprocess.run([NODE, "-e", program], capture_output=True, text=True, check=True)
+    shown, nothing = json.loads(done.stdout)
+    assert shown.startswith('<details class="trace"><summary>raised at shop.py:30 in charge</summary>')
+    assert "shop.py:12 in checkout\n    charge(order)" in shown
+    assert "order[&quot;card&quot;] &lt; 1" in shown  # escaped
+    assert "2 frames in Ryusen&#39;s SDK" in shown or "2 frames in Ryusen's SDK" in shown
+    assert nothing == ""

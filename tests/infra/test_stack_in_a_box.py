@@ -250,6 +250,35 @@ def test_a_checkout_completes(deployed: Deployed) -> None:
     assert run["outcome"] == "completed" and [s["id"] for s in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
 
 
+@pytest.mark.rfd("K2")
+def test_the_client_signs_with_sigv4_and_drives_the_deployed_api(deployed: Deployed) -> None:
+    """Decision 34: ``ryusen.Client`` against the deployed API, its requests signed with the caller's AWS
+    credentials (API Gateway's IAM authorization refuses them unsigned)."""
+    from ryusen.client import AuthorizationError, Client, ConflictError, RunFailedError
+
+    with Client(deployed.api_url, auth="none") as unsigned, pytest.raises(AuthorizationError) as refused:
+        unsigned.list()
+    assert refused.value.status == 403
+    with Client(deployed.api_url, auth="sigv4") as client:
+        assert {a["app_id"] for a in client.apps()} == {"shop"}
+        assert "checkout" in {f["id"] for f in client.functions()}
+        order = {"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}
+        handle = client.start("checkout", order, idempotency_key="box-client-1")
+        output = handle.result(timeout=60)
+        assert output and client.get(handle.id).outcome == "completed"
+        assert client.start("checkout", order, idempotency_key="box-client-1").id == handle.id
+        with pytest.raises(ConflictError) as reused:
+            client.start("checkout", {**order, "amount": 31}, idempotency_key="box-client-1")
+        assert reused.value.code == "idempotency_key_reused"
+        assert handle.id in [r.id for r in client.list(function="checkout", limit=50).runs]
+        slow = client.start("checkout", {**order, "slow_ship_s": 3})
+        wait_for(lambda: any(s["id"] == "ship" and s["status"] == "running" for s in slow.get().steps))
+        slow.cancel("customer")
+        with pytest.raises(RunFailedError) as cancelled:
+            slow.result(timeout=60)
+        assert cancelled.value.run.summary == "cancelled, fully compensated"
+
+
 def test_every_task_of_a_checkout_is_in_its_apps_message_group(deployed: Deployed) -> None:
     """Issue 25: the dispatch queue is an SQS fair queue whose tenant is the app; the API function's first
     discovery and the dispatch function's later tasks all carry the run's app as their group."""

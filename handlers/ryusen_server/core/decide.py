@@ -190,6 +190,15 @@ CHECK_PURITY = False
 """Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
 
 
+
+def _without_repeats(commands: list[Any]) -> list[Any]:
+    """``commands`` in order, each equal one once (two repairs may ask for the same send)."""
+    kept: list[Any] = []
+    for command in commands:
+        if command not in kept:
+            kept.append(command)
+    return kept
+
 def decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
     """Decide one event. ``state`` is never mutated; the state decided is sealed (it will not change again)."""
     if not CHECK_PURITY or state is None:
@@ -229,7 +238,7 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
     elif isinstance(event, WakeRequested):
         t.wake(event)
     elif isinstance(event, SweepRequested):
-        t.sweep()
+        t.sweep(event)
     elif isinstance(event, StopRequested):
         t.stop(event)
     elif isinstance(event, HeartbeatReported):
@@ -793,7 +802,7 @@ class _Transition:
         if pending or leases:
             self.commands.append(RedeliverLater(delay_s=(min(pending + leases) - self.now).total_seconds()))
 
-    def sweep(self) -> None:
+    def sweep(self, event: SweepRequested) -> None:
         """The run's work is overdue and nothing may be on its way to move it: do what the lost message or
         timer would have. A passed deadline stops the run (its schedule was lost); a due probe wakes it;
         queued tasks past their time are sent again and expired leases settle as for a returning message
@@ -806,6 +815,9 @@ class _Transition:
         elif s.probe_due_at is not None and self.now >= s.probe_due_at:
             self.wake(WakeRequested(source="probe"))
         self.reemit_stalled()
+        if event.messages_lost:
+            self.reemit_queued()
+            self.commands = _without_repeats(self.commands)
         # nothing carries a "redeliver later" here (there is no message): the sweeper comes back by the index
         self.commands = [c for c in self.commands if not isinstance(c, RedeliverLater)]
         return None
@@ -1783,6 +1795,10 @@ class _Transition:
         current = step.current(event.phase)
         if attempt is current and self.blocked_compensation(step, attempt):
             return self.resolve_blocked_compensation(step, event)
+        if current is not None and self.blocked_compensation(step, current) and self.fenced_since(step, attempt):
+            # the probe fenced a newer generation after the operator read this one: none of them ran, and the
+            # decision is about the step's blocked compensation, so it is taken (once: it ends the blocker)
+            return self.resolve_blocked_compensation(step, event)
         if (
             event.action == "retry"
             and attempt.phase is Phase.COMPENSATION
@@ -1857,6 +1873,15 @@ class _Transition:
             self.attempt_failed(step, attempt, error)
         attempt.detail = f"operator {event.action}"
         attempt.resolution = resolution
+
+    @staticmethod
+    def fenced_since(step: StepState, attempt: Attempt) -> bool:
+        """``attempt`` is a compensation generation refused before it ran, and so is every one after it, none
+        resolved by an operator: all the same blocked compensation."""
+        if attempt.phase is not Phase.COMPENSATION:
+            return False
+        later = [a for a in step.attempts if a.phase is Phase.COMPENSATION and a.generation >= attempt.generation]
+        return all(a.status is AttemptStatus.FENCED and a.resolution is None for a in later)
 
     def blocked_compensation(self, step: StepState, attempt: Attempt) -> bool:
         """This compensation attempt did not run because current code cannot reach its target (decisions 17)."""
@@ -1952,7 +1977,10 @@ class _Transition:
     def _same_resolution(self, attempt: Attempt, event: Resolve, step: StepState) -> bool:
         if attempt.status is AttemptStatus.FENCED and attempt.phase is Phase.COMPENSATION:
             # a blocked compensation's resolution is the generation after it (resolve_blocked_compensation)
+            # (past any newer generation the probe fenced before the operator's decision: fenced_since)
             following = step.attempt(attempt.phase, attempt.generation + 1)
+            while following is not None and following.status is AttemptStatus.FENCED and following.resolution is None:
+                following = step.attempt(attempt.phase, following.generation + 1)
             if following is None:
                 return False
             if event.action == "retry":

@@ -167,6 +167,10 @@ class SweepRequested:
     task's message, the deadline's or the probe's schedule) may be lost. Decided as the lost message or timer
     would have been; a duplicate of anything still on its way is harmless."""
 
+    messages_lost: bool = False
+    """Every message of the run is known to be lost (a store brought back without its queue: ``ryusen dev``'s
+    data directory): each queued task is sent again now, not only one well past its due time."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopRequested:

@@ -58,6 +58,7 @@ from .delays import LocalDelays
 from .fair import FairShare
 from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
+from .state import DevState, StateDirError
 from .ui import UI_HTML
 
 log = logging.getLogger("ryusen.dev")
@@ -131,6 +132,10 @@ class DevStack:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     out: Callable[[str], None] = print
     counter: RequestCounter = field(default_factory=RequestCounter)
+    data: Path | None = None
+    """Where the stack keeps its table across restarts (``local/state.py``); None: nowhere (tests, benches)."""
+    fresh: bool = False
+    """Forget what ``data`` holds and start empty."""
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -150,6 +155,8 @@ class DevStack:
         self._monotonic: Callable[[], float] = time.monotonic
         self.session_token = secrets.token_urlsafe(32)
         """What a browser's change must carry (``X-Ryusen-Session``): given only to the UI's own page."""
+        self.state: DevState | None = None
+        self._saved_units = -1
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -166,6 +173,7 @@ class DevStack:
         self._spawn(self._moto.serve_forever, "ryusen-moto")
         endpoint = f"http://127.0.0.1:{moto_port}"
         self.resources = self._create_resources(endpoint)
+        restored = self._restore()
         master = self.env.get("RYUSEN_MASTER_KEY") or secrets.token_hex(32)
         settings_env = dict(self.env)
         settings_env["RYUSEN_MASTER_KEY"] = master
@@ -192,6 +200,9 @@ class DevStack:
             self._start_and_sync(proc)
             self._spawn(functools.partial(self._watch, proc), f"ryusen-watch-{proc.port}")
         self._spawn(self._supervise, "ryusen-supervise")
+        if restored:
+            # their task messages and schedules were not kept: what the sweeper does for a lost one, at once
+            self.wired.engine.recover(restored)
         self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
         self.out(f"ryusen dev: dev UI      http://127.0.0.1:{self.port}/")
         self.out(f"ryusen dev: moto        {endpoint}  (table {self.resources.table_name})")
@@ -204,15 +215,54 @@ class DevStack:
         if self._delays is not None:
             self._delays.stop()
         for proc in self._processes:
-            proc.stop()
+            proc.stop()  # an app drains first: what it answered accepted posts its outcome to the API
         if self._http is not None:
             self._http.shutdown()
+        for thread in self._threads:
+            if thread.name != "ryusen-moto":
+                thread.join(timeout=5)
+        self._save(final=True)  # nothing writes any more: the table as it is
         if self._moto is not None:
             with contextlib.suppress(Exception):
                 self._moto.shutdown()
             self._moto = None
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.state is not None:
+            self.state.release()
+
+    # ---- state across restarts -------------------------------------------------------
+
+    def _restore(self) -> list[str]:
+        """Take the data directory and load what it holds; the ids of the runs restored."""
+        if self.data is None:
+            return []
+        assert self.resources is not None
+        self.state = DevState(self.data, client("dynamodb", self.resources), self.resources.table_name)
+        try:
+            self.state.acquire(fresh=self.fresh)
+            runs = self.state.load()
+        except StateDirError as exc:
+            self.state.release()
+            self.state = None
+            raise DevError(str(exc)) from None
+        where = str(self.data.resolve())
+        kept = f"{len(runs)} run(s) restored" if runs else "nothing saved yet" if not self.fresh else "started fresh"
+        self.out(f"ryusen dev: state kept in {where} ({kept}; --fresh starts clean)")
+        return runs
+
+    def _save(self, *, final: bool = False) -> None:
+        """Save the table if anything was written since the last save (every time at the end)."""
+        if self.state is None or self._moto is None:
+            return
+        units = self.counter.counts.get("dynamodb.write", 0)
+        if units == self._saved_units and not final:
+            return
+        try:
+            self.state.save()
+            self._saved_units = units
+        except Exception:
+            log.exception("saving ryusen dev's state to %s failed", self.state.directory)
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -474,7 +524,11 @@ class DevStack:
         timers = self.wired.engine.timers
         sqs, queue_url = self.wired.sqs, self.resources.queue_url
         next_sweep = time.monotonic() + SWEEP_EVERY_S
+        next_save = time.monotonic() + SAVE_EVERY_S
         while not self._stop.wait(0.5):
+            if time.monotonic() >= next_save:
+                next_save = time.monotonic() + SAVE_EVERY_S
+                self._save()
             if time.monotonic() >= next_sweep:  # what the deployment's scheduled sweeper does
                 next_sweep = time.monotonic() + SWEEP_EVERY_S
                 try:
@@ -524,6 +578,9 @@ class _Received:
 
 
 SWEEP_EVERY_S = 60.0
+SAVE_EVERY_S = 5.0
+"""How often a running stack saves its table, when something was written (``local/state.py``): a stack that
+is killed loses at most this much; one stopped with Ctrl-C or SIGTERM loses nothing."""
 """How often ``ryusen dev`` looks for runs whose work is overdue with nothing on its way (as the deployment's
 scheduled sweeper does every minute)."""
 
@@ -616,10 +673,12 @@ def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_dev(*, port: int = DEFAULT_PORT, apps: list[str] | None = None) -> int:
-    """Run the stack until Ctrl-C (or SIGTERM)."""
+def run_dev(
+    *, port: int = DEFAULT_PORT, apps: list[str] | None = None, data: Path | None = None, fresh: bool = False
+) -> int:
+    """Run the stack until Ctrl-C (or SIGTERM), keeping its state in ``data``."""
     try:
-        stack = DevStack(port=port, apps=list(apps or []))
+        stack = DevStack(port=port, apps=list(apps or []), data=data, fresh=fresh)
     except DevError as exc:
         print(f"ryusen dev: {exc}", file=sys.stderr)
         return 1

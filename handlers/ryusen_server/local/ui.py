@@ -68,9 +68,18 @@ function attempts(list){
   return list.map(a => `<div class="att">${esc(a.phase)} #${a.generation} ${badge(a.status)}
     authorized ${esc((a.authorized_at||"-").slice(11,23))} settled ${esc((a.settled_at||"-").slice(11,23))}
     · op <code>${esc(a.operation_id)}</code> · release ${esc(a.release_id||"-")}
-    ${a.error?`<br>&nbsp;&nbsp;${esc(a.error.type)}: ${esc(a.error.message)}`:""}${a.detail?`<br>&nbsp;&nbsp;${esc(a.detail)}`:""}
+    ${a.error?`<br>&nbsp;&nbsp;${esc(a.error.type)}: ${esc(a.error.message)}${trace(a.error)}`:""}${a.detail?`<br>&nbsp;&nbsp;${esc(a.detail)}`:""}
     ${a.stale_submissions.length?`<br>&nbsp;&nbsp;${a.stale_submissions.length} stale submission(s)`:""}
     ${a.heartbeat?`<br>&nbsp;&nbsp;last heartbeat ${esc((a.heartbeat.at||"-").slice(11,23))} ${heartbeat(a.heartbeat.details)}`:""}</div>`).join("");
+}
+function trace(err){  // where an error was raised (issue 26): its innermost frame, every frame when opened
+  const tb = err && err.traceback;
+  if (!tb || !Array.isArray(tb.frames) || !tb.frames.length) return "";
+  const at = f => `${esc(f.file)}:${esc(String(f.line))} in ${esc(f.function)}`;
+  const inner = tb.frames[tb.frames.length-1];
+  const lines = tb.frames.map(f => `${at(f)}${f.code?"\n    "+esc(f.code):""}`).join("\n");
+  const left = tb.omitted ? `\n(${tb.omitted} frames in Ryusen's SDK or the middle of a deep stack left out)` : "";
+  return `<details class="trace"><summary>raised at ${at(inner)}</summary><pre>Traceback (most recent call last):\n${lines}${left}</pre></details>`;
 }
 function heartbeat(details){  // decision 33: a progress bar where the details carry a fraction
   if (details === null || details === undefined) return "";
@@ -117,7 +126,7 @@ function renderRun(r){
     <h4>Steps</h4><table>${steps}</table>
     ${unwind?`<h4>Unwind (reverse completion order)</h4><ol>${unwind}</ol>`:""}
     ${r.output!==null?`<h4>Output</h4><pre>${esc(JSON.stringify(r.output,null,1))}</pre>`:""}
-    ${r.error?`<h4>Error</h4><pre>${esc(r.error.type)}: ${esc(r.error.message)}</pre>`:""}`;
+    ${r.error?`<h4>Error</h4><pre>${esc(r.error.type)}: ${esc(r.error.message)}</pre>${trace(r.error)}`:""}`;
 }
 refresh(); setInterval(refresh, 1500);
 </script></body></html>

@@ -1248,6 +1248,7 @@ def _replay(request: TaskRequest, registered: RegisteredFunction | None = None) 
     if (omitted := request.forward_result_omitted) is not None:
         forward_result = OmittedResult(size=omitted.size, sha256=omitted.sha256, limit=omitted.limit)
     replay = _Replay(request.kind, request.memo, request.step_id, request.operation, forward_result)
+    replay.tracebacks = request.tracebacks
     if registered is not None:
         replay.retired_steps = registered.retired_steps
     return replay
@@ -1284,7 +1285,12 @@ def _discovery_after(request: TaskRequest, outcome: Any, run_input: Any) -> Task
         return None
     memo = {**request.memo, request.step_id: MemoEntry(status="completed", result=outcome.result)}
     return TaskRequest(
-        kind=TaskKind.DISCOVER, run_id=request.run_id, function_id=request.function_id, input=run_input, memo=memo
+        kind=TaskKind.DISCOVER,
+        run_id=request.run_id,
+        function_id=request.function_id,
+        input=run_input,
+        memo=memo,
+        tracebacks=request.tracebacks,
     )
 
 

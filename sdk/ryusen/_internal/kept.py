@@ -139,6 +139,7 @@ class LivePass:
         self.function_id = request.function_id
         self.idle_s = idle_s
         self.replay = _Replay(TaskKind.FORWARD, dict(request.memo), request.step_id, request.operation, None)
+        self.replay.tracebacks = request.tracebacks
         self.replay.keeper = self
         self.serving = request.step_id
         """The step whose attempt this pass runs (or last ran)."""

@@ -48,12 +48,15 @@ import contextvars
 import hashlib
 import inspect
 import json
+import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
 import pydantic_core
@@ -62,6 +65,8 @@ from pydantic import ValidationError
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
 from .heartbeat import SINK
 from .wire import (
+    FRAME_TEXT_LIMIT,
+    MAX_FRAMES,
     MAX_VALUE_BYTES,
     NESTED_STEP_ERROR,
     CallbackFailed,
@@ -70,6 +75,7 @@ from .wire import (
     ConflictFound,
     DuplicateStepConflict,
     ErrorInfo,
+    Frame,
     FunctionCompleted,
     FunctionFailed,
     InvalidStep,
@@ -87,10 +93,12 @@ from .wire import (
     StepReached,
     TargetNotFound,
     TaskKind,
+    Traceback,
     json_value_problem,
 )
 
 T = TypeVar("T")
+log = logging.getLogger("ryusen")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,18 +205,81 @@ def _describe(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose message cannot be printed>"
 
 
-def error_info(exc: BaseException, *, retryable: bool = True) -> ErrorInfo:
+def error_info(exc: BaseException, *, retryable: bool = True, with_traceback: bool = False) -> ErrorInfo:
+    """``exc`` as the server records it; with ``with_traceback`` (the server asked: ``tracebacks``), where it
+    was raised too."""
+    where = traceback_of(exc) if with_traceback else None
     if isinstance(exc, StepFailed):
         return ErrorInfo(
             type="StepFailed",
             message=_describe(exc),
             data=_jsonable({"step_id": exc.step_id, "error_type": exc.error_type, "data": exc.data}),
             retryable=retryable,
+            traceback=where,
         ).bounded()
     data = getattr(exc, "data", None) if isinstance(exc, NonRetryableError) else None
     return ErrorInfo(
-        type=_text(type(exc).__name__), message=_describe(exc), data=_jsonable(data), retryable=retryable
+        type=_text(type(exc).__name__),
+        message=_describe(exc),
+        data=_jsonable(data),
+        retryable=retryable,
+        traceback=where,
     ).bounded()
+
+
+_SDK_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
+"""Frames in files under here are Ryusen's own (step.run, the runner): left out of a user's traceback."""
+_OUTER_FRAMES = 10
+
+
+def traceback_of(exc: BaseException) -> Traceback | None:
+    """Where ``exc`` was raised, outermost frame first: file (relative to the working directory when under it),
+    line, function and source line; never locals. Ryusen's own frames are left out, and a deep stack keeps its
+    outermost and innermost frames (``MAX_FRAMES``); ``omitted`` counts what was left out.
+
+    >>> def charge():
+    ...     raise KeyError("to")
+    >>> try:
+    ...     charge()
+    ... except KeyError as exc:
+    ...     where = traceback_of(exc)
+    >>> [f.function for f in where.frames][-1], where.frames[-1].code
+    ('charge', 'raise KeyError("to")')
+    """
+    try:
+        summary = traceback.extract_tb(exc.__traceback__)
+    except Exception:  # noqa: BLE001 - a traceback that cannot be read is left out, never fails the report
+        return None
+    frames: list[Frame] = []
+    omitted = 0
+    here = os.getcwd() + os.sep
+    for entry in summary:
+        filename = entry.filename or "?"
+        if os.path.abspath(filename).startswith(_SDK_DIR):
+            omitted += 1
+            continue
+        if filename.startswith(here):
+            filename = filename[len(here) :]
+        frames.append(
+            Frame(
+                file=_clip(filename),
+                line=entry.lineno,
+                function=_clip(entry.name or "?"),
+                code=_clip(entry.line.strip()) if entry.line else None,
+            )
+        )
+    if len(frames) > MAX_FRAMES:
+        inner = MAX_FRAMES - _OUTER_FRAMES
+        omitted += len(frames) - MAX_FRAMES
+        frames = frames[:_OUTER_FRAMES] + frames[-inner:]
+    if not frames and not omitted:
+        return None
+    return Traceback(frames=frames, omitted=omitted)
+
+
+def _clip(text: str) -> str:
+    text = _text(text)
+    return text if len(text) <= FRAME_TEXT_LIMIT else text[: FRAME_TEXT_LIMIT - 1] + "…"
 
 
 def _jsonable(value: Any) -> Any:
@@ -392,6 +463,9 @@ class _Replay:
         self.function_thread: int | None = None
         """The thread the function runs on (set by what runs it): a ``step.run`` from any other thread is
         refused (decisions 18), whatever the timing."""
+        self.tracebacks = False
+        """The server asked for tracebacks (``tracebacks``): the errors this pass reports say where they were
+        raised."""
 
     # ---- step.run -----------------------------------------------------------------
 
@@ -687,7 +761,13 @@ class _Replay:
     def _failed(self, exc: Exception) -> CallbackFailed:
         if (conflict := self._refusal_in(exc)) is not None:
             return CallbackFailed(error=nested_step_error(conflict, self.build_id))
-        return CallbackFailed(error=error_info(exc, retryable=not isinstance(exc, NonRetryableError)))
+        operation = self.operation
+        what = f"{operation.phase} #{operation.generation}" if operation is not None else "attempt"
+        level = logging.INFO if isinstance(exc, NonRetryableError) else logging.WARNING  # a decline is no surprise
+        log.log(level, "the callback of step %r (%s) raised %s", self.target, what, type(exc).__name__, exc_info=exc)
+        return CallbackFailed(
+            error=error_info(exc, retryable=not isinstance(exc, NonRetryableError), with_traceback=self.tracebacks)
+        )
 
     def _refusal_in(self, exc: BaseException) -> ConcurrentStepConflict | None:
         """The refusal of a step opened inside the callback, if ``exc`` is it, wraps it or groups it."""
@@ -750,7 +830,8 @@ class _Replay:
             raise raised
         if self.kind is TaskKind.DISCOVER:
             if raised is not None:
-                return FunctionFailed(error=error_info(raised))
+                log.warning("the function raised %s: the run fails", type(raised).__name__, exc_info=raised)
+                return FunctionFailed(error=error_info(raised, with_traceback=self.tracebacks))
             return _completed(output)
         if raised is None:
             return self._not_reached(f"current code completes without reaching step {self.target!r}")
@@ -759,7 +840,7 @@ class _Replay:
                 f"current code ends with the recorded failure of step {failure.step_id!r}"
                 f" before reaching step {self.target!r}"
             )
-        return ReplayFailed(error=error_info(raised))
+        return ReplayFailed(error=error_info(raised, with_traceback=self.tracebacks))
 
     def _not_reached(self, detail: str) -> TargetNotFound:
         """A compensation pass that ended without meeting its target: where it ended, and whether the function

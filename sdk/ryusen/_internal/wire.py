@@ -38,6 +38,7 @@ SDK_FEATURES = (
     "respond_within",
     "acknowledge",
     "heartbeat",
+    "tracebacks",
 )
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
@@ -50,7 +51,9 @@ own clock from when the request arrived (``respond_by`` alone is read on the end
 ``acknowledge``: an attempt's request may carry ``acknowledge_after_s``; an endpoint whose callback is still
 running then answers ``accepted`` (the dispatcher stops waiting) and delivers the outcome, with what the replay
 found next, to the result URL (``docs/design/dispatch.md``).
-``heartbeat``: a step's plan may carry ``heartbeat_s``, and a callback posts heartbeats to the result URL."""
+``heartbeat``: a step's plan may carry ``heartbeat_s``, and a callback posts heartbeats to the result URL.
+``tracebacks``: a request may carry ``tracebacks``; an error the endpoint then reports may carry its
+``traceback`` (an error without one is sent as before)."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -176,13 +179,48 @@ class TaskKind(StrEnum):
     COMPENSATE = "compensate"
 
 
+MAX_FRAMES = 40
+"""A traceback keeps at most this many frames: the outermost 10 and the innermost 30."""
+FRAME_TEXT_LIMIT = 300
+"""Each frame's file, function and source line keep this many characters."""
+
+
+class Frame(_Wire):
+    """One frame of a traceback: where, never what was in it (no locals)."""
+
+    file: str = Field(max_length=FRAME_TEXT_LIMIT)
+    line: int | None = None
+    function: str = Field(max_length=FRAME_TEXT_LIMIT)
+    code: str | None = Field(default=None, max_length=FRAME_TEXT_LIMIT)
+    """The source line, as the file read when the error was reported."""
+
+
+class Traceback(_Wire):
+    """Where an exception was raised: its frames in the user's code, outermost first. Frames inside Ryusen's
+    SDK are left out, and so are the middle frames of a deep stack; ``omitted`` counts both."""
+
+    frames: list[Frame] = Field(max_length=MAX_FRAMES)
+    omitted: int = Field(default=0, ge=0)
+
+
 class ErrorInfo(_Wire):
-    """A structured error: the error's type name, message and optional JSON data."""
+    """A structured error: the error's type name, message and optional JSON data; and, from an SDK that
+    reports them, where it was raised (``traceback``)."""
 
     type: str
     message: str
     data: Any = None
     retryable: bool = True
+    traceback: Traceback | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_traceback(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # an error without a traceback is written as before it existed: a reader that predates the field (an
+        # older server or SDK, whose wire models refuse unknown fields) reads it, and stored runs keep their size
+        dumped = handler(self)
+        if isinstance(dumped, dict) and dumped.get("traceback", ...) is None:
+            del dumped["traceback"]
+        return dumped
 
     def bounded(self, limit: int = MAX_VALUE_BYTES) -> ErrorInfo:
         """This error, or, when it is over ``limit`` serialized, a copy that says what was cut.
@@ -199,6 +237,8 @@ class ErrorInfo(_Wire):
         size = value_size(self.model_dump(mode="json"))
         if size <= limit:
             return self
+        if self.traceback is not None:  # where it was raised goes first
+            return self.model_copy(update={"traceback": None}).bounded(limit)
         note = f" [error cut: it was {size} bytes serialized, over the {limit}-byte limit; data dropped]"
         kept = min(ERROR_MESSAGE_KEPT, max(256, limit // 2))
         return ErrorInfo(type=self.type[:256], message=self.message[:kept] + note, data=None, retryable=self.retryable)
@@ -375,6 +415,8 @@ class TaskRequest(_Wire):
     acknowledge_after_s: float | None = Field(default=None, ge=0, le=900, allow_inf_nan=False)
     """``acknowledge``: an attempt whose callback has not finished this many seconds after the request arrived
     is answered ``accepted`` at once, and its outcome goes to ``result_url`` when the callback ends."""
+    tracebacks: bool = False
+    """``tracebacks``: report where an error was raised (``ErrorInfo.traceback``)."""
     memo_base: MemoBase | None = None
     """``memo_cache``: ``memo`` holds only what changed since the memo named ``memo_base.token``, and
     ``input`` is not sent. An endpoint that does not hold that memo runs nothing and answers ``memo_miss``;
@@ -457,6 +499,7 @@ FEATURE_FIELDS = (
     "forward_result_omitted",
     "respond_within_s",
     "acknowledge_after_s",
+    "tracebacks",
 )
 """Request fields an SDK understands only if it announced their feature: sent only when set."""
 

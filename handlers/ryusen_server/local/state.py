@@ -1,0 +1,186 @@
+"""What ``ryusen dev`` keeps across restarts: its table, in a data directory (issue 26).
+
+The embedded moto keeps everything in memory. The table (runs, their journals, releases, idempotency keys) is
+what matters: a stopped ``ryusen dev`` saves it to ``DIR/table.jsonl`` (and every few seconds while it runs,
+when something was written), and the next one loads it before it serves anything. Queue messages and
+schedules are not saved: the engine's sweeper finds every run whose work is due with nothing on its way to
+move it, and sends its task again (issue 12), so a restored run goes on. An attempt that was running when the
+stack stopped is Unknown when its lease ends, unless its outcome was posted first (the app drains on stop).
+
+Keys are not kept: each session makes its own, as before (docs/security.md).
+
+One ``ryusen dev`` at a time uses a directory (a lock file says so).
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+FORMAT = 1
+TABLE_FILE = "table.jsonl"
+LOCK_FILE = "lock"
+BATCH = 25
+"""Items per BatchWriteItem (DynamoDB's most)."""
+
+
+class StateDirError(Exception):
+    """The data directory cannot be used (another ``ryusen dev`` holds it, or its file is not ours)."""
+
+
+def _encode(value: Any) -> Any:
+    """A low-level DynamoDB attribute value as JSON: binary as base64."""
+    if isinstance(value, dict):
+        return {k: _encode_typed(k, v) for k, v in value.items()}
+    return value
+
+
+def _encode_typed(kind: str, value: Any) -> Any:
+    if kind == "B":
+        return base64.b64encode(bytes(value)).decode()
+    if kind == "BS":
+        return [base64.b64encode(bytes(v)).decode() for v in value]
+    if kind == "M":
+        return {k: _encode(v) for k, v in value.items()}
+    if kind == "L":
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _decode_typed(k, v) for k, v in value.items()}
+    return value
+
+
+def _decode_typed(kind: str, value: Any) -> Any:
+    if kind == "B":
+        return base64.b64decode(value)
+    if kind == "BS":
+        return [base64.b64decode(v) for v in value]
+    if kind == "M":
+        return {k: _decode(v) for k, v in value.items()}
+    if kind == "L":
+        return [_decode(v) for v in value]
+    return value
+
+
+def encode_item(item: dict[str, Any]) -> str:
+    """One item as a line of JSON.
+
+    >>> line = encode_item({"pk": {"S": "RUN#r"}, "body": {"B": b"\\x00z"}, "n": {"N": "3"}})
+    >>> decode_item(line) == {"pk": {"S": "RUN#r"}, "body": {"B": b"\\x00z"}, "n": {"N": "3"}}
+    True
+    """
+    return json.dumps({name: _encode(value) for name, value in item.items()}, separators=(",", ":"))
+
+
+def decode_item(line: str) -> dict[str, Any]:
+    return {name: _decode(value) for name, value in json.loads(line).items()}
+
+
+class DevState:
+    """The data directory of one ``ryusen dev``: load the table at start, save it while running and at stop."""
+
+    def __init__(self, directory: Path, dynamodb: Any, table_name: str) -> None:
+        self.directory = directory
+        self.dynamodb = dynamodb
+        self.table_name = table_name
+        self._lock_file: IO[str] | None = None
+        self._save_lock = threading.Lock()
+
+    @property
+    def table_file(self) -> Path:
+        return self.directory / TABLE_FILE
+
+    def acquire(self, *, fresh: bool) -> None:
+        """Take the directory (creating it); with ``fresh``, forget what it holds."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = (self.directory / LOCK_FILE).open("a")
+        except OSError as exc:
+            raise StateDirError(f"cannot use {self.directory} for ryusen dev's state: {exc.strerror}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise StateDirError(
+                f"another ryusen dev is using {self.directory}; stop it, or give this one --data DIR"
+            ) from None
+        self._lock_file = lock
+        if fresh:
+            self.table_file.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    def load(self) -> list[str]:
+        """Write the saved items into the (empty) table; the ids of the runs restored."""
+        if not self.table_file.exists():
+            return []
+        runs: list[str] = []
+        batch: list[dict[str, Any]] = []
+        with self.table_file.open() as saved:
+            header = json.loads(saved.readline() or "{}")
+            if header.get("format") != FORMAT:
+                raise StateDirError(
+                    f"{self.table_file} is not a ryusen dev state file this version reads; move it away, or start"
+                    " with --fresh"
+                )
+            for line in saved:
+                if not line.strip():
+                    continue
+                item = decode_item(line)
+                batch.append(item)
+                if item.get("sk", {}).get("S") == "RUN":
+                    runs.append(str(item["pk"]["S"]).removeprefix("RUN#"))
+                if len(batch) == BATCH:
+                    self._write(batch)
+                    batch = []
+        if batch:
+            self._write(batch)
+        return runs
+
+    def _write(self, items: list[dict[str, Any]]) -> None:
+        requests: dict[str, Any] = {self.table_name: [{"PutRequest": {"Item": item}} for item in items]}
+        while requests:
+            answer = self.dynamodb.batch_write_item(RequestItems=requests)
+            requests = answer.get("UnprocessedItems") or {}
+
+    def _scan(self) -> Iterator[dict[str, Any]]:
+        start: dict[str, Any] | None = None
+        while True:
+            page = self.dynamodb.scan(TableName=self.table_name, **({"ExclusiveStartKey": start} if start else {}))
+            yield from page.get("Items", [])
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return
+
+    def save(self) -> int:
+        """Write the whole table to the directory, atomically (a crash mid-save leaves the last save)."""
+        with self._save_lock:
+            partial = self.table_file.with_suffix(".partial")
+            count = 0
+            with partial.open("w") as out:
+                header = {"format": FORMAT, "table": self.table_name, "saved_at": datetime.now(UTC).isoformat()}
+                out.write(json.dumps(header) + "\n")
+                for item in self._scan():
+                    out.write(encode_item(item) + "\n")
+                    count += 1
+                out.flush()
+                os.fsync(out.fileno())
+            partial.replace(self.table_file)
+            return count
+
+
+__all__ = ["DevState", "StateDirError", "decode_item", "encode_item"]
