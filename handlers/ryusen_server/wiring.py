@@ -362,7 +362,9 @@ def fetch_manifest(
         except SignatureError as exc:
             raise InvalidRequestError(
                 f"the manifest from {url} is not signed with app {app_id!r}'s key ({exc.reason}); give the app"
-                " its key (ryusen key derive), and build it with a current SDK",
+                f" its key (RYUSEN_SIGNING_KEY from `ryusen key derive {app_id}`, with the same RYUSEN_MASTER_KEY the"
+                " server was started with), and build it with a current SDK. An app in insecure local mode"
+                " (RYUSEN_INSECURE_LOCAL=1) signs nothing, and no server accepts it, `ryusen dev` included",
                 code="unsigned_app",
             ) from None
     features = frozenset(f.strip() for f in announced.split(",") if f.strip())
