@@ -43,7 +43,7 @@ ManifestFetcher = Callable[[str, str], tuple[Manifest, frozenset[str]]]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class SyncRequest(_Body):
@@ -313,6 +313,12 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             ),
         )
         return _json(200, run_view(decision.state))
+
+    @api.get("/v1/openapi.json")
+    def openapi_document() -> Response[str]:
+        from .openapi import document
+
+        return _json(200, document())
 
     @api.post("/v1/results")
     def late_result() -> Response[str]:

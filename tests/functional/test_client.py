@@ -155,6 +155,11 @@ def test_the_async_client_starts_waits_lists_and_cancels_over_ryusen_dev(stack: 
             seen = [r.id async for r in client.runs(function="straight")]
             assert {h.id for h in handles} <= set(seen)
             slow = await client.start("slow", {"tag": t, "sleep_s": 2})
+            for _ in range(600):  # until its first step is done: then there is something to compensate
+                steps = (await slow.get()).steps
+                if steps and steps[0]["status"] == "completed":
+                    break
+                await asyncio.sleep(0.1)
             await client.cancel(slow.id, "not needed")
             run = await slow.wait(timeout=90)
             assert run.outcome == "cancelled" and run.recovery == "compensated"

@@ -190,7 +190,6 @@ CHECK_PURITY = False
 """Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
 
 
-
 def _without_repeats(commands: list[Any]) -> list[Any]:
     """``commands`` in order, each equal one once (two repairs may ask for the same send)."""
     kept: list[Any] = []
@@ -198,6 +197,7 @@ def _without_repeats(commands: list[Any]) -> list[Any]:
         if command not in kept:
             kept.append(command)
     return kept
+
 
 def decide(state: RunState | None, event: Event, *, now: datetime, settings: EngineSettings) -> Decision:
     """Decide one event. ``state`` is never mutated; the state decided is sealed (it will not change again)."""
