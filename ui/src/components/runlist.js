@@ -1,5 +1,5 @@
 // The run list: filters, search (run id, a prefix of one, or an idempotency key), cursor paging, live.
-import { useEffect, useState } from "preact/hooks";
+import { useEffect, useRef, useState } from "preact/hooks";
 import { html } from "../lib/html.js";
 import { ApiError, enc, get } from "../lib/api.js";
 import { between, shortId } from "../lib/format.js";
@@ -59,29 +59,32 @@ export function RunList({ params, functions }) {
   const [text, setText] = useState(q);
   const key = JSON.stringify([filters, q, cursor]);
 
+  const current = useRef(key);
+  current.current = key;
   const load = async () => {
+    const asked = key;
     try {
-      if (q) {
-        setData({ runs: await search(q, filters, functions), cursor: null, error: null });
-      } else {
+      let next;
+      if (q) next = { runs: await search(q, filters, functions), cursor: null };
+      else {
         const page = await get("/v1/runs", { ...filters, limit: PAGE, cursor });
-        setData({ runs: page.runs, cursor: page.cursor, error: null });
+        next = { runs: page.runs, cursor: page.cursor };
       }
+      if (current.current === asked) setData({ ...next, error: null, key: asked });
     } catch (error) {
-      setData((d) => ({ ...d, error }));
+      if (current.current === asked) setData((d) => ({ ...d, error }));
     }
   };
   useEffect(() => {
     setText(q);
-    setData((d) => ({ ...d, runs: d.runs && d.key === key ? d.runs : null, key }));
+    setData((d) => (d.key === key ? d : { runs: null, cursor: null, error: null, key }));
     load();
-  }, [key, functions.length]);
+  }, [key]);
+  useEffect(() => {
+    if (q && functions.length) load(); // a search by idempotency key asks every function
+  }, [functions.length]);
   // a run shown changed, or a new run may belong on the newest page
-  useLive(
-    (event) => (data.runs || []).some((r) => r.id === event.run_id) || (!cursor && !q),
-    load,
-    [key, functions.length],
-  );
+  useLive((event) => (data.runs || []).some((r) => r.id === event.run_id) || (!cursor && !q), load, [key]);
 
   const set = (changes) => {
     const next = { ...filters, q, ...changes };
