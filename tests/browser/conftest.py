@@ -25,7 +25,7 @@ TIMEOUT_MS = 60_000
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     if not all((STATIC_DIR / name).is_file() for name in STATIC_FILES):
-        subprocess.run([str(ROOT / "scripts" / "build-ui")], check=True)  # noqa: S603 - our own script
+        subprocess.run([str(ROOT / "scripts" / "build-ui")], check=True)
     # the launched ryusen dev (and its app process) import this checkout's code, whichever checkout the console
     # script was installed from
     before = os.environ.get("PYTHONPATH")

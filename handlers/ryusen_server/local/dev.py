@@ -609,9 +609,7 @@ _REASONS = {
 }
 
 
-def _serve_ui(
-    path: str, page: bytes, events: RunEvents, start_response: Callable[..., Any]
-) -> Iterable[bytes]:
+def _serve_ui(path: str, page: bytes, events: RunEvents, start_response: Callable[..., Any]) -> Iterable[bytes]:
     """A GET outside the API: the page, its built files, the run events, or a 404."""
     if path in ("/", "/ui", "/index.html"):
         return _answer(start_response, "200 OK", "text/html; charset=utf-8", page, UI_HEADERS)

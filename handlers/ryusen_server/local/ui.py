@@ -27,7 +27,8 @@ class UiNotBuiltError(Exception):
     """The UI's built files are missing (a checkout where ``./scripts/build-ui`` has not run)."""
 
 
-def check_built(directory: Path = STATIC_DIR) -> None:
+def check_built(directory: Path | None = None) -> None:
+    directory = directory or STATIC_DIR
     missing = [name for name in STATIC_FILES if not (directory / name).is_file()]
     if missing:
         raise UiNotBuiltError(
@@ -36,8 +37,9 @@ def check_built(directory: Path = STATIC_DIR) -> None:
         )
 
 
-def static_file(name: str, directory: Path = STATIC_DIR) -> tuple[bytes, str] | None:
+def static_file(name: str, directory: Path | None = None) -> tuple[bytes, str] | None:
     """A built file's bytes and content type, or None if ``name`` is not one."""
+    directory = directory or STATIC_DIR
     content_type = STATIC_FILES.get(name)
     if content_type is None:
         return None
