@@ -29,7 +29,7 @@ from ryusen._internal.wire import (
 )
 
 from .core.events import Resolve
-from .core.model import Outcome, RunPhase
+from .core.model import Outcome, Recovery, RunPhase, RunState
 from .core.view import run_summary_view, run_view
 from .engine import MAX_HEARTBEAT_BYTES, Engine
 from .ports import InvalidRequestError, PayloadTooLargeError, ServerError
@@ -66,6 +66,20 @@ class ResolveRequest(_Body):
     error: ErrorInfo | None = None
     reason: str | None = Field(default=None, max_length=1024)
     """Why: kept on the attempt with the resolution (decisions 28)."""
+
+
+_LIST_FILTERS = ("function_id", "phase", "outcome", "recovery", "blocked", "idempotency_key")
+"""What ``GET /v1/runs`` filters on (each optional; ``idempotency_key`` needs ``function_id``)."""
+
+
+def _matches(state: RunState, params: dict[str, str]) -> bool:
+    """``state`` passes the listing's filters other than its function and idempotency key."""
+    return (
+        params.get("phase") in (None, state.phase.value)
+        and params.get("outcome") in (None, state.outcome.value if state.outcome else None)
+        and params.get("recovery") in (None, state.recovery.value if state.recovery else None)
+        and params.get("blocked") in (None, "true" if state.blockers else "false")
+    )
 
 
 def _caller(api: Any) -> str | None:
@@ -243,24 +257,39 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
     @api.get("/v1/runs")
     def list_runs() -> Response[str]:
         params = api.current_event.query_string_parameters or {}
-        unknown = set(params) - {"function_id", "phase", "outcome", "limit", "cursor"}
+        unknown = set(params) - {*_LIST_FILTERS, "limit", "cursor"}
         if unknown:
             raise InvalidRequestError(f"unknown query parameters: {', '.join(sorted(unknown))}")
-        phase, outcome = params.get("phase"), params.get("outcome")
-        if phase is not None and phase not in {p.value for p in RunPhase}:
-            raise InvalidRequestError(f"phase must be one of {', '.join(p.value for p in RunPhase)}")
-        if outcome is not None and outcome not in {o.value for o in Outcome}:
-            raise InvalidRequestError(f"outcome must be one of {', '.join(o.value for o in Outcome)}")
+        choices = {"phase": RunPhase, "outcome": Outcome, "recovery": Recovery}
+        for name, enum in choices.items():
+            if (value := params.get(name)) is not None and value not in {v.value for v in enum}:
+                raise InvalidRequestError(f"{name} must be one of {', '.join(v.value for v in enum)}")
+        blocked = params.get("blocked")
+        if blocked is not None and blocked not in ("true", "false"):
+            raise InvalidRequestError("blocked must be true or false")
+        key, function_id = params.get("idempotency_key"), params.get("function_id")
+        if key is not None and not function_id:
+            raise InvalidRequestError("idempotency_key needs function_id: a key names a run of one function")
+        if key is not None and not 1 <= len(key) <= 256:
+            raise InvalidRequestError("idempotency_key must be 1 to 256 characters")
         try:
             limit = int(params.get("limit", "50"))
         except ValueError:
             raise InvalidRequestError("limit must be an integer") from None
         if not 1 <= limit <= 200:
             raise InvalidRequestError("limit must be between 1 and 200")
+        if key is not None and function_id:
+            held = engine.store.run_for_idempotency_key(function_id, key)
+            state = engine.store.get(held) if held is not None and params.get("cursor") is None else None
+            matching = state is not None and _matches(state, params)
+            runs = [run_summary_view(state)] if state is not None and matching else []
+            return _json(200, {"runs": runs, "cursor": None})
         page = engine.store.list_runs(
-            function_id=params.get("function_id"),
-            phase=phase,
-            outcome=outcome,
+            function_id=function_id,
+            phase=params.get("phase"),
+            outcome=params.get("outcome"),
+            recovery=params.get("recovery"),
+            blocked=None if blocked is None else blocked == "true",
             limit=limit,
             cursor=params.get("cursor"),
         )

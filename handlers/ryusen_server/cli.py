@@ -662,6 +662,23 @@ def dev(port: int, data: Path, fresh: bool, apps: tuple[str, ...]) -> None:
 
 
 @cli.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=8701, show_default=True)
+@click.pass_context
+def ui(ctx: click.Context, port: int) -> None:
+    """Serve the development UI on loopback over --server (a deployed API: its requests signed with SigV4)."""
+    from ryusen_server.local.remote_ui import run_remote_ui
+    from ryusen_server.local.ui import UiNotBuiltError, check_built
+
+    try:
+        check_built()
+    except UiNotBuiltError as exc:
+        raise CliError(str(exc)) from None
+    api = ctx.find_object(Api)
+    assert api is not None, "the ryusen group sets the Api"
+    sys.exit(run_remote_ui(api.server, port))
+
+
+@cli.command()
 @click.argument("url")
 @click.option("--app", "app_id", metavar="APP_ID", help="The app id (default: read from the endpoint's manifest).")
 @pass_client

@@ -113,6 +113,8 @@ class MemoryStore:
         function_id: str | None = None,
         phase: str | None = None,
         outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
@@ -126,6 +128,8 @@ class MemoryStore:
             if (function_id is None or s.function_id == function_id)
             and (phase is None or s.phase.value == phase)
             and (outcome is None or (s.outcome.value if s.outcome else None) == outcome)
+            and (recovery is None or (s.recovery.value if s.recovery else None) == recovery)
+            and (blocked is None or bool(s.blockers) == blocked)
         ]
         if limit < 1:
             raise InvalidRequestError("limit must be at least 1")

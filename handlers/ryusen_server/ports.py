@@ -164,13 +164,16 @@ class RunStore(Protocol):
         function_id: str | None = None,
         phase: str | None = None,
         outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
         """Newest first. Runs read for a listing: a store may leave their large JSON values (input,
         output, results, errors) out as None; read one run with :meth:`get` for all of it. A page holds at
         most ``limit`` runs; a store that bounds the reads of a page may return fewer, even none, with a
-        cursor. The cursor is None exactly when no more runs match."""
+        cursor. The cursor is None exactly when no more runs match. ``recovery`` and ``blocked`` (the run has a
+        blocker, or has none) filter as ``phase`` and ``outcome`` do."""
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]: ...
 

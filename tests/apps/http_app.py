@@ -233,3 +233,19 @@ def beating(data: dict[str, Any], step: Step) -> Any:
     )
     step.run("after", effect, "after", tag, compensate=undo(tag, "after"))
     return result
+
+
+# ---- issue 26: a run of many steps, for the dev UI's large-run page ----------------------------
+
+
+def trivial(index: int) -> int:
+    return index
+
+
+@app.function("many")
+def many(data: dict[str, Any], step: Step) -> Any:
+    """``n`` trivial steps, one after another (no invocation log: a thousand lines would only slow the test)."""
+    total = 0
+    for i in range(data["n"]):
+        total += step.run(f"s{i:04d}", trivial, i)
+    return {"steps": data["n"], "total": total}

@@ -238,6 +238,10 @@ def snapshot(env: WorkflowEnvironment) -> list[tuple[str, int]]:
         ("GET", "/v1/runs", None, {"limit": "0"}, 422, "invalid_request"),
         ("GET", "/v1/runs", None, {"phase": "queued"}, 422, "invalid_request"),
         ("GET", "/v1/runs", None, {"colour": "red"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"recovery": "undone"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"blocked": "yes"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"idempotency_key": "k1"}, 422, "invalid_request"),
+        ("GET", "/v1/runs", None, {"function_id": "wf", "idempotency_key": "k" * 257}, 422, "invalid_request"),
         ("GET", "/v1/nothing-here", None, None, 404, "route_not_found"),
     ],
 )

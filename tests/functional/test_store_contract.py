@@ -386,7 +386,7 @@ def newest_first(states: list[RunState]) -> list[RunState]:
     return sorted(states, key=lambda s: (s.created_at, s.id), reverse=True)
 
 
-def all_pages(store: RunStore, limit: int, **filters: str) -> list[list[str]]:
+def all_pages(store: RunStore, limit: int, **filters: Any) -> list[list[str]]:
     pages: list[list[str]] = []
     cursor: str | None = None
     while True:
@@ -428,6 +428,51 @@ def test_list_runs_filters(store: RunStore, listed: list[RunState], filters: dic
 
     expected = newest_first([s for s in listed if matches(s)])
     assert store.list_runs(**filters).runs == expected  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def listed_blocked(runs: Runs, listed: list[RunState]) -> list[RunState]:
+    """``listed``, with two of its running runs blocked (a duplicate step id) and one finished with a step
+    compensated, so recovery and blockers vary."""
+    out = list(listed)
+    for i in (0, 4):
+        out[i] = runs.block(out[i])
+    state = runs.start("run_12", function_id="checkout", at=T0 + timedelta(minutes=12))
+    state = runs.run_step(state, "charge", {"id": "ch_1"})
+    out.append(runs.fail(state))
+    return out
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"blocked": True},
+        {"blocked": False},
+        {"recovery": "not_required"},
+        {"recovery": "compensating"},
+        {"recovery": "compensated"},
+        {"function_id": "checkout", "blocked": True},
+        {"phase": "running", "blocked": False},
+        {"outcome": "failed", "recovery": "not_required"},
+    ],
+)
+def test_list_runs_filters_by_recovery_and_blockers(
+    store: RunStore, listed_blocked: list[RunState], filters: dict[str, Any]
+) -> None:
+    def matches(s: RunState) -> bool:
+        return (
+            filters.get("function_id", s.function_id) == s.function_id
+            and filters.get("phase", s.phase.value) == s.phase.value
+            and ("outcome" not in filters or (s.outcome is not None and s.outcome.value == filters["outcome"]))
+            and ("recovery" not in filters or (s.recovery is not None and s.recovery.value == filters["recovery"]))
+            and filters.get("blocked", bool(s.blockers)) == bool(s.blockers)
+        )
+
+    expected = newest_first([s for s in listed_blocked if matches(s)])
+    if filters.get("blocked") is True or filters.get("recovery") == "compensating":
+        assert expected, "the fixture has runs of every kind asked for"
+    assert ids(store.list_runs(**filters).runs) == ids(expected)
+    assert [run_id for page in all_pages(store, 2, **filters) for run_id in page] == ids(expected)
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5, 12, 13])

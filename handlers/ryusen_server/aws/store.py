@@ -968,6 +968,8 @@ class DynamoStore:
         function_id: str | None = None,
         phase: str | None = None,
         outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
@@ -975,7 +977,10 @@ class DynamoStore:
         ``list_scan_items`` of its items were read: a page costs a bounded number of reads whatever the
         filter. A page holds the runs that matched above the point every shard reached (the newest of them,
         up to ``limit``); it may hold fewer, even none, with a cursor to go on. The cursor is None exactly
-        when no run is left to read."""
+        when no run is left to read.
+
+        ``recovery`` and ``blocked`` are not index attributes: they filter the page's summaries once read (a
+        page read past runs that did not match them may hold fewer runs, with its cursor as without them)."""
         if limit < 1:
             raise InvalidRequestError("limit must be at least 1", code="invalid_limit")
         before = _decode_cursor(cursor) if cursor else None
@@ -992,6 +997,13 @@ class DynamoStore:
         page = matches[:limit]
         ids = [_run_id_of(item) for item in page]
         runs, counts = self._get_many(ids)
+        if recovery is not None or blocked is not None:
+            runs = {
+                run_id: state
+                for run_id, state in runs.items()
+                if (recovery is None or (state.recovery.value if state.recovery else None) == recovery)
+                and (blocked is None or bool(state.blockers) == blocked)
+            }
         if len(matches) > limit:
             next_cursor: str | None = _encode_cursor(page[-1]["list_sk"]["S"])
         else:

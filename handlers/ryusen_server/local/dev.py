@@ -59,7 +59,7 @@ from .fair import FairShare
 from .guard import UI_HEADERS, RefusedError, guarded
 from .serve_app import AppSpecError, source_file, split_spec
 from .state import DevState, StateDirError
-from .ui import UI_HTML
+from .ui import RunEvents, UiNotBuiltError, check_built, index_html, static_file
 
 log = logging.getLogger("ryusen.dev")
 
@@ -157,6 +157,7 @@ class DevStack:
         """What a browser's change must carry (``X-Ryusen-Session``): given only to the UI's own page."""
         self.state: DevState | None = None
         self._saved_units = -1
+        self._events: RunEvents | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -216,6 +217,8 @@ class DevStack:
             self._delays.stop()
         for proc in self._processes:
             proc.stop()  # an app drains first: what it answered accepted posts its outcome to the API
+        if self._events is not None:
+            self._events.close()  # the pages' event streams end, so their threads do
         if self._http is not None:
             self._http.shutdown()
         for thread in self._threads:
@@ -375,20 +378,15 @@ class DevStack:
         assert self.wired is not None
         resolver = build_api(self.wired.engine, self.wired.fetcher())
 
-        page = UI_HTML.replace("__RYUSEN_SESSION__", self.session_token).encode()
+        events = RunEvents()
+        self._events = events
+        self.wired.engine.hooks.append(events.hook)
+        page = index_html(self.session_token)
 
         def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
-            if environ["REQUEST_METHOD"] == "GET" and path in ("/", "/ui", "/index.html"):
-                start_response(
-                    "200 OK",
-                    [
-                        ("Content-Type", "text/html; charset=utf-8"),
-                        ("Content-Length", str(len(page))),
-                        *UI_HEADERS,
-                    ],
-                )
-                return [page]
+            if environ["REQUEST_METHOD"] == "GET" and not path.startswith("/v1/"):
+                return _serve_ui(path, page, events, start_response)
             try:
                 event = wsgi_to_rest_event(environ)
             except RefusedError as refused:
@@ -611,6 +609,36 @@ _REASONS = {
 }
 
 
+def _serve_ui(path: str, page: bytes, events: RunEvents, start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """A GET outside the API: the page, its built files, the run events, or a 404."""
+    if path in ("/", "/ui", "/index.html"):
+        return _answer(start_response, "200 OK", "text/html; charset=utf-8", page, UI_HEADERS)
+    if path == "/dev/events":
+        start_response(
+            "200 OK",
+            [("Content-Type", "text/event-stream"), ("Cache-Control", "no-store"), ("X-Accel-Buffering", "no")],
+        )
+        return events.stream()
+    if path.startswith("/static/") and (found := static_file(path.removeprefix("/static/"))) is not None:
+        body, content_type = found
+        return _answer(start_response, "200 OK", content_type, body, [("Cache-Control", "no-cache")])
+    if path.startswith("/static/"):
+        try:
+            check_built()
+        except UiNotBuiltError as exc:
+            body = str(exc).encode()
+            return _answer(start_response, "503 Service Unavailable", "text/plain; charset=utf-8", body, [])
+    body = json.dumps({"error": {"code": "route_not_found", "message": f"no route GET {path}"}}).encode()
+    return _answer(start_response, "404 Not Found", "application/json", body, [])
+
+
+def _answer(
+    start_response: Callable[..., Any], status: str, content_type: str, body: bytes, headers: list[tuple[str, str]]
+) -> list[bytes]:
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers])
+    return [body]
+
+
 def _reason(status: int) -> str:
     return _REASONS.get(status, "Status")
 
@@ -677,6 +705,11 @@ def run_dev(
     *, port: int = DEFAULT_PORT, apps: list[str] | None = None, data: Path | None = None, fresh: bool = False
 ) -> int:
     """Run the stack until Ctrl-C (or SIGTERM), keeping its state in ``data``."""
+    try:
+        check_built()
+    except UiNotBuiltError as exc:
+        print(f"ryusen dev: {exc}", file=sys.stderr)
+        return 1
     try:
         stack = DevStack(port=port, apps=list(apps or []), data=data, fresh=fresh)
     except DevError as exc:

@@ -119,7 +119,7 @@ def guarded(
 UI_HEADERS = [
     (
         "Content-Security-Policy",
-        "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline';"
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';"
         " img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     ),
     ("X-Frame-Options", "DENY"),
