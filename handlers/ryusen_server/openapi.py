@@ -20,7 +20,7 @@ from ryusen import __version__
 
 from . import schema
 from .api import CancelRequest, ResolveRequest, StartRunRequest, SyncRequest
-from .core.model import Outcome, RunPhase
+from .core.model import Outcome, Recovery, RunPhase
 
 REF = "#/components/schemas/{model}"
 
@@ -115,6 +115,16 @@ ROUTES: tuple[Route, ...] = (
             Param("function_id", "query", "Only runs of this function.", required=False),
             Param("phase", "query", "Only runs in this phase.", {"enum": [p.value for p in RunPhase]}, False),
             Param("outcome", "query", "Only runs with this outcome.", {"enum": [o.value for o in Outcome]}, False),
+            Param("recovery", "query", "Only runs with this recovery.", {"enum": [r.value for r in Recovery]}, False),
+            Param(
+                "blocked", "query", "Only blocked runs, or only runs not blocked.", {"enum": ["true", "false"]}, False
+            ),
+            Param(
+                "idempotency_key",
+                "query",
+                "The run this key started (with `function_id`): a page of one run, or of none.",
+                required=False,
+            ),
             Param(
                 "limit",
                 "query",

@@ -79,6 +79,8 @@ def test_the_client_drives_every_operator_action_over_ryusen_dev(stack: DevStack
         dup = client.start("dup", {"tag": t})
         blocked = dup.wait(timeout=90, return_when_blocked=True)
         assert blocked.blocked and blocked.blockers[0]["type"] == "duplicate_step_id"
+        assert dup.id in [r.id for r in client.list(function="dup", blocked=True).runs]
+        assert dup.id not in [r.id for r in client.list(function="dup", blocked=False).runs]
         assert client.rediscover(dup.id).id == dup.id
         client.cancel(dup.id)
 
@@ -130,6 +132,8 @@ def test_a_reused_idempotency_key_with_a_different_input_is_refused_and_changes_
         again = client.start("straight", {"tag": t}, idempotency_key=key)
         assert first.created and not again.created and again.id == first.id
         before = client.list(function="straight", limit=200).runs
+        [found] = client.list(function="straight", idempotency_key=key).runs
+        assert found.id == first.id
         with pytest.raises(ConflictError) as reused:
             client.start("straight", {"tag": t, "steps": ["x"]}, idempotency_key=key)
         assert reused.value.code == "idempotency_key_reused" and reused.value.status == 409

@@ -278,9 +278,25 @@ class _Requests:
 
     @staticmethod
     def list(
-        function: str | None, phase: str | None, outcome: str | None, limit: int | None, cursor: str | None
+        function: str | None,
+        phase: str | None,
+        outcome: str | None,
+        limit: int | None,
+        cursor: str | None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
+        idempotency_key: str | None = None,
     ) -> _Call:
-        params = {"function_id": function, "phase": phase, "outcome": outcome, "limit": limit, "cursor": cursor}
+        params = {
+            "function_id": function,
+            "phase": phase,
+            "outcome": outcome,
+            "recovery": recovery,
+            "blocked": None if blocked is None else str(blocked).lower(),
+            "idempotency_key": idempotency_key,
+            "limit": limit,
+            "cursor": cursor,
+        }
 
         def parse(_: int, body: Any) -> RunPage:
             return RunPage([Run.from_view(r) for r in body.get("runs", [])], body.get("cursor"))
@@ -598,19 +614,32 @@ class Client:
         function: str | None = None,
         phase: str | None = None,
         outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
+        idempotency_key: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
     ) -> RunPage:
-        """One page of runs, newest first (summaries: ``get`` a run for its steps)."""
-        return self._send(_Requests.list(function, phase, outcome, limit, cursor))  # type: ignore[no-any-return]
+        """One page of runs, newest first (summaries: ``get`` a run for its steps). ``idempotency_key`` (with
+        ``function``) finds the run that key started."""
+        call = _Requests.list(function, phase, outcome, limit, cursor, recovery, blocked, idempotency_key)
+        return self._send(call)  # type: ignore[no-any-return]
 
     def runs(
-        self, *, function: str | None = None, phase: str | None = None, outcome: str | None = None
+        self,
+        *,
+        function: str | None = None,
+        phase: str | None = None,
+        outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
     ) -> Iterator[Run]:
         """Every run that matches, newest first, page after page."""
         cursor: str | None = None
         while True:
-            page = self.list(function=function, phase=phase, outcome=outcome, cursor=cursor)
+            page = self.list(
+                function=function, phase=phase, outcome=outcome, recovery=recovery, blocked=blocked, cursor=cursor
+            )
             yield from page.runs
             if not page.cursor:
                 return
@@ -755,17 +784,29 @@ class AsyncClient:
         function: str | None = None,
         phase: str | None = None,
         outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
+        idempotency_key: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
     ) -> RunPage:
-        return await self._send(_Requests.list(function, phase, outcome, limit, cursor))  # type: ignore[no-any-return]
+        call = _Requests.list(function, phase, outcome, limit, cursor, recovery, blocked, idempotency_key)
+        return await self._send(call)  # type: ignore[no-any-return]
 
     async def runs(
-        self, *, function: str | None = None, phase: str | None = None, outcome: str | None = None
+        self,
+        *,
+        function: str | None = None,
+        phase: str | None = None,
+        outcome: str | None = None,
+        recovery: str | None = None,
+        blocked: bool | None = None,
     ) -> AsyncIterator[Run]:
         cursor: str | None = None
         while True:
-            page = await self.list(function=function, phase=phase, outcome=outcome, cursor=cursor)
+            page = await self.list(
+                function=function, phase=phase, outcome=outcome, recovery=recovery, blocked=blocked, cursor=cursor
+            )
             for run in page.runs:
                 yield run
             if not page.cursor:
