@@ -832,19 +832,21 @@ PREFIX_SEARCH_PAGES = 5
 R = TypeVar("R")
 
 
-def on_run(client: Client, given: str, action: Callable[[str], R]) -> tuple[str, R]:
+def on_run(client: Client, given: str, action: Callable[[str], R], *, reads: bool = False) -> tuple[str, R]:
     """``action(run_id)`` for the run ``given`` names: its id, or else a prefix of one recent run's id (the UI
-    shows prefixes). A prefix is looked up only when the id itself is not found, so a full id costs nothing."""
+    shows prefixes). A prefix is looked up only when the id itself is not found, so a full id costs nothing.
+    An action that changes a run (not ``reads``) takes a prefix only when every run was searched: one match among
+    the newest runs does not show that no older run has the prefix."""
     try:
         return given, action(given)
     except NotFoundError as missing:
         if missing.code != "not_found":
             raise
-        run_id = _run_with_prefix(client, given, missing)
+        run_id = _run_with_prefix(client, given, missing, whole=not reads)
     return run_id, action(run_id)
 
 
-def _run_with_prefix(client: Client, given: str, missing: NotFoundError) -> str:
+def _run_with_prefix(client: Client, given: str, missing: NotFoundError, *, whole: bool = True) -> str:
     prefix = given if given.startswith("run_") else "run_" + given
     if len(prefix) - len("run_") < PREFIX_MIN:
         raise missing
@@ -856,6 +858,11 @@ def _run_with_prefix(client: Client, given: str, missing: NotFoundError) -> str:
         cursor = page.cursor
         if not cursor or len(matches) > 1:
             break
+    if len(matches) == 1 and cursor and whole:
+        raise CliError(
+            f"{given!r} matches {matches[0]} among the newest {PREFIX_SEARCH_PAGES * 200} runs, but older runs were"
+            " not searched: give the full id"
+        )
     if len(matches) == 1:
         return matches[0]
     if matches:
@@ -907,7 +914,7 @@ FOLLOW_INTERVAL_S = 1.0
 @pass_client
 def show(client: Client, run_id: str, as_json: bool, follow: bool, tracebacks: bool) -> None:
     """Show a run: status, blockers, step timeline, unwind, result. RUN may be a prefix of a recent run's id."""
-    run_id, run = on_run(client, run_id, client.get)
+    run_id, run = on_run(client, run_id, client.get, reads=True)
     view = run.view
     _show(view, as_json, tracebacks=tracebacks)
     if not follow:

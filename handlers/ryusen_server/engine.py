@@ -454,6 +454,20 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _memo_for(memo_entries: dict[str, dict[str, Any]], *, tracebacks: bool) -> dict[str, MemoEntry]:
+    """The memo as a request carries it: a recorded step error keeps its ``traceback`` only for an SDK that
+    announced ``tracebacks`` (an older SDK refuses unknown fields in ``ErrorInfo``)."""
+    memo = {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()}
+    if tracebacks:
+        return memo
+    return {
+        k: e.model_copy(update={"error": e.error.model_copy(update={"traceback": None})})
+        if e.error is not None and e.error.traceback is not None
+        else e
+        for k, e in memo.items()
+    }
+
+
 def _check_same_input(existing: RunState, input: Any) -> None:
     """A start that names an existing run's idempotency key must ask for the same run (decision 34, K3): a
     different input under the same key is a caller's mistake, refused rather than answered with a run that
@@ -1177,7 +1191,7 @@ class Engine:
             "run_id": state.id,
             "function_id": state.function_id,
             "input": None if base is not None else state.input,
-            "memo": {k: MemoEntry.model_validate(v) for k, v in memo_entries.items()},
+            "memo": _memo_for(memo_entries, tracebacks="tracebacks" in features),
             "memo_token": token,
             "memo_base": base,
             "tracebacks": "tracebacks" in features,

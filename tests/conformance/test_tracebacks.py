@@ -152,3 +152,42 @@ def render(view: dict[str, Any], *, tracebacks: bool) -> str:
     console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
     cli.render_run(view, console=console, tracebacks=tracebacks)
     return console.export_text()
+
+
+def test_a_request_to_an_sdk_that_did_not_announce_tracebacks_carries_no_traceback_in_its_memo() -> None:
+    """A step's terminal failure is replayed to the function in every later request (the memo). An SDK that
+    predates tracebacks (an app rolled back, an endpoint serving two revisions during a deploy) refuses unknown
+    fields in ``ErrorInfo``: a request to it must not carry the ``traceback`` a newer SDK reported."""
+    from ryusen import StepFailed
+    from ryusen_server.core.model import TaskRef
+    from ryusen_server.core.view import memo
+
+    app = Ryusen("tracebacks-older")
+
+    @app.function("fallback")
+    def fallback(order: dict[str, Any], step: Step) -> Any:
+        def card() -> None:
+            raise NonRetryableError("card declined")
+
+        try:
+            step.run("charge", card)
+        except StepFailed:
+            pass
+        return step.run("invoice", lambda: "sent")
+
+    with WorkflowEnvironment(app) as env:
+        run = env.run("fallback", {})
+        assert run.output == "sent"
+        state = env.engine.get_run(run.id)
+    recorded = state.step("charge").error
+    assert recorded is not None and recorded.traceback is not None  # the newer SDK reported where it was raised
+    request = env.engine._task_request(
+        state,
+        TaskRef(run_id=state.id, kind=TaskKind.DISCOVER, seq=1),
+        memo(state),
+        respond_by=state.created_at,
+        features=frozenset(SDK_FEATURES) - {"tracebacks"},
+    )
+    sent = json.loads(encode_request(request))
+    assert sent["memo"]["charge"]["status"] == "failed"
+    assert "traceback" not in sent["memo"]["charge"]["error"], "an older SDK refuses this request"

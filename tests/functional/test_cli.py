@@ -1033,3 +1033,25 @@ def test_show_prints_a_running_attempts_last_heartbeat_with_a_progress_bar() -> 
     text = rendered(view, width=140)
     assert "last heartbeat" in text and "[########............] 40%" in text and '{"chunk": 12}' in text
     assert '"uploading"' in text
+
+
+def test_a_prefix_matched_only_among_the_newest_runs_does_not_cancel_a_run() -> None:
+    """The lookup reads the newest 1,000 runs; when older runs remain unread, one match there does not show that
+    the prefix names one run: the run the operator copied the prefix from may be older, and a cancel would stop
+    a different run."""
+    fake = FakeServer()
+    newer = "run_abcdef12" + "0" * 24
+    fake.on("POST", "/v1/runs/abcdef12/cancel", error("not_found", "no run abcdef12", 404))
+    pages = [{"runs": [{"id": newer}], "cursor": "c1"}] + [
+        {"runs": [{"id": f"run_{i:032x}"}], "cursor": f"c{i + 2}"} for i in range(cli.PREFIX_SEARCH_PAGES)
+    ]
+    fake.on("GET", "/v1/runs", *pages)  # older runs remain after the pages read
+    fake.on("POST", f"/v1/runs/{newer}/cancel", run_view(id=newer, summary="cancelling"))
+    real = cli.make_client
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "make_client", lambda url: real(url, transport=httpx.MockTransport(fake.handle)))
+        patch.delenv("RYUSEN_URL", raising=False)
+        result = ryusen("cancel", "abcdef12")
+    cancelled = [r.url.path for r in fake.requests if r.method == "POST" and r.url.path != "/v1/runs/abcdef12/cancel"]
+    assert cancelled == [], f"cancelled {cancelled} from a prefix matched among part of the runs"
+    assert result.exit_code == 1 and "full id" in result.stderr

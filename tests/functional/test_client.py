@@ -318,3 +318,20 @@ def test_the_client_is_exported_from_the_package() -> None:
     assert ryusen.Client is Client and ryusen.AsyncClient is AsyncClient and ryusen.ApiError is ApiError
     with pytest.raises(ValueError, match="http"):
         Client("127.0.0.1:8700")
+
+
+def test_aws_credentials_are_not_sent_in_the_clear_to_a_remote_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auth="auto"`` signs every host but loopback; over plain http a signed request (its session token, a
+    signature anyone on the path can replay for minutes) travels in the clear: refused before anything is sent."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    recorder = Recorder(httpx.Response(200, json={"apps": []}))
+    try:
+        with client_for(recorder, "http://api.example.com") as client:
+            client.apps()
+    except (ValueError, ApiError):
+        pass
+    sent = [r.headers for r in recorder.requests]
+    assert not any("authorization" in h or "x-amz-security-token" in h for h in sent), "signed over plain http"

@@ -91,3 +91,37 @@ def test_a_killed_stack_keeps_what_it_saved_and_a_second_stack_cannot_share_the_
             assert client.get(run.id).outcome == "completed"
     finally:
         second.close()
+
+
+def test_a_stack_whose_terminal_closes_keeps_what_it_answered(tmp_path: Path) -> None:
+    """Closing the terminal ``ryusen dev`` runs in sends it SIGHUP: it stops as for Ctrl-C and saves its table.
+    Otherwise a run the API answered as started (and a step it recorded) in the last seconds is gone after the
+    restart: a start retried with its idempotency key starts it again, and its steps run twice."""
+    first = launch(tmp_path)
+    stack = next(first)
+    apps = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(stack.process.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    try:
+        with Client(stack.url) as client:
+            started = client.start("straight", {"tag": tag()}, idempotency_key="order-hup")
+            assert started.created
+        os.kill(stack.process.pid, signal.SIGHUP)
+        stack.process.wait(timeout=60)
+    finally:
+        first.close()
+        for pid in apps:  # the app processes this stack started, should it have left them behind
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+    second = launch(tmp_path)
+    stack = next(second)
+    try:
+        with Client(stack.url) as client:
+            kept = client.get(started.id)  # NotFoundError: the start the API answered was lost
+            again = client.start("straight", kept.input, idempotency_key="order-hup")
+            assert not again.created and again.id == started.id
+    finally:
+        second.close()

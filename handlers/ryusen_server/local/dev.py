@@ -704,7 +704,7 @@ def wsgi_to_rest_event(environ: dict[str, Any]) -> dict[str, Any]:
 def run_dev(
     *, port: int = DEFAULT_PORT, apps: list[str] | None = None, data: Path | None = None, fresh: bool = False
 ) -> int:
-    """Run the stack until Ctrl-C (or SIGTERM), keeping its state in ``data``."""
+    """Run the stack until Ctrl-C (or SIGTERM, or SIGHUP), keeping its state in ``data``."""
     try:
         check_built()
     except UiNotBuiltError as exc:
@@ -731,12 +731,14 @@ def run_dev(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # its terminal closed: stop as for Ctrl-C, saving the table
     print("ryusen dev: ready. Ctrl-C to stop.", flush=True)
     try:
         while not stopped.wait(0.5):
             pass
     finally:
-        print("ryusen dev: stopping", flush=True)
+        with contextlib.suppress(OSError):  # a closed terminal refuses the write; the stop must still save
+            print("ryusen dev: stopping", flush=True)
         stack.stop()
     return 0
 

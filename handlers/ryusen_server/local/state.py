@@ -103,7 +103,10 @@ class DevState:
     def acquire(self, *, fresh: bool) -> None:
         """Take the directory (creating it); with ``fresh``, forget what it holds."""
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            created = not self.directory.exists()
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if created:  # it holds every run's input and output: never committed with the project
+                (self.directory / ".gitignore").write_text("# ryusen dev's state (runs' inputs and outputs)\n*\n")
             lock = (self.directory / LOCK_FILE).open("a")
         except OSError as exc:
             raise StateDirError(f"cannot use {self.directory} for ryusen dev's state: {exc.strerror}") from None
@@ -171,7 +174,8 @@ class DevState:
         with self._save_lock:
             partial = self.table_file.with_suffix(".partial")
             count = 0
-            with partial.open("w") as out:
+            partial.unlink(missing_ok=True)
+            with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
                 header = {"format": FORMAT, "table": self.table_name, "saved_at": datetime.now(UTC).isoformat()}
                 out.write(json.dumps(header) + "\n")
                 for item in self._scan():

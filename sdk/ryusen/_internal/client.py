@@ -477,6 +477,11 @@ def _settings(url: str | None, auth: Auth) -> tuple[str, Any]:
     if auth not in ("auto", "sigv4", "none"):
         raise ValueError("auth must be 'auto', 'sigv4' or 'none'")
     sign = auth == "sigv4" or (auth == "auto" and not is_loopback(base))
+    if sign and base.startswith("http://") and not is_loopback(base):
+        raise ValueError(
+            f"{base} is plain http: a request signed with AWS credentials would travel in the clear; use the API's"
+            " https:// URL (or auth='none' for a server that takes unsigned requests)"
+        )
     return base, _sigv4(base) if sign else None
 
 
