@@ -1516,7 +1516,7 @@ class Engine:
         if state is None:
             return False
         due = state.work_due_at()
-        if due is not None and due <= before:
+        if due is not None and (due <= before or messages_lost):  # lost messages: work due later has none either
             decision = self.apply(run_id, SweepRequested(messages_lost=messages_lost), known=state)
             if decision.changed or decision.commands:
                 repaired = True

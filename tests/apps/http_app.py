@@ -249,3 +249,15 @@ def many(data: dict[str, Any], step: Step) -> Any:
     for i in range(data["n"]):
         total += step.run(f"s{i:04d}", trivial, i)
     return {"steps": data["n"], "total": total}
+
+
+# ---- decision 31 over HTTP (issue 27) --------------------------------------------------------
+
+
+@app.function("sleepy")
+def sleepy(data: dict[str, Any], step: Step) -> Any:
+    """A durable wait of ``sleep_s`` seconds between two steps (the first one undone if the run stops)."""
+    tag = data["tag"]
+    step.run("before", effect, "before", tag, compensate=undo(tag, "before"))
+    step.sleep("nap", timedelta(seconds=data["sleep_s"]))
+    return step.run("after", effect, "after", tag)

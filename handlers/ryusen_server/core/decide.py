@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ryusen._internal.wire import (
@@ -459,6 +459,9 @@ class _Transition:
 
     def queue_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
         attempt = self.new_attempt(step, phase, delay_s)
+        if step.sleep and phase is Phase.FORWARD and delay_s <= 0 and not self.stopping:
+            self.slept(step, attempt)  # a wait already over: nothing to dispatch
+            return attempt
         kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
         task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
         release = self.take_chain(delay_s)
@@ -605,12 +608,19 @@ class _Transition:
         if attempt.not_before is not None and self.now < attempt.not_before:
             self.commands.append(RedeliverLater(delay_s=(attempt.not_before - self.now).total_seconds()))
             return self.ignore(f"{task.describe()} is not due until {attempt.not_before.isoformat()}")
+        if step.sleep and phase is Phase.FORWARD:
+            return self.slept(step, attempt)
         if release is None:
             attempt.redeliveries += 1
             self.touch()
             self.send_again(attempt, task, attempt.redeliveries)
             return self.ignore("the function has no synced release")
         return self.authorize_unless_held(step, attempt, task, release)
+
+    def slept(self, step: StepState, attempt: Attempt) -> None:
+        """A durable wait is over (decision 31): its step completes, with no result, and the function goes on."""
+        self.forward_outcome(step, attempt, CallbackSucceeded(result=None))
+        attempt.detail = f"waited until {step.wait_until.isoformat()}" if step.wait_until else "waited"
 
     def authorize_unless_held(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
         """Authorize, unless an earlier attempt whose callback ran holds the step (``held_by``): its code would
@@ -835,7 +845,8 @@ class _Transition:
                 a = step.current(phase)
                 if a is not None and a.status is AttemptStatus.QUEUED:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation)
-                    self.commands.append(EnqueueTask(task=task))
+                    wait_s = (a.not_before - self.now).total_seconds() if a.not_before is not None else 0.0
+                    self.commands.append(EnqueueTask(task=task, delay_s=max(0.0, wait_s)))  # due when it was
                 elif a is not None and a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
                     self.commands.append(EnqueueTask(task=task))
@@ -1019,7 +1030,7 @@ class _Transition:
             step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
             step.heartbeat_s = plan.heartbeat_s
             step.status = StepStatus.PENDING
-            self.queue_attempt(step, Phase.FORWARD)
+            self.queue_attempt(step, Phase.FORWARD, self.wait_s(step, plan))
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
             limit := self.settings.max_value_bytes
         ):
@@ -1039,6 +1050,19 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    def wait_s(self, step: StepState, plan: StepPlan) -> float:
+        """Seconds until ``step`` may start (decision 31): its due time is set from the plan the first time the
+        step is recorded, and kept after (a replay, or a release that changes the wait, never moves it)."""
+        if step.wait_until is None and (plan.sleep or plan.not_before is not None or plan.not_before_s is not None):
+            step.sleep = plan.sleep
+            if plan.not_before is not None:
+                step.wait_until = datetime.fromtimestamp(plan.not_before, UTC)
+            else:
+                step.wait_until = self.now + timedelta(seconds=plan.not_before_s or 0.0)
+        if step.wait_until is None:
+            return 0.0
+        return max(0.0, (step.wait_until - self.now).total_seconds())
 
     def unstable_step_id(self, plan: StepPlan) -> UnstableStepId | Literal["confirming"] | None:
         """A new step id where the last steps the run added, at the same location, were each abandoned before
