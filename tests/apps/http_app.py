@@ -261,3 +261,13 @@ def sleepy(data: dict[str, Any], step: Step) -> Any:
     step.run("before", effect, "before", tag, compensate=undo(tag, "before"))
     step.sleep("nap", timedelta(seconds=data["sleep_s"]))
     return step.run("after", effect, "after", tag)
+
+
+@app.function("delayed")
+def delayed(data: dict[str, Any], step: Step) -> Any:
+    """A slow callback whose first attempt waits ``delay_s`` seconds (``not_before``) before it may start."""
+    tag = data["tag"]
+    step.run("first", effect, "first", tag, compensate=undo(tag, "first"))
+    wait = timedelta(seconds=data["delay_s"])
+    timeout = timedelta(seconds=data["timeout_s"])
+    return step.run("slow", slow, tag, data["sleep_s"], timeout=timeout, not_before=wait, compensate=undo(tag, "slow"))

@@ -201,7 +201,7 @@ def test_sleep_until_a_moment_and_a_moment_already_past() -> None:
     ("call", "message"),
     [
         (lambda step: step.sleep("nap", 5), "must be a timedelta or a timezone-aware datetime"),
-        (lambda step: step.sleep_until("nap", datetime(2030, 1, 1)), "timezone-aware"),  # noqa: DTZ001
+        (lambda step: step.sleep_until("nap", datetime(2030, 1, 1)), "timezone-aware"),
         (lambda step: step.sleep("nap", timedelta(days=400)), "between 0 and 366 days"),
         (lambda step: step.run("x", lambda: 1, not_before=timedelta(seconds=-1)), "not_before must be between"),
     ],

@@ -78,6 +78,7 @@ from .events import (
     ReleaseRef,
     Resolve,
     ScheduleTimer,
+    StartMayBeLost,
     StartRun,
     StopRequested,
     SweepRequested,
@@ -245,6 +246,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.heartbeat(event)
     elif isinstance(event, Resolve):
         t.resolve(event)
+    elif isinstance(event, StartMayBeLost):
+        t.start_may_be_lost(event)
     else:  # pragma: no cover - exhaustive
         raise IllegalEventError(f"unknown event {event!r}")
     return t.decision(original=state)
@@ -926,6 +929,20 @@ class _Transition:
                 last_seen_at=self.now,
             )
         )
+
+    def start_may_be_lost(self, event: StartMayBeLost) -> None:
+        """The store lost the write that authorized this attempt, not the attempt: it may have run."""
+        task = event.task
+        phase, step_id, generation = task.phase, task.step_id, task.generation
+        if phase is None or step_id is None or generation is None:
+            return self.ignore("a discovery has no effect to lose")
+        step = self.step(step_id)
+        attempt = step.attempt(phase, generation) if step is not None else None
+        if step is None or attempt is None or attempt is not step.current(phase):
+            return self.ignore(f"{task.describe()} is not the current generation")
+        if attempt.status is not AttemptStatus.QUEUED or step.sleep:
+            return self.ignore(f"{task.describe()} is {attempt.status}: its state is known")
+        return self.outcome_lost(step, attempt, event.reason)
 
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
