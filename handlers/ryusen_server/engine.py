@@ -78,6 +78,7 @@ from .core.events import (
     ReleaseRef,
     Resolve,
     ScheduleTimer,
+    StartMayBeLost,
     StartRun,
     StopRequested,
     SweepRequested,
@@ -1507,6 +1508,15 @@ class Engine:
                     report.repaired.append(run_id)
         return report
 
+    def presume_started(self, tasks: Iterable[TaskRef], reason: str) -> None:
+        """Each of ``tasks`` was authorized after the state the store holds was kept (``ryusen dev`` killed between
+        saves): its attempt is Unknown, not sent again as if it had never started (``StartMayBeLost``)."""
+        for task in tasks:
+            try:
+                self.apply(task.run_id, StartMayBeLost(task=task, reason=reason))
+            except NotFoundError:
+                continue  # a run the store did not keep: nothing of it is sent again either
+
     def recover(self, run_ids: Iterable[str]) -> SweepReport:
         """Look at each of ``run_ids`` now, as the sweeper would once their work is overdue: for a store brought
         back without its queue and schedules (``ryusen dev``'s data directory), where no run's work has anything on
@@ -1530,7 +1540,7 @@ class Engine:
         if state is None:
             return False
         due = state.work_due_at()
-        if due is not None and due <= before:
+        if due is not None and (due <= before or messages_lost):  # lost messages: work due later has none either
             decision = self.apply(run_id, SweepRequested(messages_lost=messages_lost), known=state)
             if decision.changed or decision.commands:
                 repaired = True

@@ -217,6 +217,13 @@ class MemoryQueue:
         self.dead_letters: list[TaskRef | DeferredMessage | WakeMessage] = []
         self.counter = counter or RequestCounter()
 
+    def drop_all(self) -> int:
+        """Lose every message, delivered or not (a queue that did not survive a restart); how many there were."""
+        with self._lock:
+            count = len(self._messages)
+            self._messages.clear()
+            return count
+
     def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         self.counter.add("queue.send")
         with self._lock:

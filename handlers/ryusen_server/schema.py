@@ -89,6 +89,8 @@ class StepView(_View):
     location: str | None = Field(description="Where the function called step.run (file:line).")
     status: StepStatus
     has_compensation: bool
+    sleep: bool = Field(description="A durable wait (`step.sleep`): no callback; it completes at `wait_until`.")
+    wait_until: datetime | None = Field(description="When the step's wait ends (`step.sleep`, or `not_before=`).")
     result: Any = None
     error: ErrorInfo | None
     completed_seq: int | None

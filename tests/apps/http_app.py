@@ -249,3 +249,25 @@ def many(data: dict[str, Any], step: Step) -> Any:
     for i in range(data["n"]):
         total += step.run(f"s{i:04d}", trivial, i)
     return {"steps": data["n"], "total": total}
+
+
+# ---- decision 31 over HTTP (issue 27) --------------------------------------------------------
+
+
+@app.function("sleepy")
+def sleepy(data: dict[str, Any], step: Step) -> Any:
+    """A durable wait of ``sleep_s`` seconds between two steps (the first one undone if the run stops)."""
+    tag = data["tag"]
+    step.run("before", effect, "before", tag, compensate=undo(tag, "before"))
+    step.sleep("nap", timedelta(seconds=data["sleep_s"]))
+    return step.run("after", effect, "after", tag)
+
+
+@app.function("delayed")
+def delayed(data: dict[str, Any], step: Step) -> Any:
+    """A slow callback whose first attempt waits ``delay_s`` seconds (``not_before``) before it may start."""
+    tag = data["tag"]
+    step.run("first", effect, "first", tag, compensate=undo(tag, "first"))
+    wait = timedelta(seconds=data["delay_s"])
+    timeout = timedelta(seconds=data["timeout_s"])
+    return step.run("slow", slow, tag, data["sleep_s"], timeout=timeout, not_before=wait, compensate=undo(tag, "slow"))

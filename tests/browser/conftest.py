@@ -22,7 +22,7 @@ TIMEOUT_MS = 60_000
 """What a test waits for the page at most (polling: never a fixed sleep)."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     if not all((STATIC_DIR / name).is_file() for name in STATIC_FILES):
         subprocess.run([str(ROOT / "scripts" / "build-ui")], check=True)
@@ -40,8 +40,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
             os.environ["PYTHONPATH"] = before
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Playwright's sync API runs an event loop on this thread until it stops: it stops with the module, so that
+    the tests after it (asyncio.run) find none running."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (set RYUSEN_CHROMIUM)")
     with sync_api.sync_playwright() as p:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -111,10 +113,8 @@ def test_a_stack_whose_terminal_closes_keeps_what_it_answered(tmp_path: Path) ->
     finally:
         first.close()
         for pid in apps:  # the app processes this stack started, should it have left them behind
-            try:
+            with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
 
     second = launch(tmp_path)
     stack = next(second)
@@ -123,5 +123,45 @@ def test_a_stack_whose_terminal_closes_keeps_what_it_answered(tmp_path: Path) ->
             kept = client.get(started.id)  # NotFoundError: the start the API answered was lost
             again = client.start("straight", kept.input, idempotency_key="order-hup")
             assert not again.created and again.id == started.id
+    finally:
+        second.close()
+
+
+def test_an_attempt_started_after_the_last_save_of_a_killed_stack_is_unknown_not_run_again(tmp_path: Path) -> None:
+    """A stack killed between its saves (every few seconds) lost the write that authorized an attempt whose
+    callback then ran. Sent again after a restart, it would run twice with no one told: the authorization log
+    (``started.jsonl``) names it, and it comes back Unknown instead."""
+    t = tag()
+    first = launch(tmp_path)
+    stack = next(first)
+    table = tmp_path / ".ryusen" / "table.jsonl"
+    with Client(stack.url) as client:
+        run = client.start("delayed", {"tag": t, "delay_s": 8, "sleep_s": 20, "timeout_s": 2})
+
+        wait_for(lambda: any(s["id"] == "slow" for s in client.get(run.id).steps), what="the slow step")
+        queued_at = time.time()  # queued until its not_before: the next save holds it so
+        wait_for(lambda: table.exists() and table.stat().st_mtime > queued_at, what="a save", timeout=60)
+
+        def started() -> bool:
+            steps = {s["id"]: s for s in client.get(run.id).steps}
+            return "slow" in steps and steps["slow"]["attempts"][-1]["status"] == "authorized"
+
+        wait_for(started, what="the slow step's attempt to be authorized", timeout=60)
+    os.kill(stack.process.pid, signal.SIGKILL)  # before the next save
+    stack.process.wait(timeout=20)
+    first.close()
+    subprocess.run(["pkill", "-f", f"serve_app {tmp_path}"], check=False)  # the orphaned app and its callback
+    wait_for(lambda: stack.invocations(f"{t}:slow-start") == 1, what="the callback to have started once")
+
+    second = launch(tmp_path)
+    stack = next(second)
+    try:
+        with Client(stack.url) as client:
+            unknown = wait_for(lambda: (r := client.get(run.id)).blocked and r, what="the attempt Unknown", timeout=60)
+            [blocker] = unknown.blockers
+            assert blocker["type"] == "unknown_outcome" and blocker["step_id"] == "slow"
+            assert unknown.step("slow")["status"] == "unknown"
+            client.wait(run.id, timeout=5, return_when_blocked=True)  # nothing moves on by itself
+            assert stack.invocations(f"{t}:slow-start") == 1  # never run a second time
     finally:
         second.close()

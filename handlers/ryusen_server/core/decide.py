@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ryusen._internal.wire import (
@@ -78,6 +78,7 @@ from .events import (
     ReleaseRef,
     Resolve,
     ScheduleTimer,
+    StartMayBeLost,
     StartRun,
     StopRequested,
     SweepRequested,
@@ -245,6 +246,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.heartbeat(event)
     elif isinstance(event, Resolve):
         t.resolve(event)
+    elif isinstance(event, StartMayBeLost):
+        t.start_may_be_lost(event)
     else:  # pragma: no cover - exhaustive
         raise IllegalEventError(f"unknown event {event!r}")
     return t.decision(original=state)
@@ -459,6 +462,9 @@ class _Transition:
 
     def queue_attempt(self, step: StepState, phase: Phase, delay_s: float = 0.0) -> Attempt:
         attempt = self.new_attempt(step, phase, delay_s)
+        if step.sleep and phase is Phase.FORWARD and delay_s <= 0 and not self.stopping:
+            self.slept(step, attempt)  # a wait already over: nothing to dispatch
+            return attempt
         kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
         task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
         release = self.take_chain(delay_s)
@@ -605,12 +611,19 @@ class _Transition:
         if attempt.not_before is not None and self.now < attempt.not_before:
             self.commands.append(RedeliverLater(delay_s=(attempt.not_before - self.now).total_seconds()))
             return self.ignore(f"{task.describe()} is not due until {attempt.not_before.isoformat()}")
+        if step.sleep and phase is Phase.FORWARD:
+            return self.slept(step, attempt)
         if release is None:
             attempt.redeliveries += 1
             self.touch()
             self.send_again(attempt, task, attempt.redeliveries)
             return self.ignore("the function has no synced release")
         return self.authorize_unless_held(step, attempt, task, release)
+
+    def slept(self, step: StepState, attempt: Attempt) -> None:
+        """A durable wait is over (decision 31): its step completes, with no result, and the function goes on."""
+        self.forward_outcome(step, attempt, CallbackSucceeded(result=None))
+        attempt.detail = f"waited until {step.wait_until.isoformat()}" if step.wait_until else "waited"
 
     def authorize_unless_held(self, step: StepState, attempt: Attempt, task: TaskRef, release: ReleaseRef) -> None:
         """Authorize, unless an earlier attempt whose callback ran holds the step (``held_by``): its code would
@@ -835,7 +848,8 @@ class _Transition:
                 a = step.current(phase)
                 if a is not None and a.status is AttemptStatus.QUEUED:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation)
-                    self.commands.append(EnqueueTask(task=task))
+                    wait_s = (a.not_before - self.now).total_seconds() if a.not_before is not None else 0.0
+                    self.commands.append(EnqueueTask(task=task, delay_s=max(0.0, wait_s)))  # due when it was
                 elif a is not None and a.status is AttemptStatus.UNKNOWN and a.retry_at is not None:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
                     self.commands.append(EnqueueTask(task=task))
@@ -915,6 +929,20 @@ class _Transition:
                 last_seen_at=self.now,
             )
         )
+
+    def start_may_be_lost(self, event: StartMayBeLost) -> None:
+        """The store lost the write that authorized this attempt, not the attempt: it may have run."""
+        task = event.task
+        phase, step_id, generation = task.phase, task.step_id, task.generation
+        if phase is None or step_id is None or generation is None:
+            return self.ignore("a discovery has no effect to lose")
+        step = self.step(step_id)
+        attempt = step.attempt(phase, generation) if step is not None else None
+        if step is None or attempt is None or attempt is not step.current(phase):
+            return self.ignore(f"{task.describe()} is not the current generation")
+        if attempt.status is not AttemptStatus.QUEUED or step.sleep:
+            return self.ignore(f"{task.describe()} is {attempt.status}: its state is known")
+        return self.outcome_lost(step, attempt, event.reason)
 
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
@@ -1019,7 +1047,7 @@ class _Transition:
             step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
             step.heartbeat_s = plan.heartbeat_s
             step.status = StepStatus.PENDING
-            self.queue_attempt(step, Phase.FORWARD)
+            self.queue_attempt(step, Phase.FORWARD, self.wait_s(step, plan))
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
             limit := self.settings.max_value_bytes
         ):
@@ -1039,6 +1067,19 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    def wait_s(self, step: StepState, plan: StepPlan) -> float:
+        """Seconds until ``step`` may start (decision 31): its due time is set from the plan the first time the
+        step is recorded, and kept after (a replay, or a release that changes the wait, never moves it)."""
+        if step.wait_until is None and (plan.sleep or plan.not_before is not None or plan.not_before_s is not None):
+            step.sleep = plan.sleep
+            if plan.not_before is not None:
+                step.wait_until = datetime.fromtimestamp(plan.not_before, UTC)
+            else:
+                step.wait_until = self.now + timedelta(seconds=plan.not_before_s or 0.0)
+        if step.wait_until is None:
+            return 0.0
+        return max(0.0, (step.wait_until - self.now).total_seconds())
 
     def unstable_step_id(self, plan: StepPlan) -> UnstableStepId | Literal["confirming"] | None:
         """A new step id where the last steps the run added, at the same location, were each abandoned before

@@ -209,8 +209,19 @@ class HeartbeatReported:
     """The heartbeat's number for its attempt (``Heartbeat.seq``): one not above the last taken is ignored."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartMayBeLost:
+    """An attempt was authorized (its callback may have run) after the last state the store kept: a ``ryusen dev``
+    that was killed between its periodic saves. The attempt's outcome cannot be known: it is Unknown, never
+    authorized again as if it had not started."""
+
+    task: TaskRef
+    reason: str
+
+
 Event = (
     StartRun
+    | StartMayBeLost
     | HeartbeatReported
     | TaskDelivered
     | DiscoveryReported

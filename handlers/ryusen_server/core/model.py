@@ -211,6 +211,11 @@ class StepState(_State):
     compensate_timeout_s: float | None = None
     heartbeat_s: float | None = None
     """Decision 33: an attempt silent for longer than this (no heartbeat) is Unknown before its timeout."""
+    sleep: bool = False
+    """Decision 31: a durable wait (``step.sleep``): no callback; the engine completes it at ``wait_until``."""
+    wait_until: datetime | None = None
+    """Decision 31: when a wait ends (a sleep completes, a ``not_before`` step's attempt may start); fixed when the
+    step is first recorded, so no replay moves it."""
 
     def heartbeat_for(self, phase: Phase) -> float | None:
         """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``

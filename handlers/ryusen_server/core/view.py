@@ -180,6 +180,8 @@ def step_view(step: StepState, *, in_unwind: bool = False) -> dict[str, Any]:
         "location": step.location,
         "status": step.status.value,
         "has_compensation": step.has_compensation,
+        "sleep": step.sleep,
+        "wait_until": _iso(step.wait_until),
         "result": step.result,
         "error": step.error.model_dump() if step.error else None,
         "completed_seq": step.completed_seq,

@@ -45,9 +45,13 @@ from ..api import MAX_BODY_BYTES, build_api
 
 if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.typing import LambdaContext
+from ryusen._internal.wire import TaskKind
+
 from ..aws.queue import create_queues
 from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
+from ..core.events import InvokeTask
+from ..core.model import TaskRef
 from ..ports import RequestCounter
 from ..runtime import lease_keeper, process_body
 from ..settings import DevDispatchSettings, dev_dispatch_settings, server_settings
@@ -157,6 +161,7 @@ class DevStack:
         """What a browser's change must carry (``X-Ryusen-Session``): given only to the UI's own page."""
         self.state: DevState | None = None
         self._saved_units = -1
+        self._maybe_started: list[str] = []
         self._events: RunEvents | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -201,7 +206,12 @@ class DevStack:
             self._start_and_sync(proc)
             self._spawn(functools.partial(self._watch, proc), f"ryusen-watch-{proc.port}")
         self._spawn(self._supervise, "ryusen-supervise")
+        if self.state is not None:
+            self.wired.engine.hooks.append(self._note_started)
         if restored:
+            started = [TaskRef.model_validate_json(line) for line in self._maybe_started]
+            # authorized after the last save of a stack that was killed: they may have run (local/state.py)
+            self.wired.engine.presume_started(started, STARTED_UNSAVED)
             # their task messages and schedules were not kept: what the sweeper does for a lost one, at once
             self.wired.engine.recover(restored)
         self.out(f"ryusen dev: server API  http://127.0.0.1:{self.port}/v1")
@@ -245,6 +255,7 @@ class DevStack:
         try:
             self.state.acquire(fresh=self.fresh)
             runs = self.state.load()
+            self._maybe_started = self.state.started_since_save()
         except StateDirError as exc:
             self.state.release()
             self.state = None
@@ -253,6 +264,18 @@ class DevStack:
         kept = f"{len(runs)} run(s) restored" if runs else "nothing saved yet" if not self.fresh else "started fresh"
         self.out(f"ryusen dev: state kept in {where} ({kept}; --fresh starts clean)")
         return runs
+
+    def _note_started(self, kind: str, payload: Any) -> None:
+        """The engine's ``decided`` hook: log each attempt a decision authorized, before the endpoint is called."""
+        if kind != "decided" or self.state is None:
+            return
+        _, decision = payload
+        started = [
+            c.task.model_dump_json()
+            for c in decision.commands
+            if isinstance(c, InvokeTask) and c.task.kind is not TaskKind.DISCOVER
+        ]
+        self.state.note_started(started)
 
     def _save(self, *, final: bool = False) -> None:
         """Save the table if anything was written since the last save (every time at the end)."""
@@ -576,6 +599,10 @@ class _Received:
 
 
 SWEEP_EVERY_S = 60.0
+STARTED_UNSAVED = (
+    "ryusen dev was stopped without saving after it authorized this attempt: its callback may have run, and its"
+    " outcome is not known"
+)
 SAVE_EVERY_S = 5.0
 """How often a running stack saves its table, when something was written (``local/state.py``): a stack that
 is killed loses at most this much; one stopped with Ctrl-C or SIGTERM loses nothing."""

@@ -9,6 +9,13 @@ stack stopped is Unknown when its lease ends, unless its outcome was posted firs
 
 Keys are not kept: each session makes its own, as before (docs/security.md).
 
+A stack that is killed (no chance to save at the end) loses at most its last few seconds of writes; among them
+may be the write that authorized an attempt whose callback then ran. Sent again after a restart, that callback
+would run twice with no one told. So every authorization is also appended to ``DIR/started.jsonl`` before the
+endpoint is called (after the write: the engine's ``decided`` hook), and a save drops only what it covered. At
+load, an attempt the log names that the saved table still has queued may have run: the engine marks it Unknown
+(``StartMayBeLost``) instead of sending it again.
+
 One ``ryusen dev`` at a time uses a directory (a lock file says so).
 """
 
@@ -26,6 +33,7 @@ from typing import IO, Any
 
 FORMAT = 1
 TABLE_FILE = "table.jsonl"
+STARTED_FILE = "started.jsonl"
 LOCK_FILE = "lock"
 BATCH = 25
 """Items per BatchWriteItem (DynamoDB's most)."""
@@ -95,6 +103,8 @@ class DevState:
         self.table_name = table_name
         self._lock_file: IO[str] | None = None
         self._save_lock = threading.Lock()
+        self._started_lock = threading.Lock()
+        self._started: IO[str] | None = None
 
     @property
     def table_file(self) -> Path:
@@ -120,8 +130,49 @@ class DevState:
         self._lock_file = lock
         if fresh:
             self.table_file.unlink(missing_ok=True)
+            self.started_file.unlink(missing_ok=True)
+
+    @property
+    def started_file(self) -> Path:
+        return self.directory / STARTED_FILE
+
+    def note_started(self, tasks: list[str]) -> None:
+        """Append authorized attempts (``TaskRef`` JSON), flushed to the OS before the endpoint is called (a
+        killed process loses nothing the OS holds)."""
+        if not tasks:
+            return
+        with self._started_lock:
+            if self._started is None:
+                self._started = self.started_file.open("a")
+            self._started.write("".join(f"{task}\n" for task in tasks))
+            self._started.flush()
+
+    def started_since_save(self) -> list[str]:
+        """The authorizations the last save did not cover (what a killed stack may have started)."""
+        try:
+            return [line for line in self.started_file.read_text().splitlines() if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def _covered(self, upto: int) -> None:
+        """Drop the first ``upto`` bytes of the log: a save that began after they were written covers them."""
+        with self._started_lock:
+            if self._started is not None:
+                self._started.close()
+                self._started = None
+            try:
+                rest = self.started_file.read_bytes()[upto:]
+            except FileNotFoundError:
+                return
+            partial = self.started_file.with_suffix(".partial")
+            partial.write_bytes(rest)
+            partial.replace(self.started_file)
 
     def release(self) -> None:
+        with self._started_lock:
+            if self._started is not None:
+                self._started.close()
+                self._started = None
         if self._lock_file is not None:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
@@ -172,6 +223,10 @@ class DevState:
     def save(self) -> int:
         """Write the whole table to the directory, atomically (a crash mid-save leaves the last save)."""
         with self._save_lock:
+            with self._started_lock:  # what was started before the scan began is in what it reads
+                if self._started is not None:
+                    self._started.flush()
+                covered = self.started_file.stat().st_size if self.started_file.exists() else 0
             partial = self.table_file.with_suffix(".partial")
             count = 0
             partial.unlink(missing_ok=True)
@@ -184,6 +239,7 @@ class DevState:
                 out.flush()
                 os.fsync(out.fileno())
             partial.replace(self.table_file)
+            self._covered(covered)
             return count
 
 

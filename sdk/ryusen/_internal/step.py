@@ -45,17 +45,19 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 import threading
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 
@@ -68,6 +70,7 @@ from .wire import (
     FRAME_TEXT_LIMIT,
     MAX_FRAMES,
     MAX_VALUE_BYTES,
+    MAX_WAIT_S,
     NESTED_STEP_ERROR,
     CallbackFailed,
     CallbackSucceeded,
@@ -481,6 +484,7 @@ class _Replay:
         compensate_retry: RetryPolicy | None,
         compensate_timeout: timedelta | None,
         heartbeat: timedelta | None = None,
+        wait: Wait | None = None,
     ) -> tuple[str, Any]:
         """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
         if not isinstance(step_id, str) or not step_id:
@@ -534,7 +538,10 @@ class _Replay:
                 )
                 if heartbeat is not None and isinstance(plan, StepReached):
                     plan = self._with_heartbeat(plan, step_id, location, heartbeat)
-                if self.keeper is not None and self.keepable and isinstance(plan, StepReached):
+                if wait is not None and isinstance(plan, StepReached):
+                    plan = self._with_wait(plan, step_id, location, wait)
+                waits = isinstance(plan, StepReached) and wait is not None  # nothing to keep a pass for meanwhile
+                if self.keeper is not None and self.keepable and isinstance(plan, StepReached) and not waits:
                     # a kept pass reports the step and waits here for its attempt (Step.run calls the keeper)
                     self.stopped_at = _Open(step_id, location, display, _context())
                     self.outcome = plan
@@ -602,6 +609,16 @@ class _Replay:
             message = f"step.run({_text(step_id)[:80]!r}) cannot be recorded: heartbeat must be a positive timedelta"
             return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
         return StepReached(step=plan.step.model_copy(update={"heartbeat_s": seconds}))
+
+    @staticmethod
+    def _with_wait(plan: StepReached, step_id: str, location: str | None, wait: Wait) -> StepReached | ConflictFound:
+        """The plan with its wait (decision 31), or why it cannot be recorded."""
+        problem = wait.problem()
+        if problem is not None:
+            message = f"{wait.call}({_text(step_id)[:80]!r}) cannot be recorded: {problem}"
+            return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
+        update = {"sleep": wait.sleep, "not_before": wait.at, "not_before_s": wait.after_s}
+        return StepReached(step=plan.step.model_copy(update=update))
 
     def _stop(self, step_id: str, location: str | None, name: str, outcome: Any) -> NoReturn:
         """End the pass at this step with ``outcome``."""
@@ -926,6 +943,38 @@ def _completed(output: Any) -> FunctionCompleted | ConflictFound:
     return FunctionCompleted(output=output)
 
 
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A durable wait a step declares (decision 31): ``step.sleep`` (``sleep``), or ``not_before=`` on
+    ``step.run``; until a Unix time (``at``) or for seconds after the server first records the step (``after_s``)."""
+
+    call: str
+    sleep: bool
+    at: float | None = None
+    after_s: float | None = None
+
+    @classmethod
+    def of(cls, call: str, value: Any, *, sleep: bool) -> Wait:
+        """``value``, a ``timedelta`` (from when the step is first recorded) or an aware ``datetime``."""
+        if isinstance(value, timedelta):
+            return cls(call, sleep, after_s=value.total_seconds())
+        if isinstance(value, datetime) and value.tzinfo is not None:
+            return cls(call, sleep, at=value.timestamp())
+        return cls(call, sleep, at=math.nan)  # refused by problem(), where the pass reports it
+
+    def problem(self) -> str | None:
+        what = "the wait" if self.sleep else "not_before"
+        if self.at is not None and math.isnan(self.at):
+            return f"{what} must be a timedelta or a timezone-aware datetime"
+        if self.after_s is not None and not 0 <= self.after_s <= MAX_WAIT_S:
+            return f"{what} must be between 0 and {MAX_WAIT_S / 86400:g} days"
+        return None
+
+
+def _slept() -> None:
+    """What a durable wait's step runs: nothing (the server completes it at its due time)."""
+
+
 class Step:
     """Handed to a workflow function: wraps each external effect in ``run``.
 
@@ -949,6 +998,7 @@ class Step:
         compensate_retry: RetryPolicy | None = None,
         compensate_timeout: timedelta | None = None,
         heartbeat: timedelta | None = None,
+        not_before: timedelta | datetime | None = None,
         **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` as step ``step_id``, at most once per accepted result.
@@ -960,26 +1010,68 @@ class Step:
         compensation attempt (default: the server's attempt timeout, 5 min).
         ``heartbeat``: the callback calls :func:`ryusen.heartbeat` at least this
         often; an attempt silent for longer is Unknown before its timeout.
+        ``not_before`` (a ``timedelta`` from when the step is first recorded, or
+        an aware ``datetime``) delays its first attempt: a durable wait.
         One step runs at a time: a ``step.run`` started while another is open
         raises :class:`ConcurrentStepError`.
         """
+        wait = Wait.of("step.run", not_before, sleep=False) if not_before is not None else None
+        return self._run(step_id, fn, args, kwargs, _caller_location(1), compensate, name, retry, timeout,  # type: ignore[no-any-return]
+                         compensate_retry, compensate_timeout, heartbeat, wait)  # fmt: skip
+
+    def sleep(self, step_id: str, duration: timedelta) -> None:
+        """Wait ``duration``, durably: step ``step_id`` completes that long after it is first recorded, however
+        often the function is replayed meanwhile (no process waits). A stop during the wait ends it at once."""
+        wait = Wait.of("step.sleep", duration if isinstance(duration, timedelta) else object(), sleep=True)
+        self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+
+    def sleep_until(self, step_id: str, moment: datetime) -> None:
+        """Wait, durably, until ``moment`` (a timezone-aware ``datetime``); at once if it has passed."""
+        wait = Wait.of("step.sleep_until", moment if isinstance(moment, datetime) else object(), sleep=True)
+        self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+
+    def _run(
+        self,
+        step_id: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        location: str | None,
+        compensate: Callable[[Any], Any] | None,
+        name: str | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | None,
+        compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
+        heartbeat: timedelta | None,
+        wait: Wait | None,
+    ) -> Any:
         replay = self._replay
-        location = _caller_location(1)
-        action, value = replay.enter(
-            step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
+        enter = functools.partial(
+            replay.enter,
+            step_id,
+            location,
+            fn,
+            name,
+            compensate,
+            retry,
+            timeout,
+            compensate_retry,
+            compensate_timeout,
+            heartbeat,
+            wait,
         )
+        action, value = enter()
         if action == "keep":  # a kept pass: wait here for this step's attempt (or end, if it does not come)
             assert replay.keeper is not None
             replay.keeper.wait_for_attempt(value)
-            action, value = replay.enter(
-                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
-            )
+            action, value = enter()
         if action == "return":
-            return value  # type: ignore[no-any-return]
+            return value
         if action == "park":  # pragma: no cover - only an asyncio task can park
             raise ConcurrentStepError(step_id, open_step_id=replay.target or "?")
         call = value if replay.kind is TaskKind.COMPENSATE else (lambda: value(*args, **kwargs))
-        return replay.run_callback(step_id, _declaring(heartbeat, call))  # type: ignore[no-any-return]
+        return replay.run_callback(step_id, _declaring(heartbeat, call))
 
 
 class AsyncStep:
@@ -1006,18 +1098,58 @@ class AsyncStep:
         compensate_retry: RetryPolicy | None = None,
         compensate_timeout: timedelta | None = None,
         heartbeat: timedelta | None = None,
+        not_before: timedelta | datetime | None = None,
         **kwargs: Any,
     ) -> Awaitable[T]:
         """Like :meth:`Step.run`, awaitable. The source location is taken where ``run`` is called."""
         location = _caller_location(1)
+        wait = Wait.of("step.run", not_before, sleep=False) if not_before is not None else None
+        return self._run(step_id, fn, args, kwargs, location, compensate, name, retry, timeout, compensate_retry,
+                         compensate_timeout, heartbeat, wait)  # fmt: skip
 
-        async def run() -> T:
+    def sleep(self, step_id: str, duration: timedelta) -> Awaitable[None]:
+        """Like :meth:`Step.sleep`, awaitable."""
+        wait = Wait.of("step.sleep", duration if isinstance(duration, timedelta) else object(), sleep=True)
+        return self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+
+    def sleep_until(self, step_id: str, moment: datetime) -> Awaitable[None]:
+        """Like :meth:`Step.sleep_until`, awaitable."""
+        wait = Wait.of("step.sleep_until", moment if isinstance(moment, datetime) else object(), sleep=True)
+        return self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+
+    def _run(
+        self,
+        step_id: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        location: str | None,
+        compensate: Callable[[Any], Any] | None,
+        name: str | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | None,
+        compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
+        heartbeat: timedelta | None,
+        wait: Wait | None,
+    ) -> Awaitable[Any]:
+        async def run() -> Any:
             replay = self._replay
             action, value = replay.enter(
-                step_id, location, fn, name, compensate, retry, timeout, compensate_retry, compensate_timeout, heartbeat
+                step_id,
+                location,
+                fn,
+                name,
+                compensate,
+                retry,
+                timeout,
+                compensate_retry,
+                compensate_timeout,
+                heartbeat,
+                wait,
             )
             if action == "return":
-                return value  # type: ignore[no-any-return]
+                return value
             if action == "park":
                 await replay.park()
             compensating = replay.kind is TaskKind.COMPENSATE

@@ -54,6 +54,8 @@ found next, to the result URL (``docs/design/dispatch.md``).
 ``heartbeat``: a step's plan may carry ``heartbeat_s``, and a callback posts heartbeats to the result URL.
 ``tracebacks``: a request may carry ``tracebacks``; an error the endpoint then reports may carry its
 ``traceback`` (an error without one is sent as before)."""
+MAX_WAIT_S = 366 * 24 * 3600.0
+"""The longest durable wait a step may declare (decision 31): a year."""
 MAX_VALUE_BYTES = 256 * 1024
 """Default limit for run input, step results, errors and run output (serialized JSON)."""
 ERROR_MESSAGE_KEPT = 8 * 1024
@@ -297,6 +299,22 @@ class StepPlan(_Wire):
     compensate_timeout_s: float | None = Field(default=None, gt=0)
     heartbeat_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Decision 33: the longest an attempt of this step may go without a heartbeat before it is Unknown."""
+    sleep: bool = False
+    """Decision 31: a durable wait (``step.sleep``), with no callback: the server completes it at its due time."""
+    not_before: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Decision 31: the step's first attempt starts no earlier than this Unix time."""
+    not_before_s: float | None = Field(default=None, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    """Decision 31: ... no earlier than this many seconds after the server first records the step."""
+
+    @model_serializer(mode="wrap")
+    def _as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # a plan without a wait is written as before waits existed: a server that predates them reads it
+        dumped = handler(self)
+        if isinstance(dumped, dict):
+            for name, unset in (("sleep", False), ("not_before", None), ("not_before_s", None)):
+                if dumped.get(name, unset) == unset and name in dumped:
+                    del dumped[name]
+        return dumped
 
 
 class Occurrence(_Wire):
