@@ -77,6 +77,9 @@ class Checker:
         self.ack_settled: set[Key] = set()
         self.stopped_early: set[Key] = set()
         self.unknown_seen: set[Key] = set()
+        self.waits: dict[tuple[str, str], datetime] = {}
+        """Each step's wait's due time as first recorded (decision 31)."""
+        self.slept: set[Key] = set()
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -172,7 +175,8 @@ class Checker:
         accepted = [
             s
             for s in state.steps
-            if any(
+            if not s.sleep  # a durable wait is no effect: nothing to undo (decision 31)
+            and any(
                 a.phase is Phase.FORWARD and a.status is AttemptStatus.SUCCEEDED and not _moved_past(a)
                 for a in s.attempts
             )
@@ -229,8 +233,30 @@ class Checker:
 
     # ---- the new dispatch path: acknowledged attempts and heartbeats (issue 25, decision 33) ----------------
 
+    def _waits(self, run: str, step: StepState, a: Attempt, key: Key) -> None:
+        """Decision 31: a wait's due time, once recorded, never moves; nothing starts before it; a sleep calls
+        no endpoint and completes no earlier than its due time."""
+        what = f"{run}: {step.id} {a.phase.value} #{a.generation}"
+        if step.wait_until is not None:
+            first = self.waits.setdefault((run, step.id), step.wait_until)
+            if first != step.wait_until:
+                self.fail(f"{run}: {step.id}'s wait moved from {first} to {step.wait_until}")
+            early = a.authorized_at is not None and a.authorized_at < step.wait_until
+            if a.phase is Phase.FORWARD and a.generation == 1 and early:
+                self.fail(f"{what} started at {a.authorized_at}, before its wait ends at {step.wait_until}")
+        if step.sleep and a.phase is Phase.FORWARD:
+            if a.authorized_at is not None:
+                self.fail(f"{what}: a durable wait called the endpoint")
+            if a.status is AttemptStatus.SUCCEEDED and key not in self.slept:
+                self.slept.add(key)
+                if step.wait_until is None or a.settled_at is None or a.settled_at < step.wait_until:
+                    self.fail(f"{what} completed at {a.settled_at}, before its wait ends at {step.wait_until}")
+                else:
+                    self.sim.cases["a durable wait completed at its time"] += 1
+
     def _dispatch_rules(self, run: str, step: StepState, a: Attempt, key: Key) -> None:
         what = f"{run}: {step.id} {a.phase.value} #{a.generation}"
+        self._waits(run, step, a, key)
         if a.heartbeat_at is not None:
             self.last_beat[key] = max(self.last_beat.get(key, a.heartbeat_at), a.heartbeat_at)
         lease, grace = a.lease_expires_at, a.lease_grace_s

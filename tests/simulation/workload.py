@@ -73,6 +73,8 @@ class StepSpec:
     beats: int = 0
     beat_every_s: float = 0.0
     timeout_s: float | None = None
+    wait_s: float = 0.0
+    """Decision 31: a durable wait (``step.sleep``) of this many seconds of virtual time comes before the step."""
 
     @property
     def succeeds(self) -> bool:
@@ -125,6 +127,7 @@ class WorkflowSpec:
                 f"{f'[big:{s.big}]' if s.big else ''}{'[undo-big]' if s.undo_big else ''}"
                 f"{f'[{s.takes_s:g}s]' if s.takes_s else ''}{'[unstable-id]' if s.unstable else ''}"
                 f"{f'[heartbeat {s.heartbeat_s:g}s x{s.beats} every {s.beat_every_s:g}s]' if s.heartbeat_s else ''}"
+                f"{f'[after a {s.wait_s:g}s wait]' if s.wait_s else ''}"
                 for s in g.steps
             )
             guard = "guard: " if self.guard_at == gi else ""
@@ -133,7 +136,13 @@ class WorkflowSpec:
         return " | ".join(parts) + (" | raise" if self.raise_at_end else "") + retired
 
 
-def generate(rng: random.Random, *, clean: bool = False, long_steps: random.Random | None = None) -> WorkflowSpec:
+def generate(
+    rng: random.Random,
+    *,
+    clean: bool = False,
+    long_steps: random.Random | None = None,
+    waits: random.Random | None = None,
+) -> WorkflowSpec:
     """A workflow of 1 to 6 steps. ``clean``: every step succeeds first time, and none has a case of decisions
     23-29 (a fault-free baseline's shape still varies: compensators, groups). ``long_steps``: where the steps
     that heartbeat are drawn from (a generator of their own, so a seed that draws none is the workflow it was
@@ -161,6 +170,8 @@ def generate(rng: random.Random, *, clean: bool = False, long_steps: random.Rand
                 spec = _with_cases(spec, rng)
                 if long_steps is not None:
                     spec = _with_heartbeat(spec, long_steps)
+                if waits is not None and waits.random() < 0.2:  # a generator of its own, as for long steps
+                    spec = replace(spec, wait_s=waits.choice([2.0, 45.0, 3600.0, 3 * 86400.0]))
             steps.append(spec)
             n += 1
         groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3))
@@ -430,6 +441,8 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
                 return {"order": "cancelled", "results": results}  # an early return on an external read
             try:
                 for s in group.steps:
+                    if s.wait_s:  # decision 31: a durable wait first
+                        step.sleep(f"{s.id}-wait", timedelta(seconds=s.wait_s))
                     if s.caught:
                         try:
                             results.append(run_step(step, s, data))

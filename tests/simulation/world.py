@@ -410,7 +410,8 @@ class Simulation:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.hooks.append(self._observe_answers)
         long_steps = self.xrng if new_dispatch else None
-        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=long_steps)
+        waits = random.Random(f"waits-{seed}") if new_dispatch else None
+        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=long_steps, waits=waits)
         self.specs = [self.spec]
         self.releases = 0
         self.run_ids: list[str] = []

@@ -1730,8 +1730,8 @@ class _Transition:
                 # its callback ran and succeeded with a result too large to record (decisions 25): accepted, so
                 # it is undone in its place, also when a retry the operator allowed had not settled
                 self.edit(found).status = StepStatus.COMPLETED
-        completed = sorted(
-            (step for step in s.steps if step.status is StepStatus.COMPLETED),
+        completed = sorted(  # a durable wait is no effect: nothing to undo (decision 31)
+            (step for step in s.steps if step.status is StepStatus.COMPLETED and not step.sleep),
             key=lambda st: st.completed_seq or 0,
             reverse=True,
         )
