@@ -26,6 +26,10 @@ Inputs that show the engine at work:
   for example ``ryusen resolve RUN ship --phase forward --generation 1 --retry``
   (or ``--succeed '{"tracking": "trk_manual", "express": false}'``).
 
+A durable wait: ``ryusen run review-request --input '{"customer": "ada", "wait_days": 14}'`` records the
+order's follow-up and waits 14 days before asking for a review. No process waits meanwhile: the step completes
+when its time comes, also across restarts of ``ryusen dev`` (``"wait_days": 0.0003`` waits about 26 seconds).
+
 The "systems" here are in-memory dictionaries so the example runs anywhere;
 a real app would call its inventory, payment and shipping services, passing
 ``ryusen.operation().id`` as the idempotency key.
@@ -131,6 +135,17 @@ def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
     if order.get("fail_after_ship"):
         raise RuntimeError("order rejected by the fraud check after shipping")
     return {"stock": stock, "charge": charge, "shipment": shipment}
+
+
+def ask_for_review(customer: str) -> dict[str, Any]:
+    return {"asked": customer, "request_id": f"rv_{ryusen.operation().id[-8:]}"}
+
+
+@app.function("review-request")
+def review_request(order: dict[str, Any], step: Step) -> dict[str, Any]:
+    """Some time after an order, ask for a review: a durable wait, then one step."""
+    step.sleep("until-review", timedelta(days=order.get("wait_days", 14)))
+    return step.run("ask-for-review", ask_for_review, order["customer"])
 
 
 lambda_handler = app.lambda_handler

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
@@ -755,3 +755,71 @@ def test_an_attempt_the_result_function_left_in_flight_has_its_own_lease_timer(d
         if c.function == "results" and c.operation == "SendMessage"
     ]
     assert [t.get("step_id") for t in timers if t.get("lease_timer")] == ["stuck"]
+
+
+FUNCTIONS = ("api", "dispatch", "results", "sweep", "shop")
+"""The stack's functions and the example app's, as the box's calls name their callers."""
+
+
+@pytest.mark.rfd("W4")
+def test_a_thirty_day_sleep_makes_as_many_requests_as_a_one_day_sleep_and_none_while_it_waits(
+    deployed: Deployed,
+) -> None:
+    """Decision 31 on AWS: a long wait is parked as one EventBridge Scheduler schedule whose target is the
+    queue; nothing polls while it waits. The engine's clock is moved on past the wait (a box cannot wait 30
+    days) and the schedule delivered as the Scheduler would; the requests of a 1-day and a 30-day sleep match."""
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+    from ryusen_server.lambdas import results as results_lambda
+
+    env = deployed.env
+    scheduler = boto3.client("scheduler", region_name="us-east-1")
+    engines = [w.engine for w in (dispatch_lambda._engine, results_lambda._engine) if w is not None]
+    real = [e.clock for e in engines]
+    made: dict[float, Counter[tuple[str, str]]] = {}
+    try:
+        for days in (1.0, 30.0):
+            before = len(deployed.box.calls)
+            response = deployed.api(
+                "POST", "/v1/functions/review-request/runs", {"input": {"customer": "ada", "wait_days": days}}
+            )
+            assert response.status_code == 201, response.text
+            run_id = response.json()["id"]
+
+            def parked(run_id: str = run_id) -> dict[str, Any] | None:
+                listed = scheduler.list_schedules(GroupName=env["RYUSEN_SCHEDULE_GROUP"]).get("Schedules", [])
+                for entry in listed:
+                    schedule = scheduler.get_schedule(Name=entry["Name"], GroupName=env["RYUSEN_SCHEDULE_GROUP"])
+                    if run_id in schedule["Target"]["Input"]:
+                        return dict(schedule)
+                return None
+
+            schedule = wait_for(parked, what="the wait parked on the Scheduler")
+            at = datetime.fromisoformat(schedule["ScheduleExpression"][3:-1]).replace(tzinfo=UTC)
+            assert at - datetime.now(UTC) > timedelta(days=days) - timedelta(minutes=5)
+            quiet = len(deployed.box.calls)
+            time.sleep(2)  # while it waits: no function makes a request (the event source's long polls are AWS's)
+            assert [c for c in deployed.box.calls[quiet:] if c.function in FUNCTIONS and run_id in repr(c.params)] == []
+            # the wait is over: the engines' clocks move past it, and the Scheduler delivers the task
+            offset = at - datetime.now(UTC) + timedelta(seconds=5)
+            for engine in engines:
+                engine.clock = lambda offset=offset: datetime.now(UTC) + offset
+            sqs = boto3.client("sqs", region_name="us-east-1")
+            sqs.send_message(QueueUrl=env["RYUSEN_QUEUE_URL"], MessageBody=schedule["Target"]["Input"])
+            scheduler.delete_schedule(Name=schedule["Name"], GroupName=env["RYUSEN_SCHEDULE_GROUP"])
+            run = deployed.finished(run_id)
+            assert run["outcome"] == "completed" and run["output"]["asked"] == "ada"
+            nap = next(s for s in run["steps"] if s["id"] == "until-review")
+            assert nap["sleep"] and nap["attempts"][-1]["authorized_at"] is None  # no endpoint call for the wait
+            made[days] = Counter(  # the run's own requests (a release's wake of blocked runs is not the run's)
+                (c.service, c.operation)
+                for c in deployed.box.calls[before:]
+                if c.function in FUNCTIONS and run_id in repr(c.params)
+            )
+            for engine, clock in zip(engines, real, strict=True):
+                engine.clock = clock
+    finally:
+        for engine, clock in zip(engines, real, strict=True):
+            engine.clock = clock
+    print("requests of a run with a 1-day and a 30-day sleep:", sorted(made[30.0].items()))
+    assert made[1.0] == made[30.0], (made[1.0], made[30.0])
+    assert made[30.0][("scheduler", "CreateSchedule")] >= 1
