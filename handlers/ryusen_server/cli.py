@@ -479,6 +479,9 @@ class _RunRenderer:
                 line.append(f"  {step['name']}", style="dim")
             if step.get("has_compensation"):
                 line.append("  ↺ has compensation", style="dim")
+            if step.get("wait_until"):  # decision 31: a durable wait, or a step's not_before
+                what = "sleeps until" if step.get("sleep") else "starts no earlier than"
+                line.append(f"  {what} {self.time(step['wait_until'])}", style="cyan")
             console.print(line)
             forward = [a for a in step.get("attempts") or [] if a.get("phase") != "compensation"]
             if forward:

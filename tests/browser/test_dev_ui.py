@@ -199,6 +199,20 @@ def test_an_unknown_outcome_is_resolved_with_a_reason_kept_on_the_attempt(page: 
     assert view["output"] == {"slept": 0, "op": "by hand"}
 
 
+def test_a_waiting_step_shows_when_its_wait_ends(page: Any, stack: DevStack) -> None:
+    """Decision 31: a durable wait is shown with its due time, and says that nothing runs meanwhile."""
+    run = stack.start("sleepy", {"tag": tag(), "sleep_s": 600})
+    wait_for(lambda: any(s["id"] == "nap" for s in stack.run(run["id"])["steps"]), what="the nap")
+    due = next(s for s in stack.run(run["id"])["steps"] if s["id"] == "nap")["wait_until"]
+    open_run(page, stack, run["id"])
+    page.locator('.wf-row[data-step-id="nap"]').click()
+    wait = page.locator(".step-detail .wait")
+    expect(wait).to_have_attribute("data-wait-until", due)
+    expect(wait).to_contain_text("a durable wait: completes at")
+    expect(wait).to_contain_text("waiting: no process runs meanwhile")
+    stack.client.post(f"/v1/runs/{run['id']}/cancel", json={"reason": "test done"})
+
+
 def test_a_thousand_step_run_stays_within_a_screen_or_two(page: Any, stack: DevStack) -> None:
     run = finished(stack, "many", {"tag": tag(), "n": 1000})
     assert len(run["steps"]) == 1000

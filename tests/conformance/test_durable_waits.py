@@ -235,3 +235,21 @@ def test_an_async_workflow_sleeps_too() -> None:
     started = env.clock()
     run = env.run("later", {})
     assert run.output == "b" and env.clock() >= started + timedelta(hours=5)
+
+
+def test_ryusen_show_says_when_a_wait_ends() -> None:
+    import io
+
+    from rich.console import Console
+
+    from ryusen_server import cli
+    from ryusen_server.core.view import run_view
+
+    env, _, _ = setup()
+    run_id = env.start("trip", {})
+    env.drive(until=lambda: waiting(env, run_id, "until-reminder"))
+    state = env.engine.get_run(run_id)
+    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
+    cli.render_run(run_view(state), console=console)
+    shown = console.export_text()
+    assert "until-reminder" in shown and "sleeps until 01-04 00:00:00.0" in shown

@@ -180,7 +180,8 @@ function StepDetail({ run, step, onChanged, onClose }) {
   return html`<div class="step-detail" data-step-id=${step.id}>
     <div class="title"><h3><code>${step.id}</code> <${Badge} value=${step.status} /></h3>
       <button type="button" class="link" onClick=${onClose}>close</button></div>
-    <p class="muted small">${step.name ? `${step.name} · ` : ""}${step.location || ""}${step.has_compensation ? "" : " · no compensator declared"}</p>
+    <p class="muted small">${step.name ? `${step.name} · ` : ""}${step.location || ""}${step.has_compensation || step.sleep ? "" : " · no compensator declared"}</p>
+    ${step.wait_until ? html`<p class="wait" data-wait-until=${step.wait_until}>${step.sleep ? "a durable wait: completes at" : "its first attempt starts no earlier than"} <${Time} at=${step.wait_until} />${step.status === "pending" ? " (waiting: no process runs meanwhile)" : ""}</p>` : ""}
     <div class="io">
       ${step.result !== null ? html`<${Json} value=${step.result} label="result" />` : ""}
       ${step.omitted_result ? html`<${Json} value=${step.omitted_result} label="result (omitted)" />` : ""}
