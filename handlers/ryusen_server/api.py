@@ -56,6 +56,14 @@ class StartRunRequest(_Body):
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_RUN_TIMEOUT_S, strict=True, allow_inf_nan=False)
 
 
+class CompletionRequest(_Body):
+    """The result of a step completed from outside, or its failure: exactly one (decision 32)."""
+
+    result: Any = None
+    error: ErrorInfo | None = None
+    """``retryable: false`` fails the step for good; otherwise its retry policy applies (a new token)."""
+
+
 class CancelRequest(_Body):
     reason: str | None = Field(default=None, max_length=1024)
 
@@ -151,6 +159,19 @@ class RequestResolver(APIGatewayRestResolver):
 
 def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRestResolver:
     api = RequestResolver(strip_prefixes=[])
+
+    def view(state: RunState) -> dict[str, Any]:
+        """The run view, with each attempt of a step completed from outside showing its completion token (what an
+        operator completes it with: the operator API is theirs)."""
+        shown = run_view(state)
+        for step in shown["steps"]:
+            if step.get("external"):
+                for attempt in step["attempts"]:
+                    if attempt["phase"] == "forward":
+                        attempt["completion_token"] = engine.completion_token(
+                            state.id, step["id"], Phase.FORWARD, attempt["generation"]
+                        )
+        return shown
 
     def body_of(model: type[_Body], *, optional: bool = False) -> Any:
         raw = api.current_event.body
@@ -252,7 +273,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
         state, created = engine.start_run(
             function_id, run_input, idempotency_key=request.idempotency_key, timeout_s=request.timeout_s
         )
-        return _json(201 if created else 200, run_view(state))
+        return _json(201 if created else 200, view(state))
 
     @api.get("/v1/runs")
     def list_runs() -> Response[str]:
@@ -299,20 +320,20 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
 
     @api.get("/v1/runs/<run_id>")
     def get_run(run_id: str) -> Response[str]:
-        return _json(200, run_view(engine.get_run(run_id)))
+        return _json(200, view(engine.get_run(run_id)))
 
     @api.post("/v1/runs/<run_id>/cancel")
     def cancel_run(run_id: str) -> Response[str]:
         request = body_of(CancelRequest, optional=True)
         engine.get_run(run_id)
         decision = engine.cancel(run_id, request.reason)
-        return _json(202, run_view(decision.state))
+        return _json(202, view(decision.state))
 
     @api.post("/v1/runs/<run_id>/rediscover")
     def rediscover(run_id: str) -> Response[str]:
         engine.get_run(run_id)
         decision = engine.rediscover(run_id)
-        return _json(202, run_view(decision.state))
+        return _json(202, view(decision.state))
 
     @api.post("/v1/runs/<run_id>/steps/<step_id>/<phase>/<generation>/resolve")
     def resolve(run_id: str, step_id: str, phase: str, generation: str) -> Response[str]:
@@ -341,7 +362,18 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
                 by=_caller(api),
             ),
         )
-        return _json(200, run_view(decision.state))
+        return _json(200, view(decision.state))
+
+    @api.post("/v1/completions/<token>")
+    def complete(token: str) -> Response[str]:
+        request = body_of(CompletionRequest)
+        given = request.model_fields_set & {"result", "error"}
+        if len(given) != 1 or (request.error is None and "error" in given):
+            raise InvalidRequestError('give exactly one of "result" (any JSON value) or "error" ({"type", "message"})')
+        _checked_value("result", request.result)
+        _checked_value("error data", request.error.data if request.error is not None else None)
+        decision = engine.complete(token, result=request.result, error=request.error, source=_caller(api) or "api")
+        return _json(200, view(decision.state))
 
     @api.get("/v1/openapi.json")
     def openapi_document() -> Response[str]:

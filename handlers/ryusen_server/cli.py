@@ -431,6 +431,8 @@ class _RunRenderer:
                 what.append(_error_line(attempt["error"]))
             if attempt.get("detail"):
                 what.append(str(attempt["detail"]))
+            if status == "waiting":  # decision 32: how to complete it
+                what.append("waiting for its completion from outside")
             if status in ("queued", "retry_authorized") and attempt.get("not_before"):
                 what.append(f"not before {self.time(attempt['not_before'])}")
             notes: list[str] = []  # the circumstances, on a line of their own
@@ -445,6 +447,8 @@ class _RunRenderer:
                 notes.append(f"last heartbeat {self.time(beat.get('at'))}{_heartbeat_details(beat.get('details'))}")
             if unknown := attempt.get("unknown"):  # decisions 28: it stays in the history
                 notes.append(f"was unknown from {self.time(unknown.get('at'))}: {unknown.get('reason')}")
+            if status == "waiting" and attempt.get("completion_token"):
+                notes.append(f"complete it: ryusen complete {attempt['completion_token']} --result JSON")
             if resolution := attempt.get("resolution"):
                 by = f" by {resolution['by']}" if resolution.get("by") else ""
                 why = f": {resolution['reason']}" if resolution.get("reason") else ""
@@ -1053,6 +1057,30 @@ def resolve(
         ),
     )
     click.echo(printable(f"resolved {step_id} {phase} #{generation} ({action}): {run.summary}"))
+
+
+@cli.command()
+@click.argument("token", metavar="TOKEN")
+@click.option(
+    "--result", "result", callback=parse_json, metavar="JSON", help="The step's result: the run goes on with it."
+)
+@click.option("--fail", "message", metavar="MESSAGE", help="Fail the step (its retry policy applies: a new token).")
+@click.option("--final", is_flag=True, help="With --fail: no retry follows.")
+@click.pass_context
+def complete(ctx: click.Context, token: str, result: Any, message: str | None, final: bool) -> None:
+    """Complete a step that waits for a completion from outside (completion="external") with its TOKEN.
+
+    Exactly one of --result JSON or --fail MESSAGE. The token is on the waiting attempt (`ryusen show RUN`)."""
+    given = ctx.get_parameter_source("result") is click.core.ParameterSource.COMMANDLINE
+    if given == (message is not None):
+        _usage(ctx, "give exactly one of --result JSON or --fail MESSAGE")
+    if final and message is None:
+        _usage(ctx, "--final goes with --fail MESSAGE")
+    api = ctx.find_object(Api)
+    assert api is not None, "the ryusen group sets the Api"
+    client = api.client
+    run = client.fail(token, message, final=final) if message is not None else client.complete(token, result)
+    click.echo(printable(f"completed a step of {run.id}: {run.summary}"))
 
 
 @cli.group()

@@ -8,6 +8,9 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import logging
 import random
@@ -42,6 +45,7 @@ from ryusen._internal.wire import (
     MAX_HEARTBEAT_DETAILS_BYTES,
     MAX_ID_LENGTH,
     DiscoveryResponse,
+    ErrorInfo,
     Heartbeat,
     HeartbeatReply,
     LateResult,
@@ -61,10 +65,11 @@ from ryusen._internal.wire import (
     value_size,
 )
 
-from .core.decide import decide
+from .core.decide import COMPLETION_REFUSED, decide
 from .core.events import (
     AttemptReported,
     CancelTimer,
+    CompletionReported,
     Decision,
     DiscoveryReported,
     EngineSettings,
@@ -449,6 +454,30 @@ class Delivered:
     in_flight: TaskRef | None = None
     """The attempt left in flight when the message is kept as its lease timer (it was answered ``accepted``, or
     its dispatcher stopped listening)."""
+
+
+COMPLETION_TOKEN_PREFIX = "rc1"  # noqa: S105 - a format's name, not a secret
+
+
+def _completion_token(key: str, run_id: str, step_id: str, phase: Phase, generation: int) -> str:
+    binding = json.dumps([run_id, step_id, str(phase), generation], separators=(",", ":")).encode()
+    named = base64.urlsafe_b64encode(binding).decode().rstrip("=")
+    mac = hmac.new(key.encode(), b"ryusen completion token\n" + binding, hashlib.sha256).digest()
+    return f"{COMPLETION_TOKEN_PREFIX}.{named}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+
+def _completion_binding(token: str) -> tuple[str, str, Phase, int] | None:
+    """The attempt a token claims to name (not yet proven), or None for a token of no such form."""
+    parts = token.split(".")
+    if len(token) > 2048 or len(parts) != 3 or parts[0] != COMPLETION_TOKEN_PREFIX:
+        return None
+    try:
+        run_id, step_id, phase, generation = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        if not (isinstance(run_id, str) and isinstance(step_id, str) and isinstance(generation, int)):
+            return None
+        return run_id, step_id, Phase(phase), generation
+    except (ValueError, TypeError):
+        return None
 
 
 def _canonical(value: Any) -> str:
@@ -1204,10 +1233,14 @@ class Engine:
         assert step is not None
         attempt = step.attempt(task.phase, task.generation)
         assert attempt is not None
+        external = step.external and task.phase is Phase.FORWARD and "external_completion" in features
+        token = self.completion_token(state.id, step.id, task.phase, attempt.generation) if external else None
         return TaskRequest(
             **common,
             step_id=step.id,
-            operation=OperationInfo(id=attempt.operation_id, phase=task.phase, generation=attempt.generation),
+            operation=OperationInfo(
+                id=attempt.operation_id, phase=task.phase, generation=attempt.generation, completion_token=token
+            ),
             forward_result=step.result if task.phase is Phase.COMPENSATION else None,
             forward_result_omitted=(
                 step.omitted_result if task.phase is Phase.COMPENSATION and "omitted_results" in features else None
@@ -1215,7 +1248,9 @@ class Engine:
             result_url=self.settings.result_url,
             respond_by=respond_by.timestamp(),
             respond_within_s=self._respond_within_s(respond_by, features),
-            continue_after=self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features,
+            continue_after=(  # a step completed from outside ends its pass: what comes next waits for it
+                self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features and not external
+            ),
             acknowledge_after_s=(
                 self.settings.acknowledge_after_s
                 if "acknowledge" in features and self.settings.result_url is not None
@@ -1507,6 +1542,41 @@ class Engine:
                 if repaired:
                     report.repaired.append(run_id)
         return report
+
+    # ---- steps completed from outside (decision 32) ----------------------------------
+
+    def completion_token(self, run_id: str, step_id: str, phase: Phase, generation: int) -> str:
+        """The token that completes this attempt from outside: it names the attempt, and a MAC made with the
+        deployment's master key says the engine handed it out (no one can make one for another attempt)."""
+        keys = self.master_keys()
+        return _completion_token(keys[0] if keys else "", run_id, step_id, phase, generation)
+
+    def read_completion_token(self, token: str) -> tuple[str, str, Phase, int]:
+        """The attempt ``token`` names, if this deployment made it (any valid master key); else NotFoundError."""
+        named = _completion_binding(token)
+        if named is not None:
+            for key in self.master_keys(fresh=True) or [""]:
+                if hmac.compare_digest(_completion_token(key, *named), token):
+                    return named
+        raise NotFoundError("no step waits for this completion token", code="completion_not_found")
+
+    def complete(self, token: str, *, result: Any = None, error: ErrorInfo | None = None, source: str) -> Decision:
+        """A step's completion from outside: the result (or the error) for the attempt ``token`` names.
+        ConflictError ``completion_refused`` for a token whose attempt is no longer waiting (the completion is
+        kept on it, as stale)."""
+        run_id, step_id, phase, generation = self.read_completion_token(token)
+        limit = self.settings.engine.max_value_bytes
+        if error is None and (size := value_size(result)) > limit:
+            raise PayloadTooLargeError(f"the result is {size} bytes serialized; the limit is {limit}", limit=limit)
+        event = CompletionReported(
+            step_id=step_id, phase=phase, generation=generation, result=result, error=error, source=source
+        )
+        decision = self.apply(run_id, event)
+        if decision.rejection is not None:
+            raise ConflictError(decision.rejection.message, code=decision.rejection.code)
+        if decision.note is not None and decision.note.startswith(COMPLETION_REFUSED):
+            raise ConflictError(decision.note.split(": ", 1)[-1], code=COMPLETION_REFUSED)  # kept, as stale
+        return decision
 
     def presume_started(self, tasks: Iterable[TaskRef], reason: str) -> None:
         """Each of ``tasks`` was authorized after the state the store holds was kept (``ryusen dev`` killed between

@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from ryusen import __version__
 
 from . import schema
-from .api import CancelRequest, ResolveRequest, StartRunRequest, SyncRequest
+from .api import CancelRequest, CompletionRequest, ResolveRequest, StartRunRequest, SyncRequest
 from .core.model import Outcome, Recovery, RunPhase
 
 REF = "#/components/schemas/{model}"
@@ -190,6 +190,25 @@ ROUTES: tuple[Route, ...] = (
                 "`attempt_not_unknown`, `generation_settled`, `generation_not_current`, `attempt_in_flight`,"
                 " `skip_not_allowed`, `retry_after_stop`, `run_finished`, `step_not_found`, `attempt_not_found`",
             ),
+        ),
+    ),
+    Route(
+        "POST",
+        "/v1/completions/{token}",
+        "Complete a step",
+        'Complete a step that waits for a completion from outside (`completion="external"`) with the token its'
+        " callback handed out: `result` becomes the step's result and the run goes on; `error` fails the attempt"
+        " (its retry policy applies, and a retry hands out a new token; `retryable: false` fails it for good)."
+        " Only the attempt the token names, while it waits, takes it; any other completion is kept on the attempt"
+        " and refused.",
+        {200: (schema.RunView, "The run after the completion.")},
+        body=CompletionRequest,
+        params=(Param("token", "path", "The completion token (`ryusen.operation().completion_token`)."),),
+        refusals=(
+            (404, "`completion_not_found`: a token this deployment did not make"),
+            (409, "`completion_refused`: the attempt no longer waits (kept on it as stale)"),
+            (413, "`payload_too_large`"),
+            (422, "`invalid_request`, `invalid_value`: not exactly one of `result` and `error`"),
         ),
     ),
     Route(

@@ -9,7 +9,7 @@ fields refused), so the reference cannot drift from what the API sends.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,7 +56,14 @@ class AttemptView(_View):
     phase: Phase
     generation: int
     operation_id: str = Field(description="Stable across generations: an idempotency key for the effect.")
-    status: AttemptStatus
+    status: AttemptStatus | Literal["waiting"] = Field(
+        description="`waiting`: a step completed from outside whose callback handed out the completion token."
+    )
+    waiting_since: datetime | None = Field(description="When its callback returned and the wait began.")
+    completion_token: str | None = Field(
+        default=None,
+        description="A step completed from outside: what completes this attempt (`POST /v1/completions/{token}`).",
+    )
     queued_at: datetime | None
     not_before: datetime | None = Field(description="A backoff wait: not sent before this time.")
     authorized_at: datetime | None = Field(description="When a dispatcher authorized it and called the endpoint.")
@@ -89,6 +96,7 @@ class StepView(_View):
     location: str | None = Field(description="Where the function called step.run (file:line).")
     status: StepStatus
     has_compensation: bool
+    external: bool = Field(description='Its result comes from outside (`completion="external"`).')
     sleep: bool = Field(description="A durable wait (`step.sleep`): no callback; it completes at `wait_until`.")
     wait_until: datetime | None = Field(description="When the step's wait ends (`step.sleep`, or `not_before=`).")
     result: Any = None

@@ -619,6 +619,17 @@ class WorkflowEnvironment:
             ),
         )
 
+    def complete(self, token: str, result: Any = None, *, error: dict[str, Any] | None = None) -> None:
+        """Complete a step from outside (decision 32) with the token its callback handed out
+        (``ryusen.operation().completion_token``): its ``result``, or an ``error`` (``{"type", "message"}``;
+        ``"retryable": False`` fails it for good). Raises ``ConflictError`` (``completion_refused``) when the
+        token's attempt no longer waits (a newer generation, a settled one, a stop fenced it)."""
+        from ryusen._internal.wire import ErrorInfo
+
+        self.engine.complete(
+            token, result=result, error=ErrorInfo.model_validate(error) if error else None, source="ryusen.testing"
+        )
+
     def deliver_late_result(
         self, run_id: str, step_id: str, *, phase: str = "forward", generation: int | None = None
     ) -> None:

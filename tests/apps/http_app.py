@@ -271,3 +271,22 @@ def delayed(data: dict[str, Any], step: Step) -> Any:
     wait = timedelta(seconds=data["delay_s"])
     timeout = timedelta(seconds=data["timeout_s"])
     return step.run("slow", slow, tag, data["sleep_s"], timeout=timeout, not_before=wait, compensate=undo(tag, "slow"))
+
+
+# ---- decision 32 over HTTP (issue 27) --------------------------------------------------------
+
+
+@app.function("approval")
+def approval(data: dict[str, Any], step: Step) -> Any:
+    """An approval completed from outside: the callback hands out its token (here, into the invocation log, as an
+    email would carry a link); the step's result is what the approver sends."""
+    tag = data["tag"]
+    step.run("reserve", effect, "reserve", tag, compensate=undo(tag, "reserve"))
+
+    def ask() -> str:
+        record(f"{tag}:token:{ryusen.operation().completion_token}")
+        return "asked"
+
+    wait = timedelta(seconds=data.get("timeout_s", 600))
+    decision = step.run("approve", ask, completion="external", timeout=wait)
+    return step.run("pay", effect, "pay", tag) if decision.get("approved") else {"rejected": decision}

@@ -213,6 +213,31 @@ def test_a_waiting_step_shows_when_its_wait_ends(page: Any, stack: DevStack) -> 
     stack.client.post(f"/v1/runs/{run['id']}/cancel", json={"reason": "test done"})
 
 
+def test_a_step_waiting_for_its_completion_shows_how_to_complete_it_and_is_completed_from_the_page(
+    page: Any, stack: DevStack
+) -> None:
+    """Decision 32: the waiting attempt's token, the CLI command and the HTTP call, and a form that completes it."""
+    run = stack.start("approval", {"tag": tag()})
+    wait_for(
+        lambda: any(
+            s["id"] == "approve" and s["attempts"][-1]["status"] == "waiting" for s in stack.run(run["id"])["steps"]
+        ),
+        what="the approval to wait",
+    )
+    open_run(page, stack, run["id"])
+    page.locator('.wf-row[data-step-id="approve"]').click()
+    box = page.locator(".step-detail .completion")
+    expect(box).to_contain_text("Waiting for its completion from outside")
+    token = box.get_attribute("data-token")
+    assert token and token.startswith("rc1.")
+    expect(box.locator("pre")).to_contain_text(f"ryusen complete {token} --result JSON")
+    box.locator("textarea").fill('{"approved": true, "by": "the browser"}')
+    box.locator("button[type=submit]").click()
+    expect(page.locator(".run-page [data-summary]")).to_have_text("completed", timeout=60_000)
+    done = stack.wait_finished(run["id"])
+    assert next(s for s in done["steps"] if s["id"] == "approve")["result"] == {"approved": True, "by": "the browser"}
+
+
 def test_a_thousand_step_run_stays_within_a_screen_or_two(page: Any, stack: DevStack) -> None:
     run = finished(stack, "many", {"tag": tag(), "n": 1000})
     assert len(run["steps"]) == 1000

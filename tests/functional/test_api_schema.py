@@ -47,6 +47,10 @@ def app() -> Ryusen:
         step.run("done", lambda: 1, compensate=lambda r: None)
         return step.run("lost", lambda: "sent")
 
+    @shop.function("approve")
+    def approve(order: Any, step: Step) -> Any:
+        return step.run("approval", lambda: "asked", completion="external", timeout=timedelta(hours=1))
+
     return shop
 
 
@@ -94,6 +98,11 @@ def answers() -> list[tuple[type[BaseModel], Any]]:
     env.drive(until=lambda: all(env.get(r["id"]).phase == "finished" or env.get(r["id"]).blockers for r in runs))
     for run in [*runs, cancelled]:
         api(schema.RunView, "GET", f"/v1/runs/{run['id']}")
+    approving = api(schema.RunView, "POST", "/v1/functions/approve/runs", {"input": {}})
+    env.drive(until=lambda: '"status": "waiting"' in json.dumps(env.get(approving["id"]).steps))
+    waiting = api(schema.RunView, "GET", f"/v1/runs/{approving['id']}")
+    token = waiting["steps"][0]["attempts"][-1]["completion_token"]
+    api(schema.RunView, "POST", f"/v1/completions/{token}", {"result": {"approved": True}})
     api(schema.RunPage, "GET", "/v1/runs", query={"limit": "3"})
     api(schema.RunPage, "GET", "/v1/runs", query={"function_id": "checkout", "outcome": "failed"})
     api(schema.FunctionList, "GET", "/v1/functions")
@@ -111,7 +120,16 @@ def test_every_answer_validates_against_the_models_the_reference_is_made_from() 
     views = [a for m, a in seen if m is schema.RunView]
     # the set is varied: a traceback, an Unknown's history, a resolution, a blocker, a stop intent, a deadline
     blob = json.dumps(views)
-    for present in ('"traceback"', '"unknown": {', '"resolution": {', '"remedy"', '"kind": "cancel"', '"run_request"'):
+    for present in (
+        '"traceback"',
+        '"unknown": {',
+        '"resolution": {',
+        '"remedy"',
+        '"kind": "cancel"',
+        '"run_request"',
+        '"status": "waiting"',
+        '"completion_token": "rc1.',
+    ):
         assert present in blob, present
 
 
@@ -130,6 +148,7 @@ def test_the_document_names_every_route_the_api_serves() -> None:
             ("post", "/v1/runs/{run_id}/cancel"),
             ("post", "/v1/runs/{run_id}/rediscover"),
             ("post", "/v1/runs/{run_id}/steps/{step_id}/{phase}/{generation}/resolve"),
+            ("post", "/v1/completions/{token}"),
             ("get", "/v1/openapi.json"),
         ]
     }

@@ -64,6 +64,7 @@ from .events import (
     AttemptReported,
     CancelTimer,
     Command,
+    CompletionReported,
     Decision,
     DiscoveryReported,
     EngineSettings,
@@ -191,6 +192,10 @@ CHECK_PURITY = False
 """Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
 
 
+COMPLETION_REFUSED = "completion_refused"
+"""How a decision's note begins when it kept a completion as stale instead of taking it (decision 32)."""
+
+
 def _without_repeats(commands: list[Any]) -> list[Any]:
     """``commands`` in order, each equal one once (two repairs may ask for the same send)."""
     kept: list[Any] = []
@@ -248,6 +253,8 @@ def _decide(state: RunState | None, event: Event, *, now: datetime, settings: En
         t.resolve(event)
     elif isinstance(event, StartMayBeLost):
         t.start_may_be_lost(event)
+    elif isinstance(event, CompletionReported):
+        t.completion_reported(event)
     else:  # pragma: no cover - exhaustive
         raise IllegalEventError(f"unknown event {event!r}")
     return t.decision(original=state)
@@ -276,6 +283,8 @@ class _Transition:
         """The steps this decision copied (or created): only those may be changed."""
         self.stopped_here = False
         """This decision recorded the stop intent for a deadline that had passed (``enforce_deadline``)."""
+        self.external_completion = False
+        """This decision takes a completion from outside (decision 32): a success completes the step."""
 
     @property
     def s(self) -> RunState:
@@ -944,8 +953,71 @@ class _Transition:
             return self.ignore(f"{task.describe()} is {attempt.status}: its state is known")
         return self.outcome_lost(step, attempt, event.reason)
 
+    def await_completion(self, step: StepState, attempt: Attempt) -> None:
+        """A step completed from outside (decision 32): its callback handed out the attempt's completion token and
+        returned; the attempt waits for the completion until the step's timeout, which its own lease timer
+        watches. A stop fences it: no completion is taken after."""
+        if self.stopping:
+            self.settle(attempt, AttemptStatus.FENCED, detail="fenced by the stop intent while waiting for completion")
+            step.status = StepStatus.FENCED
+            return self.evaluate_recovery()
+        started = attempt.authorized_at or self.now
+        attempt.waiting_since = self.now
+        attempt.lease_expires_at = max(self.now, started + timedelta(seconds=self.timeout_s(step, Phase.FORWARD)))
+        attempt.detail = "waiting for its completion (the callback handed out the token)"
+        self.touch()
+        task = TaskRef(
+            run_id=self.s.id, kind=TaskKind.FORWARD, step_id=step.id, generation=attempt.generation, lease_timer=True
+        )
+        delay = (attempt.lease_expires_at - self.now).total_seconds()
+        self.commands.append(EnqueueTask(task=task, delay_s=delay))
+        return None
+
+    def completion_reported(self, event: CompletionReported) -> None:
+        """A completion token came back with the step's result or error (decision 32): taken as the attempt's
+        outcome if its generation is the current, unsettled one; otherwise kept as stale and refused."""
+        step = self.step(event.step_id)
+        if step is None or not step.external:
+            return self.reject("completion_refused", f"step {event.step_id!r} is not completed from outside")
+        attempt = step.attempt(event.phase, event.generation)
+        current = step.current(event.phase)
+        live = (
+            attempt is current
+            and attempt is not None
+            and attempt.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
+        )
+        response: AttemptResponse = (
+            CallbackFailed(error=event.error) if event.error is not None else CallbackSucceeded(result=event.result)
+        )
+        self.external_completion = True
+        report = AttemptReported(
+            step_id=event.step_id,
+            phase=event.phase,
+            generation=event.generation,
+            response=response,
+            source="completion",
+        )
+        self.attempt_reported(report)
+        if not live:
+            status = (
+                "replaced by a newer generation" if attempt is not current else str(attempt.status if attempt else "")
+            )
+            # kept as stale (written), and refused: the note says so, and the engine answers 409 after the write
+            return self.ignore(
+                f"{COMPLETION_REFUSED}: the token is for {event.step_id} #{event.generation}, which is {status}: the"
+                " completion is kept on it, not taken"
+            )
+        return None
+
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
+        if attempt.waiting_since is not None and attempt.phase is Phase.FORWARD:
+            # its callback ran and handed out the token; no completion came within the step's timeout
+            error = ErrorInfo(
+                type="completion_timeout",
+                message=f"no completion within the step's timeout of {self.timeout_s(step, Phase.FORWARD):g}s",
+            )
+            return self.attempt_failed(step, attempt, error)
         policy = self.policy(step, attempt.phase)
         retry_left = self.failures(step, attempt.phase) + 1 < policy.max_attempts
         self.settle(attempt, AttemptStatus.UNKNOWN, detail=detail)
@@ -966,7 +1038,7 @@ class _Transition:
             kind = TaskKind.FORWARD if attempt.phase is Phase.FORWARD else TaskKind.COMPENSATE
             task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation + 1)
             self.commands.append(EnqueueTask(task=task, delay_s=delay))
-            return
+            return None
         self.block_on_unknown(step, attempt)
         if self.stopping and self.s.phase is RunPhase.RUNNING:
             self.s.phase = RunPhase.SETTLING
@@ -1046,6 +1118,7 @@ class _Transition:
             step.retry, step.compensate_retry = plan.retry, plan.compensate_retry
             step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
             step.heartbeat_s = plan.heartbeat_s
+            step.external = plan.completion == "external"
             step.status = StepStatus.PENDING
             self.queue_attempt(step, Phase.FORWARD, self.wait_s(step, plan))
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
@@ -1126,7 +1199,9 @@ class _Transition:
         maximum = self.settings.max_attempt_timeout_s
         if maximum is None:
             return None
-        for what, declared in (("timeout", plan.timeout_s), ("compensate_timeout", plan.compensate_timeout_s)):
+        # a step completed from outside: its timeout bounds the wait for the completion, which no process spends
+        forward = plan.timeout_s if plan.completion != "external" else None
+        for what, declared in (("timeout", forward), ("compensate_timeout", plan.compensate_timeout_s)):
             if declared is not None and declared > maximum:
                 message = (
                     f"step {plan.id!r} declares {what}={declared:g}s; this deployment's maximum attempt"
@@ -1517,6 +1592,8 @@ class _Transition:
 
     def forward_outcome(self, step: StepState, attempt: Attempt, response: AttemptResponse) -> None:
         s = self.s
+        if isinstance(response, CallbackSucceeded) and step.external and not self.external_completion:
+            return self.await_completion(step, attempt)  # the callback handed out the token (decision 32)
         if isinstance(response, CallbackSucceeded):
             if (omitted := response.omitted or self.omitted(response.result, forward=True)) is not None:
                 return self.forward_result_omitted(step, attempt, omitted)
@@ -1803,6 +1880,14 @@ class _Transition:
                 step.status = StepStatus.FAILED
                 assert current.error is not None
                 self.record_step_error(step, current.error)
+                continue
+            if current is not None and current.status is AttemptStatus.AUTHORIZED and current.waiting_since:
+                step = self.edit(found)  # decision 32: a waiting step is fenced; no completion is taken after
+                current = step.current(Phase.FORWARD)
+                assert current is not None
+                detail = "fenced by the stop intent while waiting for completion"
+                self.settle(current, AttemptStatus.FENCED, detail=detail)
+                step.status = StepStatus.FENCED
                 continue
             if current is None or current.status not in (AttemptStatus.UNKNOWN, AttemptStatus.QUEUED):
                 continue

@@ -122,7 +122,7 @@ class AttemptReported:
     phase: Phase
     generation: int
     response: AttemptResponse
-    source: Literal["response", "late_submission"] = "response"
+    source: Literal["response", "late_submission", "completion"] = "response"
     next: DiscoveryResponse | None = None
     """What the replay found after a successful callback (continuation): recorded in this same write."""
     chain: ReleaseRef | None = None
@@ -219,9 +219,23 @@ class StartMayBeLost:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionReported:
+    """A step completed from outside (decision 32): the result (or the error) its completion token brought, for
+    the attempt the token names. Fenced like a late result: only the current, unsettled generation takes it."""
+
+    step_id: str
+    phase: Phase
+    generation: int
+    result: Any = None
+    error: ErrorInfo | None = None
+    source: str = "completion"
+
+
 Event = (
     StartRun
     | StartMayBeLost
+    | CompletionReported
     | HeartbeatReported
     | TaskDelivered
     | DiscoveryReported

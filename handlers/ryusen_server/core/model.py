@@ -183,6 +183,9 @@ class Attempt(_State):
     """Stale submissions past the kept number: counted, not recorded."""
     resolution: Resolution | None = None
     """An operator's resolution of this attempt, if one settled it or moved past it."""
+    waiting_since: datetime | None = None
+    """Decision 32: the callback of a step completed from outside returned (it handed out the token); the attempt
+    waits for its completion until its lease (the step's timeout) ends."""
     lease_grace_s: float | None = None
     """How long past its response window (or past a heartbeat's interval) the lease ran, as authorized."""
     heartbeat_at: datetime | None = None
@@ -213,6 +216,9 @@ class StepState(_State):
     """Decision 33: an attempt silent for longer than this (no heartbeat) is Unknown before its timeout."""
     sleep: bool = False
     """Decision 31: a durable wait (``step.sleep``): no callback; the engine completes it at ``wait_until``."""
+    external: bool = False
+    """Decision 32: its result comes from outside (``completion="external"``): a successful callback only handed
+    out the attempt's completion token; the attempt then waits for the completion, within the step's timeout."""
     wait_until: datetime | None = None
     """Decision 31: when a wait ends (a sleep completes, a ``not_before`` step's attempt may start); fixed when the
     step is first recorded, so no replay moves it."""

@@ -9,6 +9,7 @@ from ryusen._internal.wire import Phase
 
 from .model import (
     Attempt,
+    AttemptStatus,
     Blocker,
     BlockerType,
     CompensationStatus,
@@ -148,7 +149,11 @@ def attempt_view(attempt: Attempt) -> dict[str, Any]:
         "phase": attempt.phase.value,
         "generation": attempt.generation,
         "operation_id": attempt.operation_id,
-        "status": attempt.status.value,
+        # decision 32: an attempt whose callback handed out its completion token waits for the completion
+        "status": "waiting"
+        if attempt.waiting_since and attempt.status is AttemptStatus.AUTHORIZED
+        else attempt.status.value,
+        "waiting_since": _iso(attempt.waiting_since),
         "queued_at": _iso(attempt.queued_at),
         "not_before": _iso(attempt.not_before),
         "authorized_at": _iso(attempt.authorized_at),
@@ -181,6 +186,7 @@ def step_view(step: StepState, *, in_unwind: bool = False) -> dict[str, Any]:
         "status": step.status.value,
         "has_compensation": step.has_compensation,
         "sleep": step.sleep,
+        "external": step.external,
         "wait_until": _iso(step.wait_until),
         "result": step.result,
         "error": step.error.model_dump() if step.error else None,

@@ -344,6 +344,22 @@ class _Requests:
         return _Call("POST", path, _run, body)
 
     @staticmethod
+    def complete(token: str, result: Any, error: str | dict[str, Any] | None, final: bool) -> _Call:
+        if not isinstance(token, str) or not token:
+            raise ValueError("token must be the completion token the step's callback handed out")
+        if error is None:
+            if final:
+                raise ValueError("final= goes with fail")
+            body: dict[str, Any] = {"result": result}
+        else:
+            info: dict[str, Any] = (
+                {"type": "declared_failure", "message": error} if isinstance(error, str) else dict(error)
+            )
+            info.setdefault("retryable", not final)
+            body = {"error": info}
+        return _Call("POST", f"/v1/completions/{_segment(token)}", _run, body)
+
+    @staticmethod
     def sync(app_id: str, url: str) -> _Call:
         return _Call("PUT", f"/v1/apps/{_segment(app_id)}", lambda _, b: b, {"url": url})
 
@@ -681,6 +697,20 @@ class Client:
         call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
         return self._send(call)  # type: ignore[no-any-return]
 
+    # -- steps completed from outside (decision 32)
+
+    def complete(self, token: str, result: Any = None) -> Run:
+        """Complete the step waiting for ``token`` (``ryusen.operation().completion_token``) with ``result``: it
+        is the step's result, and the run goes on. ConflictError ``completion_refused`` if the attempt the token
+        names no longer waits (a retry replaced it, it timed out, a stop fenced it); NotFoundError for a token
+        this deployment did not make."""
+        return self._send(_Requests.complete(token, result, None, False))  # type: ignore[no-any-return]
+
+    def fail(self, token: str, error: str | dict[str, Any], *, final: bool = False) -> Run:
+        """Fail the step waiting for ``token``: ``error`` is a message or ``{"type", "message", "data"}``; the
+        step's retry policy applies (a retry hands out a new token), or none with ``final=True``."""
+        return self._send(_Requests.complete(token, None, error, final))  # type: ignore[no-any-return]
+
     # -- apps and functions
 
     def manifest(self, url: str) -> dict[str, Any]:
@@ -841,6 +871,12 @@ class AsyncClient:
             phase, generation = blocker_for(await self.get(run_id), step_id, phase)
         call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
         return await self._send(call)  # type: ignore[no-any-return]
+
+    async def complete(self, token: str, result: Any = None) -> Run:
+        return await self._send(_Requests.complete(token, result, None, False))  # type: ignore[no-any-return]
+
+    async def fail(self, token: str, error: str | dict[str, Any], *, final: bool = False) -> Run:
+        return await self._send(_Requests.complete(token, None, error, final))  # type: ignore[no-any-return]
 
     async def manifest(self, url: str) -> dict[str, Any]:
         return await self._send(_Requests.manifest(url))  # type: ignore[no-any-return]

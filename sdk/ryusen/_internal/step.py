@@ -167,6 +167,9 @@ class Operation:
     id: str
     phase: str
     generation: int
+    completion_token: str | None = None
+    """A step with ``completion="external"``: hand this out (an approval link, a webhook's reference); the step's
+    result arrives with it (``POST /v1/completions/{token}``, ``Client.complete``). None for other steps."""
 
 
 _current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar("ryusen_operation", default=None)
@@ -485,6 +488,7 @@ class _Replay:
         compensate_timeout: timedelta | None,
         heartbeat: timedelta | None = None,
         wait: Wait | None = None,
+        completion: str = "callback",
     ) -> tuple[str, Any]:
         """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
         if not isinstance(step_id, str) or not step_id:
@@ -540,7 +544,10 @@ class _Replay:
                     plan = self._with_heartbeat(plan, step_id, location, heartbeat)
                 if wait is not None and isinstance(plan, StepReached):
                     plan = self._with_wait(plan, step_id, location, wait)
-                waits = isinstance(plan, StepReached) and wait is not None  # nothing to keep a pass for meanwhile
+                if completion != "callback" and isinstance(plan, StepReached):
+                    plan = self._with_completion(plan, step_id, location, completion)
+                # a wait, or a completion from outside: nothing to keep a pass for meanwhile
+                waits = isinstance(plan, StepReached) and (wait is not None or completion != "callback")
                 if self.keeper is not None and self.keepable and isinstance(plan, StepReached) and not waits:
                     # a kept pass reports the step and waits here for its attempt (Step.run calls the keeper)
                     self.stopped_at = _Open(step_id, location, display, _context())
@@ -620,6 +627,18 @@ class _Replay:
         update = {"sleep": wait.sleep, "not_before": wait.at, "not_before_s": wait.after_s}
         return StepReached(step=plan.step.model_copy(update=update))
 
+    @staticmethod
+    def _with_completion(
+        plan: StepReached, step_id: str, location: str | None, completion: Any
+    ) -> StepReached | ConflictFound:
+        """The plan of a step completed from outside (decision 32), or why it cannot be recorded."""
+        if completion != "external":
+            message = (
+                f"step.run({_text(step_id)[:80]!r}) cannot be recorded: completion must be 'callback' or 'external'"
+            )
+            return ConflictFound(conflict=InvalidStep(step_id=_text(step_id), location=location, message=message))
+        return StepReached(step=plan.step.model_copy(update={"completion": "external"}))
+
     def _stop(self, step_id: str, location: str | None, name: str, outcome: Any) -> NoReturn:
         """End the pass at this step with ``outcome``."""
         self.stopped_at = _Open(step_id, location, name, _context())
@@ -679,7 +698,7 @@ class _Replay:
     def operation_context(self) -> Operation:
         op = self.operation
         assert op is not None
-        return Operation(id=op.id, phase=op.phase.value, generation=op.generation)
+        return Operation(id=op.id, phase=op.phase.value, generation=op.generation, completion_token=op.completion_token)
 
     def run_callback(self, step_id: str, call: Callable[[], Any]) -> Any:
         """Run the target callback and end the pass with its outcome; or, in a kept pass after a success,
@@ -999,6 +1018,7 @@ class Step:
         compensate_timeout: timedelta | None = None,
         heartbeat: timedelta | None = None,
         not_before: timedelta | datetime | None = None,
+        completion: Literal["callback", "external"] = "callback",
         **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` as step ``step_id``, at most once per accepted result.
@@ -1012,12 +1032,15 @@ class Step:
         often; an attempt silent for longer is Unknown before its timeout.
         ``not_before`` (a ``timedelta`` from when the step is first recorded, or
         an aware ``datetime``) delays its first attempt: a durable wait.
+        ``completion="external"``: the callback hands out
+        ``ryusen.operation().completion_token`` and the step's result comes from
+        outside with it, within ``timeout`` (what the callback returns is not it).
         One step runs at a time: a ``step.run`` started while another is open
         raises :class:`ConcurrentStepError`.
         """
         wait = Wait.of("step.run", not_before, sleep=False) if not_before is not None else None
         return self._run(step_id, fn, args, kwargs, _caller_location(1), compensate, name, retry, timeout,  # type: ignore[no-any-return]
-                         compensate_retry, compensate_timeout, heartbeat, wait)  # fmt: skip
+                         compensate_retry, compensate_timeout, heartbeat, wait, completion)  # fmt: skip
 
     def sleep(self, step_id: str, duration: timedelta) -> None:
         """Wait ``duration``, durably: step ``step_id`` completes that long after it is first recorded, however
@@ -1045,6 +1068,7 @@ class Step:
         compensate_timeout: timedelta | None,
         heartbeat: timedelta | None,
         wait: Wait | None,
+        completion: str = "callback",
     ) -> Any:
         replay = self._replay
         enter = functools.partial(
@@ -1060,6 +1084,7 @@ class Step:
             compensate_timeout,
             heartbeat,
             wait,
+            completion,
         )
         action, value = enter()
         if action == "keep":  # a kept pass: wait here for this step's attempt (or end, if it does not come)
@@ -1099,13 +1124,14 @@ class AsyncStep:
         compensate_timeout: timedelta | None = None,
         heartbeat: timedelta | None = None,
         not_before: timedelta | datetime | None = None,
+        completion: Literal["callback", "external"] = "callback",
         **kwargs: Any,
     ) -> Awaitable[T]:
         """Like :meth:`Step.run`, awaitable. The source location is taken where ``run`` is called."""
         location = _caller_location(1)
         wait = Wait.of("step.run", not_before, sleep=False) if not_before is not None else None
         return self._run(step_id, fn, args, kwargs, location, compensate, name, retry, timeout, compensate_retry,
-                         compensate_timeout, heartbeat, wait)  # fmt: skip
+                         compensate_timeout, heartbeat, wait, completion)  # fmt: skip
 
     def sleep(self, step_id: str, duration: timedelta) -> Awaitable[None]:
         """Like :meth:`Step.sleep`, awaitable."""
@@ -1132,6 +1158,7 @@ class AsyncStep:
         compensate_timeout: timedelta | None,
         heartbeat: timedelta | None,
         wait: Wait | None,
+        completion: str = "callback",
     ) -> Awaitable[Any]:
         async def run() -> Any:
             replay = self._replay
@@ -1147,6 +1174,7 @@ class AsyncStep:
                 compensate_timeout,
                 heartbeat,
                 wait,
+                completion,
             )
             if action == "return":
                 return value

@@ -39,6 +39,7 @@ SDK_FEATURES = (
     "acknowledge",
     "heartbeat",
     "tracebacks",
+    "external_completion",
 )
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
@@ -53,7 +54,9 @@ running then answers ``accepted`` (the dispatcher stops waiting) and delivers th
 found next, to the result URL (``docs/design/dispatch.md``).
 ``heartbeat``: a step's plan may carry ``heartbeat_s``, and a callback posts heartbeats to the result URL.
 ``tracebacks``: a request may carry ``tracebacks``; an error the endpoint then reports may carry its
-``traceback`` (an error without one is sent as before)."""
+``traceback`` (an error without one is sent as before).
+``external_completion``: a step's plan may say ``completion: "external"``, and an attempt's operation may carry
+its ``completion_token`` (decision 32)."""
 MAX_WAIT_S = 366 * 24 * 3600.0
 """The longest durable wait a step may declare (decision 31): a year."""
 MAX_VALUE_BYTES = 256 * 1024
@@ -259,6 +262,15 @@ class OperationInfo(_Wire):
     id: str
     phase: Phase
     generation: int
+    completion_token: str | None = None
+    """``external_completion``: the token that completes this attempt from outside (decision 32)."""
+
+    @model_serializer(mode="wrap")
+    def _as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
+        dumped = handler(self)  # no token: written as before (an SDK that predates it reads it)
+        if isinstance(dumped, dict) and dumped.get("completion_token", ...) is None:
+            del dumped["completion_token"]
+        return dumped
 
 
 class MemoEntry(_Wire):
@@ -305,13 +317,21 @@ class StepPlan(_Wire):
     """Decision 31: the step's first attempt starts no earlier than this Unix time."""
     not_before_s: float | None = Field(default=None, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
     """Decision 31: ... no earlier than this many seconds after the server first records the step."""
+    completion: Literal["callback", "external"] = "callback"
+    """Decision 32: ``external``: the callback hands out the attempt's completion token, and the step's result
+    comes from outside (``POST /v1/completions/{token}``), within the step's timeout."""
 
     @model_serializer(mode="wrap")
     def _as_before(self, handler: SerializerFunctionWrapHandler) -> Any:
         # a plan without a wait is written as before waits existed: a server that predates them reads it
         dumped = handler(self)
         if isinstance(dumped, dict):
-            for name, unset in (("sleep", False), ("not_before", None), ("not_before_s", None)):
+            for name, unset in (
+                ("sleep", False),
+                ("not_before", None),
+                ("not_before_s", None),
+                ("completion", "callback"),
+            ):
                 if dumped.get(name, unset) == unset and name in dumped:
                     del dumped[name]
         return dumped

@@ -182,6 +182,7 @@ function StepDetail({ run, step, onChanged, onClose }) {
       <button type="button" class="link" onClick=${onClose}>close</button></div>
     <p class="muted small">${step.name ? `${step.name} · ` : ""}${step.location || ""}${step.has_compensation || step.sleep ? "" : " · no compensator declared"}</p>
     ${step.wait_until ? html`<p class="wait" data-wait-until=${step.wait_until}>${step.sleep ? "a durable wait: completes at" : "its first attempt starts no earlier than"} <${Time} at=${step.wait_until} />${step.status === "pending" ? " (waiting: no process runs meanwhile)" : ""}</p>` : ""}
+    <${Completion} step=${step} onChanged=${onChanged} />
     <div class="io">
       ${step.result !== null ? html`<${Json} value=${step.result} label="result" />` : ""}
       ${step.omitted_result ? html`<${Json} value=${step.omitted_result} label="result (omitted)" />` : ""}
@@ -194,6 +195,43 @@ function StepDetail({ run, step, onChanged, onClose }) {
       <thead><tr><th>phase</th><th>gen</th><th>status</th><th>queued</th><th>authorized</th><th>settled</th><th class="num">queue delay</th><th class="num">endpoint time</th><th></th></tr></thead>
       <tbody>${step.attempts.map((a) => html`<${AttemptRow} key=${`${a.phase}-${a.generation}`} run=${run} step=${step} a=${a} onChanged=${onChanged} />`)}</tbody>
     </table>
+  </div>`;
+}
+
+// Decision 32: a step completed from outside, waiting: the token, the commands that complete it, and a form.
+function Completion({ step, onChanged }) {
+  const waiting = step.attempts.find((a) => a.status === "waiting" && a.completion_token);
+  const [text, setText] = useState('{"approved": true}');
+  const [problem, setProblem] = useState("");
+  if (!waiting) return "";
+  const token = waiting.completion_token;
+  async function submit(event) {
+    event.preventDefault();
+    let result;
+    try {
+      result = JSON.parse(text);
+    } catch (err) {
+      setProblem(`not JSON: ${err.message}`);
+      return;
+    }
+    try {
+      await post(`/v1/completions/${enc(token)}`, { result });
+      setProblem("");
+      onChanged();
+    } catch (err) {
+      setProblem(err.message || String(err));
+    }
+  }
+  return html`<div class="completion" data-token=${token}>
+    <p><b>Waiting for its completion from outside</b> since <${Time} at=${waiting.waiting_since} />: the callback handed out this token; the step's result comes with it.</p>
+    <p class="small">token <code class="token">${token}</code> <${Copy} text=${token} /></p>
+    <pre class="small">ryusen complete ${token} --result JSON
+curl -X POST ${location.origin}/v1/completions/${token} -H 'content-type: application/json' -d '{"result": ...}'</pre>
+    <form onSubmit=${submit}>
+      <label class="small">result (JSON) <textarea name="result" rows="2" value=${text} onInput=${(e) => setText(e.target.value)} /></label>
+      <button type="submit">Complete</button>
+      ${problem ? html`<span class="problem">${problem}</span>` : ""}
+    </form>
   </div>`;
 }
 

@@ -1,0 +1,168 @@
+"""Steps completed from outside (decision 32): ``completion="external"``. The callback runs once per attempt and
+hands out the attempt's completion token; the step waits (``waiting``, not Unknown) for its result, which comes
+with the token; a completion is fenced like a late result; the step's timeout fails the attempt and a retry
+hands out a new token; a stop fences a waiting step."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import ryusen
+from ryusen import RetryPolicy, Ryusen, Step
+from ryusen.testing import ConflictError, WorkflowEnvironment
+from ryusen_server.ports import NotFoundError
+
+
+def approvals(tokens: list[str], calls: Counter[str], *, attempts: int = 1) -> Ryusen:
+    app = Ryusen("approvals")
+
+    def ask(order: dict[str, Any]) -> str:
+        calls["ask"] += 1
+        token = ryusen.operation().completion_token
+        assert token is not None
+        tokens.append(token)  # an approval link in an email, say
+        return "asked"
+
+    @app.function("expense")
+    def expense(order: dict[str, Any], step: Step) -> Any:
+        step.run(
+            "reserve-budget",
+            lambda: calls.update(["reserve"]) or "held",
+            compensate=lambda _: calls.update(["release"]),
+        )
+        decision = step.run(
+            "approval",
+            ask,
+            order,
+            completion="external",
+            timeout=timedelta(days=2),
+            retry=RetryPolicy(max_attempts=attempts, initial_delay=timedelta(seconds=1)),
+        )
+        if not decision["approved"]:
+            raise RuntimeError("expense rejected")
+        return step.run("pay", lambda: calls.update(["pay"]) or {"paid": order["amount"]})
+
+    return app
+
+
+def waiting(env: WorkflowEnvironment, run_id: str) -> bool:
+    steps = [s for s in env.get(run_id).steps if s["id"] == "approval"]
+    return bool(steps) and steps[0]["attempts"][-1]["status"] == "waiting"
+
+
+@pytest.mark.rfd("X1")
+def test_a_step_waits_until_completed_from_outside_and_its_result_is_memoized() -> None:
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    view = env.get(run_id)
+    [attempt] = view.attempts("approval")
+    assert attempt["status"] == "waiting" and attempt["waiting_since"] and not view.blockers  # not Unknown
+    env.advance(timedelta(hours=20))
+    env.drive(horizon=timedelta(hours=1))
+    assert env.get(run_id).phase == "running" and calls["pay"] == 0  # still waiting, nothing polled meanwhile
+    env.complete(tokens[0], {"approved": True, "by": "maria"})
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.output == {"paid": 40}
+    assert run.step("approval")["result"] == {"approved": True, "by": "maria"}  # the completion, not "asked"
+    assert calls == Counter({"reserve": 1, "ask": 1, "pay": 1})  # the callback ran once; replays used the memo
+    with pytest.raises(ConflictError) as again:
+        env.complete(tokens[0], {"approved": False})
+    assert again.value.details.get("code") == "completion_refused"
+    assert env.get(run_id).step("approval")["result"] == {"approved": True, "by": "maria"}
+
+
+@pytest.mark.rfd("X2", "X3")
+def test_the_timeout_fails_the_attempt_a_retry_hands_out_a_new_token_and_the_old_one_is_refused() -> None:
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls, attempts=2))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    env.advance(timedelta(days=2, minutes=1))
+    env.drive(until=lambda: len(tokens) == 2 and waiting(env, run_id))
+    first, second = env.get(run_id).attempts("approval")
+    assert first["status"] == "failed" and first["error"]["type"] == "completion_timeout"
+    assert second["status"] == "waiting" and tokens[0] != tokens[1]
+    with pytest.raises(ConflictError) as stale:
+        env.complete(tokens[0], {"approved": True})  # the old generation's token
+    assert stale.value.details.get("code") == "completion_refused"
+    [kept] = env.get(run_id).attempts("approval")[0]["stale_submissions"]
+    assert kept["source"] == "completion" and kept["outcome"]["result"] == {"approved": True}
+    forged = tokens[1][:-4] + ("AAAA" if not tokens[1].endswith("AAAA") else "BBBB")
+    with pytest.raises(NotFoundError):
+        env.complete(forged, {"approved": True})  # a token this deployment did not make
+    env.complete(tokens[1], {"approved": True})
+    assert env.wait(run_id).output == {"paid": 40}
+
+
+@pytest.mark.rfd("X3")
+def test_with_no_retry_left_the_timeout_fails_the_step_and_the_run_compensates() -> None:
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    env.advance(timedelta(days=3))
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated" and calls["release"] == 1
+    assert run.step("approval")["error"]["type"] == "completion_timeout"
+
+
+@pytest.mark.rfd("X4")
+def test_a_stop_fences_a_waiting_step_and_no_completion_is_taken_after() -> None:
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    env.cancel(run_id)
+    run = env.wait(run_id)
+    assert run.summary == "cancelled, fully compensated" and calls["release"] == 1
+    approval = run.step("approval")
+    assert approval["status"] == "fenced" and approval["attempts"][-1]["status"] == "fenced"
+    assert [u["step_id"] for u in run["unwind"]] == ["reserve-budget"]
+    with pytest.raises(ConflictError):
+        env.complete(tokens[0], {"approved": True})
+    assert calls["pay"] == 0
+
+
+def test_a_completion_can_fail_the_step_for_good() -> None:
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls, attempts=3))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    env.complete(tokens[0], error={"type": "Rejected", "message": "over budget", "retryable": False})
+    run = env.wait(run_id)
+    assert run.summary == "failed, fully compensated" and len(tokens) == 1  # no retry: it was final
+    assert run.step("approval")["error"]["message"] == "over budget"
+
+
+def test_a_fast_completion_before_the_callback_returns_is_taken() -> None:
+    """The approver may click before the callback has even returned: the completion settles the attempt, and
+    the callback's own answer, arriving after, changes nothing."""
+    app = Ryusen("approvals")
+    env: WorkflowEnvironment
+
+    @app.function("quick")
+    def quick(order: Any, step: Step) -> Any:
+        def ask() -> str:
+            token = ryusen.operation().completion_token
+            assert token is not None
+            env.complete(token, {"approved": True})  # completed from inside the callback's own time
+            return "asked"
+
+        return step.run("approval", ask, completion="external", timeout=timedelta(hours=1))
+
+    env = WorkflowEnvironment(app)
+    run = env.run("quick", {})
+    assert run.outcome == "completed" and run.output == {"approved": True}
+    [attempt] = run.attempts("approval")
+    assert attempt["status"] == "succeeded" and attempt["stale_submissions"][0]["reason"]
