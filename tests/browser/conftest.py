@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("RYUSEN_CHROMIUM", "/usr/bin/chromium")
 TIMEOUT_MS = 60_000
 """What a test waits for the page at most (polling: never a fixed sleep)."""
+sync_api.expect.set_options(timeout=TIMEOUT_MS)  # expect()'s own default is 5 s: too short on a loaded machine
 
 
 @pytest.fixture(scope="module")
