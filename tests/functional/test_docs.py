@@ -144,7 +144,8 @@ def test_concepts_states_step_run_as_the_sdk_defines_it() -> None:
     ]
     block = re.search(r"```text\n(step\.run\(.*?\))\n```", text, re.S)
     assert block is not None
-    expected = "step.run(step_id, fn, *args, " + ", ".join(f"{k}=None" for k in keywords) + ", **kwargs)"
+    defaults = {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    expected = "step.run(step_id, fn, *args, " + ", ".join(f"{k}={defaults[k]!r}" for k in keywords) + ", **kwargs)"
     assert " ".join(block.group(1).split()) == expected
     sentence = re.search(r"The keyword arguments (.*?) belong to `step\.run`", text, re.S)
     assert sentence is not None
