@@ -166,3 +166,29 @@ def test_a_fast_completion_before_the_callback_returns_is_taken() -> None:
     assert run.outcome == "completed" and run.output == {"approved": True}
     [attempt] = run.attempts("approval")
     assert attempt["status"] == "succeeded" and attempt["stale_submissions"][0]["reason"]
+
+
+@pytest.mark.rfd("X3")
+def test_a_late_answer_after_the_attempt_went_unknown_waits_and_its_timeout_still_fails_it() -> None:
+    """Found by the simulator: the callback's answer was lost, the attempt went Unknown, then the answer came
+    late. The callback handed out its token, so the attempt waits, and its timeout is watched: without that it
+    stayed Unknown with no blocker, and nothing would ever move it."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls, attempts=2))
+    env.faults.lose_result("approval")
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(stop_when_blocked=run_id)
+    assert env.get(run_id).attempts("approval")[0]["status"] == "unknown"
+    env.deliver_late_result(run_id, "approval")
+    env.drive(horizon=timedelta(minutes=1))
+    view = env.get(run_id)
+    assert view.attempts("approval")[0]["status"] == "waiting" and not view.blockers
+    env.advance(timedelta(days=2, minutes=1))
+    env.drive(until=lambda: len(env.get(run_id).attempts("approval")) == 2)
+    first = env.get(run_id).attempts("approval")[0]
+    assert first["status"] == "failed" and first["error"]["type"] == "completion_timeout"
+    assert first["unknown"] is not None  # its Unknown stays in its history
+    env.drive(until=lambda: env.get(run_id).attempts("approval")[-1]["status"] == "waiting")
+    env.complete(tokens[-1], {"approved": True})
+    assert env.wait(run_id).output == {"paid": 40}

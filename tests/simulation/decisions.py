@@ -181,6 +181,10 @@ class Decisions:
             return
         if a.error is not None and a.error.type == "unknown_outcome":
             return
+        if step.external and a.waiting_since is not None:
+            return  # decision 32: its callback only handed out the token; the completion (or its timeout) decides
+        if step.external and a.error is not None and a.error.type == "Rejected":
+            return  # a completion that failed it, before its callback's own answer was recorded
         answers = self.ground.answers.get(key, ())
         if any(ans.type == "succeeded" for ans in answers):
             big = any(ans.omitted for ans in answers)

@@ -142,6 +142,13 @@ class Checker:
                     self.fail(f"{run}: {step.id} is completed with no succeeded forward attempt")
                 else:
                     self.accepted.setdefault((run, step.id), (winner, _json(step.result)))
+                    if (
+                        step.external
+                        and not (isinstance(step.result, dict) and step.result.get("generation") == winner)
+                        and not any(a.resolution for a in step.attempts)
+                    ):
+                        # decision 32: the result a completion brought is the one its token's attempt took
+                        self.fail(f"{run}: {step.id} #{winner} completed with {step.result!r}, not its token's")
         for (r, step_id), (generation, result) in self.accepted.items():
             if r != run:
                 continue
@@ -260,7 +267,8 @@ class Checker:
         if a.heartbeat_at is not None:
             self.last_beat[key] = max(self.last_beat.get(key, a.heartbeat_at), a.heartbeat_at)
         lease, grace = a.lease_expires_at, a.lease_grace_s
-        if lease is not None and a.respond_by is not None and grace is not None and a.authorized_at is not None:
+        waits = a.waiting_since is not None  # decision 32: its lease is the wait for the completion, not the answer
+        if not waits and lease is not None and a.respond_by is not None and grace is not None and a.authorized_at:
             if lease > a.respond_by + timedelta(seconds=grace):
                 self.fail(f"{what}: its lease runs to {lease}, past respond_by {a.respond_by} + {grace:g}s grace")
             if (beat_s := step.heartbeat_for(a.phase)) is not None:  # the forward callback's heartbeat only
@@ -272,6 +280,7 @@ class Checker:
                     )
         if (
             a.unknown_at is not None
+            and not waits  # decision 32: a late answer of a step completed from outside extends the lease after
             and lease is not None
             and "lease expired" in (a.unknown_reason or "")
             and a.unknown_at < lease
@@ -288,8 +297,11 @@ class Checker:
             before is not None
             and before[0] not in (AttemptStatus.QUEUED, AttemptStatus.AUTHORIZED)
             and before[1:] != shown[1:]
+            and not (waits and before[0] is AttemptStatus.UNKNOWN)  # its late answer: it waits for completion
         ):
             self.fail(f"{what} was {before[0].value}, and its heartbeat or lease changed: {before[1:]} -> {shown[1:]}")
+        if step.external and (a.waiting_since is not None or a.status is not AttemptStatus.UNKNOWN):
+            self.ack_settled.add(key)  # decision 32: a completion, its timeout or a stop settles it, not the post
         if key in self.sim.accepted_by_endpoint and a.status in SETTLED and key not in self.ack_settled:
             self.ack_settled.add(key)
             self._acknowledged_settled(what, a, key, before[0] if before is not None else None)

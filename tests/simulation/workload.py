@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
+import ryusen
 from ryusen import OmittedResult, RetryPolicy, Ryusen, Step, StepFailed, StopRequested, heartbeat
 from ryusen._internal.wire import MAX_VALUE_BYTES
 
@@ -75,6 +76,9 @@ class StepSpec:
     timeout_s: float | None = None
     wait_s: float = 0.0
     """Decision 31: a durable wait (``step.sleep``) of this many seconds of virtual time comes before the step."""
+    external_s: float = 0.0
+    """Decision 32: the step is completed from outside within this many seconds (its callback hands out the
+    token; an approver in the world completes it, or the timeout fails it)."""
 
     @property
     def succeeds(self) -> bool:
@@ -128,6 +132,7 @@ class WorkflowSpec:
                 f"{f'[{s.takes_s:g}s]' if s.takes_s else ''}{'[unstable-id]' if s.unstable else ''}"
                 f"{f'[heartbeat {s.heartbeat_s:g}s x{s.beats} every {s.beat_every_s:g}s]' if s.heartbeat_s else ''}"
                 f"{f'[after a {s.wait_s:g}s wait]' if s.wait_s else ''}"
+                f"{f'[completed from outside within {s.external_s:g}s]' if s.external_s else ''}"
                 for s in g.steps
             )
             guard = "guard: " if self.guard_at == gi else ""
@@ -172,6 +177,8 @@ def generate(
                     spec = _with_heartbeat(spec, long_steps)
                 if waits is not None and waits.random() < 0.2:  # a generator of its own, as for long steps
                     spec = replace(spec, wait_s=waits.choice([2.0, 45.0, 3600.0, 3 * 86400.0]))
+                if waits is not None and waits.random() < 0.15 and spec.heartbeat_s is None and not spec.nests:
+                    spec = replace(spec, external_s=waits.choice([30.0, 600.0, 86400.0]), big="")
             steps.append(spec)
             n += 1
         groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3))
@@ -337,6 +344,10 @@ class Hooks(Protocol):
         here: it never heartbeats again nor returns)."""
         ...
 
+    def handed_out(self, step_id: str, token: str) -> None:
+        """A step completed from outside: its callback handed out this completion token (decision 32)."""
+        ...
+
     def stop_seen(self, kind: str) -> None:
         """A heartbeat raised ``StopRequested`` in the callback (it returns early)."""
         ...
@@ -382,6 +393,11 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
                 raise ConnectionError(f"{step_id} failed (execution {before + 1})")
             if s.big:
                 return big_value(s.big)
+            if s.external_s:
+                token = ryusen.operation().completion_token
+                assert token is not None, "a step completed from outside is handed its token"
+                hooks.handed_out(step_id, token)
+                return "asked"  # not the step's result: the completion brings that
             return result_of(s.id, data)
 
         return run
@@ -405,6 +421,8 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
     def run_step(step: Step, s: StepSpec, data: Any) -> Any:
         retry = RetryPolicy(max_attempts=s.max_attempts, initial_delay=timedelta(seconds=1), on_unknown=s.on_unknown)
         long: dict[str, Any] = {}
+        if s.external_s:
+            long = {"completion": "external", "timeout": timedelta(seconds=s.external_s)}
         if s.heartbeat_s is not None:
             long = {"heartbeat": timedelta(seconds=s.heartbeat_s)}
             if s.timeout_s is not None:

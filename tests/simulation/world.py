@@ -419,6 +419,8 @@ class Simulation:
         self.executions: Counter[tuple[str, str, str]] = Counter()
         self.spec_at: dict[str, workload.WorkflowSpec] = {}
         self.cancelled_orders: set[str] = set()
+        self.tokens: list[tuple[str, str, int, str]] = []
+        """Completion tokens callbacks handed out (decision 32): run, step, generation, token."""
         """Runs whose order is marked cancelled in the world outside (what a workflow's guard reads)."""
         self.cases: Counter[str] = Counter()
         """How often each case of decisions 23-29 came up (figures for bench/simulate.py)."""
@@ -662,6 +664,13 @@ class Simulation:
 
     def stop_seen(self, kind: str) -> None:
         self.cases[f"a heartbeat raised StopRequested ({kind}): the callback returned early"] += 1
+
+    def handed_out(self, step_id: str, token: str) -> None:
+        serving = SERVING.get()
+        assert serving is not None and serving[0].operation is not None, "a token handed out outside a request"
+        request = serving[0]
+        self.tokens.append((request.run_id, step_id, request.operation.generation, token))
+        self.note(f"  token handed out: {request.run_id} {step_id} #{request.operation.generation}")
 
     def order_cancelled(self) -> bool:
         serving = SERVING.get()
@@ -936,10 +945,15 @@ class Simulation:
     def _operator(self) -> None:
         runs = [r for r in self.run_ids if (s := self.store.peek(r)) is not None and s.phase is not RunPhase.FINISHED]
         if not runs:
-            return
+            return None
         run_id = self.rng.choice(runs)
         engine = self.rng.choice(self.engines)
-        what = self.rng.choice(["cancel", "resolve", "resolve", "resolve", "rediscover", "order"])
+        kinds = ["cancel", "resolve", "resolve", "resolve", "rediscover", "order"]
+        if self.tokens:
+            kinds += ["complete", "complete", "complete"]
+        what = self.rng.choice(kinds)
+        if what == "complete":
+            return self._approver(engine)
         if what == "cancel":
             if self.rng.random() < 0.5:  # the cancel flow marks the order cancelled first (a guard reads it)
                 self.cancelled_orders.add(run_id)
@@ -953,6 +967,32 @@ class Simulation:
             resolution = self._pick_resolution(run_id)
             if resolution is not None:
                 self._spawn_resolution(engine, run_id, resolution)
+
+    def _approver(self, engine: Engine) -> None:
+        """Someone outside completes a step with a token a callback handed out (decision 32): most often the
+        newest, sometimes an older one (a stale link), and now and then a failure instead of a result."""
+        run_id, step_id, generation, token = (
+            self.tokens[-1] if self.rng.random() < 0.6 else self.rng.choice(self.tokens)
+        )
+        failing = self.rng.random() < 0.2
+        final = failing and self.rng.random() < 0.5
+        result = {"approved": True, "step": step_id, "generation": generation}
+        error = ErrorInfo(type="Rejected", message="declined by the approver", retryable=not final)
+
+        def complete() -> None:
+            try:
+                if failing:
+                    engine.complete(token, error=error, source="approver")
+                else:
+                    engine.complete(token, result=result, source="approver")
+            except ServerError as exc:
+                if exc.status >= 500:
+                    raise
+                self.cases[f"completion refused ({exc.details.get('code', exc.code)})"] += 1
+                return
+            self.cases[f"completion taken ({'failure' if failing else 'result'})"] += 1
+
+        self.spawn(f"approver: complete {run_id} {step_id} #{generation}", complete)
 
     def _spawn_resolution(self, engine: Engine, run_id: str, resolution: Resolve) -> None:
         key = (run_id, resolution.step_id, resolution.phase.value, resolution.generation, resolution.action)
@@ -1096,16 +1136,21 @@ class Simulation:
                 for t in (self.queue.next_visible_at(), self.timers.next_due_at(), self._endpoint_due_at())
                 if t is not None
             ]
-            if due and min(due) <= self.now + timedelta(days=2):
+            # the sweeper passes every minute: a run's check time comes before a message days away (a lease
+            # timer of a step waiting a day for its completion, a durable wait) when what it watches was lost
+            checks = [at for r in unsettled if (at := self.store.inner.check_time_of(r)) is not None]
+            sweep_at = None
+            if checks:
+                next_pass = self.now + timedelta(seconds=SWEEP_EVERY_S)
+                sweep_at = max(next_pass, min(checks) + timedelta(seconds=SWEEP_GRACE_S + SWEEP_EVERY_S))
+            if due and min(due) <= self.now + timedelta(days=2) and (sweep_at is None or min(due) <= sweep_at):
                 target = max(self.now, min(due))
-            else:  # nothing is on its way: only the sweeper can find what was lost, at a run's check time
-                checks = [at for r in unsettled if (at := self.store.inner.check_time_of(r)) is not None]
-                if not checks:
+            else:  # nothing is on its way before: only the sweeper can find what was lost, at a run's check time
+                if sweep_at is None:
                     for run_id in unsettled:
                         self.violation(f"{run_id} stalled silently: {self.check.describe(run_id)}")
                     return
-                next_pass = self.now + timedelta(seconds=SWEEP_EVERY_S)
-                target = max(next_pass, min(checks) + timedelta(seconds=SWEEP_GRACE_S + SWEEP_EVERY_S))
+                target = sweep_at
                 self.next_sweep = target
             if (stalled := self._stalled_by(target, unsettled)) is not None:
                 self.violation(stalled)
@@ -1199,6 +1244,19 @@ class Simulation:
             for blocker in state.blockers:
                 if blocker.type is not BlockerType.ENDPOINT_FAILING and not REMEDIES.get(blocker.type):
                     self.violation(f"{run_id}: blocker {blocker.type} names no remedy")
+            waiting = [
+                t
+                for t in self.tokens
+                if t[0] == run_id
+                and (step := state.step(t[1])) is not None
+                and (a := step.attempt(Phase.FORWARD, t[2])) is not None
+                and a.waiting_since is not None
+                and a.status is AttemptStatus.AUTHORIZED
+            ]
+            if waiting and self.rng.random() < 0.7:  # the approver gets to it (or the step's timeout fails it)
+                acted = True
+                self.tokens.append(waiting[-1])
+                self._approver(self.engines[0])
             types = {b.type for b in state.blockers}
             if BlockerType.UNKNOWN_OUTCOME in types:
                 resolution = self._pick_resolution(run_id, unknown_only=True)

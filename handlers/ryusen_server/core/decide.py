@@ -962,6 +962,10 @@ class _Transition:
             step.status = StepStatus.FENCED
             return self.evaluate_recovery()
         started = attempt.authorized_at or self.now
+        # an attempt that was Unknown (its answer came late, after its lease) waits now too: its callback ran and
+        # handed out the token, which is all the answer says (the Unknown stays in its history)
+        attempt.status, attempt.settled_at, attempt.retry_at = AttemptStatus.AUTHORIZED, None, None
+        step.status = StepStatus.RUNNING
         attempt.waiting_since = self.now
         attempt.lease_expires_at = max(self.now, started + timedelta(seconds=self.timeout_s(step, Phase.FORWARD)))
         attempt.detail = "waiting for its completion (the callback handed out the token)"
