@@ -30,6 +30,10 @@ A durable wait: ``ryusen run review-request --input '{"customer": "ada", "wait_d
 order's follow-up and waits 14 days before asking for a review. No process waits meanwhile: the step completes
 when its time comes, also across restarts of ``ryusen dev`` (``"wait_days": 0.0003`` waits about 26 seconds).
 
+A step completed from outside: ``ryusen run refund-request --input '{"charge_id": "ch_1", "amount": 500}'``
+waits for a person's approval (the app prints the command that gives it: ``ryusen complete TOKEN --result
+'{"approved": true}'``; ``ryusen show RUN`` shows it too); within two days, or the step fails.
+
 The "systems" here are in-memory dictionaries so the example runs anywhere;
 a real app would call its inventory, payment and shipping services, passing
 ``ryusen.operation().id`` as the idempotency key.
@@ -135,6 +139,25 @@ def checkout(order: dict[str, Any], step: Step) -> dict[str, Any]:
     if order.get("fail_after_ship"):
         raise RuntimeError("order rejected by the fraud check after shipping")
     return {"stock": stock, "charge": charge, "shipment": shipment}
+
+
+def ask_for_approval(order: dict[str, Any]) -> str:
+    """Hand out the completion token: a real app would email an approval link that carries it."""
+    token = ryusen.operation().completion_token
+    print(f"refund of {order['amount']} waits for approval: ryusen complete {token} --result '{{\"approved\": true}}'")
+    return "asked"
+
+
+@app.function("refund-request")
+def refund_request(order: dict[str, Any], step: Step) -> dict[str, Any]:
+    """A refund over a limit waits for a person's approval: a step completed from outside."""
+    if order["amount"] > order.get("limit", 100):
+        decision = step.run(
+            "approval", ask_for_approval, order, completion="external", timeout=timedelta(days=order.get("days", 2))
+        )
+        if not decision.get("approved"):
+            return {"refunded": False}
+    return step.run("refund", refund, {"charge_id": order["charge_id"], "amount": order["amount"]})
 
 
 def ask_for_review(customer: str) -> dict[str, Any]:

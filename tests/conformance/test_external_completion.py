@@ -192,3 +192,27 @@ def test_a_late_answer_after_the_attempt_went_unknown_waits_and_its_timeout_stil
     env.drive(until=lambda: env.get(run_id).attempts("approval")[-1]["status"] == "waiting")
     env.complete(tokens[-1], {"approved": True})
     assert env.wait(run_id).output == {"paid": 40}
+
+
+def test_the_example_shops_refund_over_its_limit_waits_for_an_approval(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "shop.py"
+    spec = importlib.util.spec_from_file_location("shop_for_completions", path)
+    assert spec is not None and spec.loader is not None
+    shop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shop)
+    env = WorkflowEnvironment(shop.app)
+    small = env.run("refund-request", {"charge_id": "ch_1", "amount": 20})
+    assert small.output["refunded"] == "ch_1"  # under the limit: no approval
+    run_id = env.start("refund-request", {"charge_id": "ch_2", "amount": 500})
+    env.drive(until=lambda: any(s["id"] == "approval" for s in env.get(run_id).steps) and waiting_on(env, run_id))
+    printed = capsys.readouterr().out
+    token = printed.split("ryusen complete ", 1)[1].split()[0]  # what the app printed, as an email would carry it
+    env.complete(token, {"approved": True})
+    assert env.wait(run_id).output["refunded"] == "ch_2"
+
+
+def waiting_on(env: WorkflowEnvironment, run_id: str) -> bool:
+    return env.get(run_id).attempts("approval")[-1]["status"] == "waiting"
