@@ -86,6 +86,7 @@ def test_a_killed_stack_keeps_what_it_saved_and_a_second_stack_cannot_share_the_
     os.kill(stack.process.pid, signal.SIGKILL)  # no chance to save at the end
     stack.process.wait(timeout=20)
     first.close()
+    subprocess.run(["pkill", "-f", f"serve_app {tmp_path}"], check=False)  # the app process it leaves behind
     second = launch(tmp_path, args=("--data", str(data)))
     stack = next(second)
     try:
