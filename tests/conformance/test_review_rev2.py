@@ -1,0 +1,78 @@
+"""Adversarial review of durable waits (decision 31) and steps completed from outside (decision 32)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import ryusen
+from ryusen import RetryPolicy, Ryusen, Step
+from ryusen.testing import WorkflowEnvironment
+
+
+def approvals(tokens: list[str], calls: Counter[str], retry: RetryPolicy | None = None) -> Ryusen:
+    app = Ryusen("approvals")
+
+    def ask() -> str:
+        calls["ask"] += 1
+        token = ryusen.operation().completion_token
+        assert token is not None
+        tokens.append(token)
+        return "asked"
+
+    @app.function("expense")
+    def expense(order: dict[str, Any], step: Step) -> Any:
+        decision = step.run(
+            "approval", ask, completion="external", timeout=timedelta(days=2), retry=retry or RetryPolicy(max_attempts=1)
+        )
+        return step.run("pay", lambda: calls.update(["pay"]) or {"paid": decision})
+
+    return app
+
+
+def attempt_statuses(env: WorkflowEnvironment, run_id: str) -> list[str]:
+    steps = [s for s in env.get(run_id).steps if s["id"] == "approval"]
+    return [a["status"] for a in steps[0]["attempts"]] if steps else []
+
+
+@pytest.mark.rfd("X3")
+def test_an_external_steps_callback_whose_late_result_settles_an_unknown_still_times_out() -> None:
+    """The callback's answer was lost (Unknown, blocked); its late success says it handed out the token: the
+    attempt then waits for its completion, and its timeout still applies. It must not stay Unknown with its
+    blocker gone and no lease: a run no timer, sweeper or blocker ever moves again."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    env.faults.lose_result("approval")
+    run_id = env.start("expense", {})
+    env.drive()
+    assert attempt_statuses(env, run_id) == ["unknown"] and env.get(run_id).blockers
+    env.deliver_late_result(run_id, "approval")
+    env.drive()
+    assert attempt_statuses(env, run_id) == ["waiting"]  # not "unknown" with no blocker
+    env.advance(timedelta(days=3))
+    run = env.wait(run_id)
+    assert run.outcome == "failed" and run.step("approval")["error"]["type"] == "completion_timeout"
+    assert calls == Counter({"ask": 1})
+
+
+@pytest.mark.rfd("X1")
+def test_a_late_success_of_an_external_callback_cancels_its_planned_unknown_retry() -> None:
+    """``on_unknown="retry"`` planned a retry of the Unknown callback; its late success arrives first: the
+    callback ran and handed out its token, so it is not run again (and the token it handed out stays good)."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    policy = RetryPolicy(max_attempts=3, initial_delay=timedelta(minutes=5), on_unknown="retry")
+    env = WorkflowEnvironment(approvals(tokens, calls, policy))
+    env.faults.lose_result("approval")
+    run_id = env.start("expense", {})
+    env.drive(until=lambda: attempt_statuses(env, run_id) == ["unknown"])
+    env.deliver_late_result(run_id, "approval")
+    env.drive(horizon=timedelta(hours=1))
+    assert calls["ask"] == 1, "the callback ran again though its success was taken"
+    env.complete(tokens[0], "approved")
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.output == {"paid": "approved"}
