@@ -48,13 +48,13 @@ def test_an_external_steps_callback_whose_late_result_settles_an_unknown_still_t
     env = WorkflowEnvironment(approvals(tokens, calls))
     env.faults.lose_result("approval")
     run_id = env.start("expense", {})
-    env.drive()
+    env.drive(stop_when_blocked=run_id)
     assert attempt_statuses(env, run_id) == ["unknown"] and env.get(run_id).blockers
     env.deliver_late_result(run_id, "approval")
-    env.drive()
+    env.drive(horizon=timedelta(hours=1))
     assert attempt_statuses(env, run_id) == ["waiting"]  # not "unknown" with no blocker
-    env.advance(timedelta(days=3))
-    run = env.wait(run_id)
+    env.drive(horizon=timedelta(days=30))
+    run = env.get(run_id)
     assert run.outcome == "failed" and run.step("approval")["error"]["type"] == "completion_timeout"
     assert calls == Counter({"ask": 1})
 
