@@ -962,6 +962,11 @@ class _Transition:
             step.status = StepStatus.FENCED
             return self.evaluate_recovery()
         started = attempt.authorized_at or self.now
+        if attempt.status is AttemptStatus.UNKNOWN:
+            # a late answer of a callback thought lost: it ran and handed out the token, so the attempt waits
+            # (watched by its lease, as any waiting attempt) and a retry planned for the Unknown is not needed
+            attempt.status, attempt.retry_at = AttemptStatus.AUTHORIZED, None
+            step.status = StepStatus.RUNNING
         attempt.waiting_since = self.now
         attempt.lease_expires_at = max(self.now, started + timedelta(seconds=self.timeout_s(step, Phase.FORWARD)))
         attempt.detail = "waiting for its completion (the callback handed out the token)"
