@@ -76,3 +76,22 @@ def test_a_late_success_of_an_external_callback_cancels_its_planned_unknown_retr
     env.complete(tokens[0], "approved")
     run = env.wait(run_id)
     assert run.outcome == "completed" and run.output == {"paid": "approved"}
+
+
+@pytest.mark.rfd("X1")
+def test_a_token_outlives_a_master_key_rotation_while_its_step_still_waits() -> None:
+    """A step may wait days (``timeout=timedelta(days=2)`` in the docs); a normal rotation keeps the previous
+    master valid one day (``RYUSEN_PREVIOUS_KEY_WINDOW_S``). A token the callback handed out before the rotation
+    must still complete the waiting step once that window has passed: the approver's link is all there is."""
+    from dataclasses import replace
+
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    run_id = env.start("expense", {})
+    env.drive(until=lambda: attempt_statuses(env, run_id) == ["waiting"])
+    env.advance(timedelta(hours=36))  # a rotation 12 hours in, and its one-day window over
+    env.engine.settings = replace(env.engine.settings, master_key="rotated-" + (env.master_key or ""))
+    assert attempt_statuses(env, run_id) == ["waiting"]
+    env.complete(tokens[0], "approved")  # NotFoundError: completion_not_found
+    assert env.wait(run_id).outcome == "completed"
