@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -95,3 +95,27 @@ def test_a_token_outlives_a_master_key_rotation_while_its_step_still_waits() -> 
     assert attempt_statuses(env, run_id) == ["waiting"]
     env.complete(tokens[0], "approved")  # NotFoundError: completion_not_found
     assert env.wait(run_id).outcome == "completed"
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        datetime(9999, 12, 31, 23, 0, tzinfo=timezone(timedelta(hours=-12))),  # past the largest UTC datetime
+        datetime(3000, 1, 1, tzinfo=UTC),  # 974 years: a sleep of at most a year (MAX_WAIT_S) says otherwise
+    ],
+)
+def test_a_sleep_until_a_moment_too_far_blocks_with_a_clear_message(moment: datetime) -> None:
+    """``sleep_until`` is bounded like ``sleep`` (a year): a moment the server cannot even represent must not
+    make every decision on the run raise (the dispatcher's message comes back forever, nothing says why)."""
+    app = Ryusen("shop")
+
+    @app.function("f")
+    def f(order: Any, step: Step) -> Any:
+        step.sleep_until("far", moment)
+        return "woke"
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("f", {})
+    env.drive(stop_when_blocked=run_id, horizon=timedelta(days=1))
+    [blocker] = env.get(run_id).blockers
+    assert blocker["type"] == "invalid_step" and "far" in blocker["message"]
