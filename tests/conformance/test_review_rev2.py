@@ -119,3 +119,21 @@ def test_a_sleep_until_a_moment_too_far_blocks_with_a_clear_message(moment: date
     env.drive(stop_when_blocked=run_id, horizon=timedelta(days=1))
     [blocker] = env.get(run_id).blockers
     assert blocker["type"] == "invalid_step" and "far" in blocker["message"]
+
+
+@pytest.mark.parametrize("completion", ["external", "callback"])
+def test_a_step_timeout_past_what_a_date_can_hold_blocks_with_a_clear_message(completion: str) -> None:
+    """No deployment maximum is set by default, and a step completed from outside is exempt from it anyway: a
+    timeout such as ``timedelta.max`` must block the run with a message, not make its authorization raise (the
+    task's message would come back forever)."""
+    app = Ryusen("approvals")
+
+    @app.function("f")
+    def f(order: Any, step: Step) -> Any:
+        return step.run("approval", lambda: "asked", completion=completion, timeout=timedelta.max)  # type: ignore[arg-type]
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("f", {})
+    env.drive(stop_when_blocked=run_id, horizon=timedelta(days=1))
+    [blocker] = env.get(run_id).blockers
+    assert blocker["type"] == "invalid_step" and "approval" in blocker["message"]
