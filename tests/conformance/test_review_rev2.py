@@ -26,7 +26,11 @@ def approvals(tokens: list[str], calls: Counter[str], retry: RetryPolicy | None 
     @app.function("expense")
     def expense(order: dict[str, Any], step: Step) -> Any:
         decision = step.run(
-            "approval", ask, completion="external", timeout=timedelta(days=2), retry=retry or RetryPolicy(max_attempts=1)
+            "approval",
+            ask,
+            completion="external",
+            timeout=timedelta(days=2),
+            retry=retry or RetryPolicy(max_attempts=1),
         )
         return step.run("pay", lambda: calls.update(["pay"]) or {"paid": decision})
 
