@@ -31,6 +31,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ryusen._internal.wire import (
+    MAX_RUN_TIMEOUT_S,
+    MAX_WAIT_S,
     AttemptResponse,
     CallbackFailed,
     CallbackSucceeded,
@@ -1109,7 +1111,7 @@ class _Transition:
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
-            if (too_long := self.timeout_over_maximum(plan)) is not None:
+            if (too_long := self.timeout_over_maximum(plan) or self.wait_too_far(plan, step)) is not None:
                 return self.definition_conflict(too_long)
             if step is None:
                 step = StepState(id=plan.id)
@@ -1201,6 +1203,13 @@ class _Transition:
 
     def timeout_over_maximum(self, plan: StepPlan) -> InvalidStep | None:
         """A step whose declared attempt timeout the deployment cannot hold (never clamped)."""
+        for what, declared in (("timeout", plan.timeout_s), ("compensate_timeout", plan.compensate_timeout_s)):
+            if declared is not None and declared > MAX_RUN_TIMEOUT_S:  # past it, a lease may not fit in a date
+                message = (
+                    f"step {plan.id!r} declares {what}={declared:g}s; the longest a step may declare is"
+                    f" {MAX_RUN_TIMEOUT_S / 86_400:g} days"
+                )
+                return InvalidStep(step_id=plan.id, location=plan.location, message=message)
         maximum = self.settings.max_attempt_timeout_s
         if maximum is None:
             return None
@@ -1214,6 +1223,21 @@ class _Transition:
                 )
                 return InvalidStep(step_id=plan.id, location=plan.location, message=message)
         return None
+
+    def wait_too_far(self, plan: StepPlan, known: StepState | None) -> InvalidStep | None:
+        """A step whose first attempt would wait past the longest durable wait (decision 31: a year), from
+        ``sleep_until`` or ``not_before`` with a moment (``not_before_s`` is bounded on the wire). A step whose
+        due time is recorded keeps it (W2): only a first record is checked."""
+        if plan.not_before is None or (known is not None and known.wait_until is not None):
+            return None
+        ahead_s = plan.not_before - self.now.timestamp()
+        if ahead_s <= MAX_WAIT_S:
+            return None
+        message = (
+            f"step {plan.id!r} waits until a moment {ahead_s / 86_400:.0f} days away; a wait is at most"
+            f" {MAX_WAIT_S / 86_400:g} days"
+        )
+        return InvalidStep(step_id=plan.id, location=plan.location, message=message)
 
     def too_many_steps(self, plan: StepPlan) -> None:
         """Discovery reached a step past ``max_steps``: the run fails, like an oversized output.
