@@ -141,3 +141,41 @@ def test_a_step_timeout_past_what_a_date_can_hold_blocks_with_a_clear_message(co
     env.drive(stop_when_blocked=run_id, horizon=timedelta(days=1))
     [blocker] = env.get(run_id).blockers
     assert blocker["type"] == "invalid_step" and "approval" in blocker["message"]
+
+
+def test_a_step_recorded_and_started_after_the_last_save_of_a_killed_dev_stack_is_not_run_again() -> None:
+    """``ryusen dev`` saves every few seconds, and logs each authorization (``started.jsonl``) so a killed stack
+    does not run a started callback again. With chaining (on by default) a step is recorded *and* authorized in
+    one write (the discovery's report, or the previous step's continuation): the saved table then holds no such
+    step, ``StartMayBeLost`` ignores the logged attempt ("not the current generation"), and the restored run's
+    discovery records the step anew and runs its callback a second time, with no one told."""
+    from ryusen_server.core.model import TaskKind, TaskRef
+    from ryusen_server.core.model import Phase as CorePhase
+
+    calls: Counter[str] = Counter()
+    app = Ryusen("shop")
+
+    @app.function("order")
+    def order(data: Any, step: Step) -> Any:
+        step.run("charge", lambda: calls.update(["charge"]) or "charged")
+        return step.run("ship", lambda: calls.update(["ship"]) or "shipped")
+
+    env = WorkflowEnvironment(app)
+    run_id = env.start("order", {})
+    saved = env.store.peek(run_id)  # the last save: the run, its discovery queued, no step yet
+    assert saved is not None and not saved.steps
+    env.drive()  # the stack runs on: each step recorded and authorized in one chained write
+    assert calls == Counter({"charge": 1, "ship": 1})
+    logged = [  # what started.jsonl holds: every attempt authorized since the save
+        TaskRef(run_id=run_id, kind=TaskKind.FORWARD, step_id=s, generation=1) for s in ("charge", "ship")
+    ]
+    assert all(env.store.peek(run_id).step(t.step_id).attempt(CorePhase.FORWARD, 1) for t in logged)  # type: ignore[union-attr]
+
+    # killed: the next stack loads the saved table, its queue empty, and reads the log
+    env.queue.drop_all()
+    with env.store._lock:
+        env.store._keep(saved)
+    env.engine.presume_started(logged, "authorized after the last save of a stack that was killed")
+    env.engine.recover([run_id])
+    env.drive(stop_when_blocked=run_id, horizon=timedelta(hours=1))
+    assert calls == Counter({"charge": 1, "ship": 1}), "a callback started before the kill ran a second time"
