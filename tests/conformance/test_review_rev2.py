@@ -149,8 +149,8 @@ def test_a_step_recorded_and_started_after_the_last_save_of_a_killed_dev_stack_i
     one write (the discovery's report, or the previous step's continuation): the saved table then holds no such
     step, ``StartMayBeLost`` ignores the logged attempt ("not the current generation"), and the restored run's
     discovery records the step anew and runs its callback a second time, with no one told."""
-    from ryusen_server.core.model import TaskKind, TaskRef
     from ryusen_server.core.model import Phase as CorePhase
+    from ryusen_server.core.model import TaskKind, TaskRef
 
     calls: Counter[str] = Counter()
     app = Ryusen("shop")
