@@ -179,3 +179,8 @@ def test_a_step_recorded_and_started_after_the_last_save_of_a_killed_dev_stack_i
     env.engine.recover([run_id])
     env.drive(stop_when_blocked=run_id, horizon=timedelta(hours=1))
     assert calls == Counter({"charge": 1, "ship": 1}), "a callback started before the kill ran a second time"
+    run = env.get(run_id)
+    assert run.step("charge")["status"] == "unknown" and run.blockers[0]["type"] == "unknown_outcome"
+    env.resolve(run_id, "charge", generation=1, action="succeed", result="charged")  # the operator checked
+    env.drive(stop_when_blocked=run_id, horizon=timedelta(hours=1))
+    assert env.get(run_id).step("ship")["status"] == "unknown" and calls["ship"] == 1  # it may have run, too

@@ -194,6 +194,12 @@ CHECK_PURITY = False
 """Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
 
 
+PRESUMED_STARTED = (
+    "authorized after the last save of a ryusen dev that was killed (its started log names it): it may have run"
+)
+"""The detail of an attempt recorded again after such a restart, Unknown at once (``presumed_started``)."""
+
+
 COMPLETION_REFUSED = "completion_refused"
 """How a decision's note begins when it kept a completion as stale instead of taking it (decision 32)."""
 
@@ -475,6 +481,8 @@ class _Transition:
         attempt = self.new_attempt(step, phase, delay_s)
         if step.sleep and phase is Phase.FORWARD and delay_s <= 0 and not self.stopping:
             self.slept(step, attempt)  # a wait already over: nothing to dispatch
+            return attempt
+        if self.s.presumed_started and self.presumed_unknown(step, attempt):
             return attempt
         kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
         task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
@@ -773,7 +781,10 @@ class _Transition:
             return self.ignore("the function has no synced release")
         error = ErrorInfo(type="unknown_outcome", message=unknown.detail or "unknown outcome")
         self.settle(unknown, AttemptStatus.FAILED, error=error, detail="unknown outcome, retried (on_unknown=retry)")
-        return self.authorize(step, self.new_attempt(step, phase), task, release)
+        retry = self.new_attempt(step, phase)
+        if self.s.presumed_started and self.presumed_unknown(step, retry):
+            return None
+        return self.authorize(step, retry, task, release)
 
     def reemit_stalled(self) -> None:
         """A stale message came back: watch over the run's tasks that have no message of their own.
@@ -949,11 +960,34 @@ class _Transition:
             return self.ignore("a discovery has no effect to lose")
         step = self.step(step_id)
         attempt = step.attempt(phase, generation) if step is not None else None
-        if step is None or attempt is None or attempt is not step.current(phase):
+        current = step.current(phase) if step is not None else None
+        if attempt is None and (current is None or current.generation < generation):
+            # recorded and authorized in one write the kept state does not hold (a chained authorization): when
+            # the run records it again, it is Unknown at once (``presumed_unknown``)
+            key = self.presumed_key(step_id, phase, generation)
+            if key not in self.s.presumed_started:
+                self.s.presumed_started = [*self.s.presumed_started, key]
+                self.touch()
+            return self.ignore(f"{task.describe()} is not recorded: it is Unknown once it is")
+        if step is None or attempt is None or attempt is not current:
             return self.ignore(f"{task.describe()} is not the current generation")
         if attempt.status is not AttemptStatus.QUEUED or step.sleep:
             return self.ignore(f"{task.describe()} is {attempt.status}: its state is known")
         return self.outcome_lost(step, attempt, event.reason)
+
+    @staticmethod
+    def presumed_key(step_id: str, phase: Phase, generation: int) -> str:
+        return f"{step_id}\x00{phase.value}\x00{generation}"
+
+    def presumed_unknown(self, step: StepState, attempt: Attempt) -> bool:
+        """``attempt``, just recorded, is one a killed ``ryusen dev`` had authorized after its last save (its
+        callback may have run): it is Unknown now, instead of being sent (``StartMayBeLost``)."""
+        key = self.presumed_key(step.id, attempt.phase, attempt.generation)
+        if step.sleep or key not in self.s.presumed_started:
+            return False
+        self.s.presumed_started = [k for k in self.s.presumed_started if k != key]
+        self.outcome_lost(step, attempt, PRESUMED_STARTED)
+        return True
 
     def await_completion(self, step: StepState, attempt: Attempt) -> None:
         """A step completed from outside (decision 32): its callback handed out the attempt's completion token and
