@@ -184,3 +184,30 @@ def test_a_step_recorded_and_started_after_the_last_save_of_a_killed_dev_stack_i
     env.resolve(run_id, "charge", generation=1, action="succeed", result="charged")  # the operator checked
     env.drive(stop_when_blocked=run_id, horizon=timedelta(hours=1))
     assert env.get(run_id).step("ship")["status"] == "unknown" and calls["ship"] == 1  # it may have run, too
+
+
+@pytest.mark.rfd("X1")
+def test_a_dispatchers_late_invocation_failure_does_not_fail_a_step_already_waiting_for_its_completion() -> None:
+    """The callback's answer came through the result URL (the dispatcher had stopped listening, or its own
+    record was deferred while the store was unavailable) and the attempt waits; the dispatcher's "no response"
+    (``InvocationFailed``, lost) is recorded after it. For any other step the attempt is settled and the report
+    is ignored; a waiting attempt is still authorized, and the report must not fail it as a completion_timeout
+    (a retry would ask the approver again and refuse the token they hold)."""
+    from ryusen_server.core.events import InvocationFailed, InvocationFailure
+    from ryusen_server.core.model import Phase as CorePhase
+    from ryusen_server.core.model import TaskKind, TaskRef
+
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls, RetryPolicy(max_attempts=3)))
+    run_id = env.start("expense", {})
+    env.drive(until=lambda: attempt_statuses(env, run_id) == ["waiting"])
+    attempt = env.store.peek(run_id).step("approval").attempt(CorePhase.FORWARD, 1)  # type: ignore[union-attr]
+    task = TaskRef(run_id=run_id, kind=TaskKind.FORWARD, step_id="approval", generation=1)
+    lost = InvocationFailed(
+        task=task, failure=InvocationFailure.LOST, detail="no response within 30s", delivery_id=attempt.delivery_id
+    )
+    env.engine.apply(run_id, lost)
+    assert attempt_statuses(env, run_id) == ["waiting"]
+    env.complete(tokens[0], "approved")
+    assert env.wait(run_id).output == {"paid": "approved"} and calls["ask"] == 1
