@@ -903,6 +903,8 @@ class _Transition:
             return self.ignore(f"{task.describe()} is no longer in flight")
         if event.delivery_id is not None and attempt.delivery_id != event.delivery_id:
             return self.ignore(f"{task.describe()} was authorized by another delivery")
+        if attempt.waiting_since is not None:  # decision 32: its callback answered; only its lease ends the wait
+            return self.ignore(f"{task.describe()} answered and waits for its completion")
         if event.failure is InvocationFailure.UNREACHABLE:
             # nothing was sent: the callback provably did not run; same generation again
             attempt.status = AttemptStatus.QUEUED
