@@ -211,3 +211,22 @@ def test_a_dispatchers_late_invocation_failure_does_not_fail_a_step_already_wait
     assert attempt_statuses(env, run_id) == ["waiting"]
     env.complete(tokens[0], "approved")
     assert env.wait(run_id).output == {"paid": "approved"} and calls["ask"] == 1
+
+
+@pytest.mark.rfd("X1")
+def test_an_operators_succeed_on_an_unknown_external_step_is_its_result() -> None:
+    """The callback's outcome was lost (Unknown, blocked). The operator resolves it ``succeed`` with the result
+    (say, the approval they checked by hand): that is the step's result, as ``resolve`` says for any step; it must
+    not be dropped while the step goes on waiting for a completion."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    env.faults.lose_result("approval")
+    run_id = env.start("expense", {})
+    env.drive(stop_when_blocked=run_id)
+    assert attempt_statuses(env, run_id) == ["unknown"]
+    env.resolve(run_id, "approval", generation=1, action="succeed", result="approved by hand")
+    env.drive(horizon=timedelta(hours=1))
+    run = env.get(run_id)
+    assert run.step("approval")["status"] == "completed" and run.step("approval")["result"] == "approved by hand"
+    assert run.outcome == "completed" and run.output == {"paid": "approved by hand"}
