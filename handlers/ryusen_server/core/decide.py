@@ -2058,6 +2058,7 @@ class _Transition:
         self.clear_blockers_for(step, attempt)
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         if event.action == "succeed":
+            self.external_completion = True  # the operator states the step's result (decision 32: also external)
             self.apply_outcome(step, attempt, CallbackSucceeded(result=event.result))
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
@@ -2157,6 +2158,7 @@ class _Transition:
             return self.queue_operator_retry(step, event.phase)
         resolved = self.new_attempt(step, event.phase)
         if event.action == "succeed":
+            self.external_completion = True  # the operator states the step's result (decision 32: also external)
             self.apply_outcome(step, resolved, CallbackSucceeded(result=event.result))
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
