@@ -230,3 +230,20 @@ def test_an_operators_succeed_on_an_unknown_external_step_is_its_result() -> Non
     run = env.get(run_id)
     assert run.step("approval")["status"] == "completed" and run.step("approval")["result"] == "approved by hand"
     assert run.outcome == "completed" and run.output == {"paid": "approved by hand"}
+
+
+def test_a_completion_over_the_runs_budget_is_refused_not_taken_and_held() -> None:
+    """A completion's result that fits the value limit but not the run's budget (``max_run_bytes``): the engine
+    should refuse it (413, nothing recorded, the sender may send less) rather than answer 200 and hold the run as
+    if a callback had returned too much (an operator must then retry, asking the approver again)."""
+    from ryusen_server.core.events import EngineSettings
+    from ryusen_server.ports import PayloadTooLargeError
+
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls), settings=EngineSettings(max_run_bytes=4096))
+    run_id = env.start("expense", {})
+    env.drive(until=lambda: attempt_statuses(env, run_id) == ["waiting"])
+    with pytest.raises(PayloadTooLargeError):
+        env.complete(tokens[0], "x" * 5000)
+    assert attempt_statuses(env, run_id) == ["waiting"] and not env.get(run_id).blockers
