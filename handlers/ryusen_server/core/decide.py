@@ -1029,6 +1029,9 @@ class _Transition:
             and attempt is not None
             and attempt.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
         )
+        if live and event.error is None and (too_large := self.oversized_result(event.result)) is not None:
+            # refused, nothing recorded: the sender may send less (no callback ran that an operator must settle)
+            return self.reject(too_large.type, too_large.message)
         response: AttemptResponse = (
             CallbackFailed(error=event.error) if event.error is not None else CallbackSucceeded(result=event.result)
         )
