@@ -1572,6 +1572,9 @@ class Engine:
             step_id=step_id, phase=phase, generation=generation, result=result, error=error, source=source
         )
         decision = self.apply(run_id, event)
+        if decision.rejection is not None and decision.rejection.code in ("result_too_large", "run_too_large"):
+            budget = limit if decision.rejection.code == "result_too_large" else self.settings.engine.max_run_bytes
+            raise PayloadTooLargeError(decision.rejection.message, limit=budget)
         if decision.rejection is not None:
             raise ConflictError(decision.rejection.message, code=decision.rejection.code)
         if decision.note is not None and decision.note.startswith(COMPLETION_REFUSED):

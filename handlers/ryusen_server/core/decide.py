@@ -31,6 +31,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ryusen._internal.wire import (
+    MAX_RUN_TIMEOUT_S,
+    MAX_WAIT_S,
     AttemptResponse,
     CallbackFailed,
     CallbackSucceeded,
@@ -190,6 +192,12 @@ def backoff_delay(policy: RetryPolicyWire, failed_attempts: int, *, seed: str) -
 
 CHECK_PURITY = False
 """Tests set this: every decision then proves that it left the state it was given unchanged (costly)."""
+
+
+PRESUMED_STARTED = (
+    "authorized after the last save of a ryusen dev that was killed (its started log names it): it may have run"
+)
+"""The detail of an attempt recorded again after such a restart, Unknown at once (``presumed_started``)."""
 
 
 COMPLETION_REFUSED = "completion_refused"
@@ -473,6 +481,8 @@ class _Transition:
         attempt = self.new_attempt(step, phase, delay_s)
         if step.sleep and phase is Phase.FORWARD and delay_s <= 0 and not self.stopping:
             self.slept(step, attempt)  # a wait already over: nothing to dispatch
+            return attempt
+        if self.s.presumed_started and self.presumed_unknown(step, attempt):
             return attempt
         kind = TaskKind.FORWARD if phase is Phase.FORWARD else TaskKind.COMPENSATE
         task = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=attempt.generation)
@@ -771,7 +781,10 @@ class _Transition:
             return self.ignore("the function has no synced release")
         error = ErrorInfo(type="unknown_outcome", message=unknown.detail or "unknown outcome")
         self.settle(unknown, AttemptStatus.FAILED, error=error, detail="unknown outcome, retried (on_unknown=retry)")
-        return self.authorize(step, self.new_attempt(step, phase), task, release)
+        retry = self.new_attempt(step, phase)
+        if self.s.presumed_started and self.presumed_unknown(step, retry):
+            return None
+        return self.authorize(step, retry, task, release)
 
     def reemit_stalled(self) -> None:
         """A stale message came back: watch over the run's tasks that have no message of their own.
@@ -890,6 +903,8 @@ class _Transition:
             return self.ignore(f"{task.describe()} is no longer in flight")
         if event.delivery_id is not None and attempt.delivery_id != event.delivery_id:
             return self.ignore(f"{task.describe()} was authorized by another delivery")
+        if attempt.waiting_since is not None:  # decision 32: its callback answered; only its lease ends the wait
+            return self.ignore(f"{task.describe()} answered and waits for its completion")
         if event.failure is InvocationFailure.UNREACHABLE:
             # nothing was sent: the callback provably did not run; same generation again
             attempt.status = AttemptStatus.QUEUED
@@ -947,11 +962,34 @@ class _Transition:
             return self.ignore("a discovery has no effect to lose")
         step = self.step(step_id)
         attempt = step.attempt(phase, generation) if step is not None else None
-        if step is None or attempt is None or attempt is not step.current(phase):
+        current = step.current(phase) if step is not None else None
+        if attempt is None and (current is None or current.generation < generation):
+            # recorded and authorized in one write the kept state does not hold (a chained authorization): when
+            # the run records it again, it is Unknown at once (``presumed_unknown``)
+            key = self.presumed_key(step_id, phase, generation)
+            if key not in self.s.presumed_started:
+                self.s.presumed_started = [*self.s.presumed_started, key]
+                self.touch()
+            return self.ignore(f"{task.describe()} is not recorded: it is Unknown once it is")
+        if step is None or attempt is None or attempt is not current:
             return self.ignore(f"{task.describe()} is not the current generation")
         if attempt.status is not AttemptStatus.QUEUED or step.sleep:
             return self.ignore(f"{task.describe()} is {attempt.status}: its state is known")
         return self.outcome_lost(step, attempt, event.reason)
+
+    @staticmethod
+    def presumed_key(step_id: str, phase: Phase, generation: int) -> str:
+        return f"{step_id}\x00{phase.value}\x00{generation}"
+
+    def presumed_unknown(self, step: StepState, attempt: Attempt) -> bool:
+        """``attempt``, just recorded, is one a killed ``ryusen dev`` had authorized after its last save (its
+        callback may have run): it is Unknown now, instead of being sent (``StartMayBeLost``)."""
+        key = self.presumed_key(step.id, attempt.phase, attempt.generation)
+        if step.sleep or key not in self.s.presumed_started:
+            return False
+        self.s.presumed_started = [k for k in self.s.presumed_started if k != key]
+        self.outcome_lost(step, attempt, PRESUMED_STARTED)
+        return True
 
     def await_completion(self, step: StepState, attempt: Attempt) -> None:
         """A step completed from outside (decision 32): its callback handed out the attempt's completion token and
@@ -962,10 +1000,11 @@ class _Transition:
             step.status = StepStatus.FENCED
             return self.evaluate_recovery()
         started = attempt.authorized_at or self.now
-        # an attempt that was Unknown (its answer came late, after its lease) waits now too: its callback ran and
-        # handed out the token, which is all the answer says (the Unknown stays in its history)
-        attempt.status, attempt.settled_at, attempt.retry_at = AttemptStatus.AUTHORIZED, None, None
-        step.status = StepStatus.RUNNING
+        if attempt.status is AttemptStatus.UNKNOWN:
+            # a late answer of a callback thought lost: it ran and handed out the token, so the attempt waits
+            # (watched by its lease, as any waiting attempt) and a retry planned for the Unknown is not needed
+            attempt.status, attempt.settled_at, attempt.retry_at = AttemptStatus.AUTHORIZED, None, None
+            step.status = StepStatus.RUNNING
         attempt.waiting_since = self.now
         attempt.lease_expires_at = max(self.now, started + timedelta(seconds=self.timeout_s(step, Phase.FORWARD)))
         attempt.detail = "waiting for its completion (the callback handed out the token)"
@@ -990,6 +1029,9 @@ class _Transition:
             and attempt is not None
             and attempt.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
         )
+        if live and event.error is None and (too_large := self.oversized_result(event.result)) is not None:
+            # refused, nothing recorded: the sender may send less (no callback ran that an operator must settle)
+            return self.reject(too_large.type, too_large.message)
         response: AttemptResponse = (
             CallbackFailed(error=event.error) if event.error is not None else CallbackSucceeded(result=event.result)
         )
@@ -1108,7 +1150,7 @@ class _Transition:
             step = self.step(plan.id)
             if step is None and len(s.steps) >= self.settings.max_steps:
                 return self.too_many_steps(plan)
-            if (too_long := self.timeout_over_maximum(plan)) is not None:
+            if (too_long := self.timeout_over_maximum(plan) or self.wait_too_far(plan, step)) is not None:
                 return self.definition_conflict(too_long)
             if step is None:
                 step = StepState(id=plan.id)
@@ -1200,6 +1242,13 @@ class _Transition:
 
     def timeout_over_maximum(self, plan: StepPlan) -> InvalidStep | None:
         """A step whose declared attempt timeout the deployment cannot hold (never clamped)."""
+        for what, declared in (("timeout", plan.timeout_s), ("compensate_timeout", plan.compensate_timeout_s)):
+            if declared is not None and declared > MAX_RUN_TIMEOUT_S:  # past it, a lease may not fit in a date
+                message = (
+                    f"step {plan.id!r} declares {what}={declared:g}s; the longest a step may declare is"
+                    f" {MAX_RUN_TIMEOUT_S / 86_400:g} days"
+                )
+                return InvalidStep(step_id=plan.id, location=plan.location, message=message)
         maximum = self.settings.max_attempt_timeout_s
         if maximum is None:
             return None
@@ -1213,6 +1262,21 @@ class _Transition:
                 )
                 return InvalidStep(step_id=plan.id, location=plan.location, message=message)
         return None
+
+    def wait_too_far(self, plan: StepPlan, known: StepState | None) -> InvalidStep | None:
+        """A step whose first attempt would wait past the longest durable wait (decision 31: a year), from
+        ``sleep_until`` or ``not_before`` with a moment (``not_before_s`` is bounded on the wire). A step whose
+        due time is recorded keeps it (W2): only a first record is checked."""
+        if plan.not_before is None or (known is not None and known.wait_until is not None):
+            return None
+        ahead_s = plan.not_before - self.now.timestamp()
+        if ahead_s <= MAX_WAIT_S:
+            return None
+        message = (
+            f"step {plan.id!r} waits until a moment {ahead_s / 86_400:.0f} days away; a wait is at most"
+            f" {MAX_WAIT_S / 86_400:g} days"
+        )
+        return InvalidStep(step_id=plan.id, location=plan.location, message=message)
 
     def too_many_steps(self, plan: StepPlan) -> None:
         """Discovery reached a step past ``max_steps``: the run fails, like an oversized output.
@@ -1997,6 +2061,7 @@ class _Transition:
         self.clear_blockers_for(step, attempt)
         resolution = Resolution(action=event.action, at=self.now, reason=event.reason, by=event.by)
         if event.action == "succeed":
+            self.external_completion = True  # the operator states the step's result (decision 32: also external)
             self.apply_outcome(step, attempt, CallbackSucceeded(result=event.result))
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")
@@ -2096,6 +2161,7 @@ class _Transition:
             return self.queue_operator_retry(step, event.phase)
         resolved = self.new_attempt(step, event.phase)
         if event.action == "succeed":
+            self.external_completion = True  # the operator states the step's result (decision 32: also external)
             self.apply_outcome(step, resolved, CallbackSucceeded(result=event.result))
         else:
             error = event.error or ErrorInfo(type="declared_failure", message="declared failed by an operator")

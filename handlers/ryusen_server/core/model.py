@@ -385,6 +385,11 @@ class RunState(_State):
     """How many discovery passes reported (diagnostics)."""
     run_bytes: int = 0
     """Serialized size of the input and every accepted step result (bounded by ``max_run_bytes``)."""
+    presumed_started: list[str] = Field(default_factory=list)
+    """Attempts (``step\x00phase\x00generation``) a ``ryusen dev`` killed between saves logged as authorized, which
+    the state it kept does not hold: recorded and authorized in one write after its last save. When the run
+    records such an attempt again it is Unknown at once, not sent (its callback may have run: StartMayBeLost).
+    Replaced, never changed in place (a working copy shares it)."""
     _positions: dict[str, int] | None = PrivateAttr(default=None)
     """Step id -> index in ``steps`` (steps are only appended, so a working copy may share it)."""
     _origin: weakref.ref[RunState] | None = PrivateAttr(default=None)
