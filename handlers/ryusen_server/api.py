@@ -169,7 +169,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
                 for attempt in step["attempts"]:
                     if attempt["phase"] == "forward":
                         attempt["completion_token"] = engine.completion_token(
-                            state.id, step["id"], Phase.FORWARD, attempt["generation"]
+                            state, step["id"], Phase.FORWARD, attempt["generation"]
                         )
         return shown
 

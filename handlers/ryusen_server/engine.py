@@ -737,6 +737,7 @@ class Engine:
                 idempotency_key=idempotency_key,
                 deadline_at=deadline_at,
                 deadline_source=source,
+                secret=secrets.token_urlsafe(24),
             ),
             now=now,
             settings=self.settings.engine,
@@ -1234,7 +1235,7 @@ class Engine:
         attempt = step.attempt(task.phase, task.generation)
         assert attempt is not None
         external = step.external and task.phase is Phase.FORWARD and "external_completion" in features
-        token = self.completion_token(state.id, step.id, task.phase, attempt.generation) if external else None
+        token = self.completion_token(state, step.id, task.phase, attempt.generation) if external else None
         return TaskRequest(
             **common,
             step_id=step.id,
@@ -1545,19 +1546,24 @@ class Engine:
 
     # ---- steps completed from outside (decision 32) ----------------------------------
 
-    def completion_token(self, run_id: str, step_id: str, phase: Phase, generation: int) -> str:
-        """The token that completes this attempt from outside: it names the attempt, and a MAC made with the
-        deployment's master key says the engine handed it out (no one can make one for another attempt)."""
+    def completion_token(self, state: RunState, step_id: str, phase: Phase, generation: int) -> str:
+        """The token that completes this attempt from outside: it names the attempt, and a MAC made with the run's
+        own secret says the engine handed it out (no one can make one for another attempt, or another run). The
+        secret is kept with the run: a token outlives a key rotation and a ``ryusen dev`` restart. A run started
+        before runs had a secret makes its tokens with the master key."""
+        if state.secret:
+            return _completion_token(state.secret, state.id, step_id, phase, generation)
         keys = self.master_keys()
-        return _completion_token(keys[0] if keys else "", run_id, step_id, phase, generation)
+        return _completion_token(keys[0] if keys else "", state.id, step_id, phase, generation)
 
     def read_completion_token(self, token: str) -> tuple[str, str, Phase, int]:
-        """The attempt ``token`` names, if this deployment made it (any valid master key); else NotFoundError."""
+        """The attempt ``token`` names, if this deployment made it; else NotFoundError."""
         named = _completion_binding(token)
-        if named is not None:
-            for key in self.master_keys(fresh=True) or [""]:
-                if hmac.compare_digest(_completion_token(key, *named), token):
-                    return named
+        state = self.store.get(named[0]) if named is not None else None
+        if named is not None and state is not None:
+            keys = [state.secret] if state.secret else (self.master_keys(fresh=True) or [""])
+            if any(hmac.compare_digest(_completion_token(key, *named), token) for key in keys):
+                return named
         raise NotFoundError("no step waits for this completion token", code="completion_not_found")
 
     def complete(self, token: str, *, result: Any = None, error: ErrorInfo | None = None, source: str) -> Decision:

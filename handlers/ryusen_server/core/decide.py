@@ -360,6 +360,7 @@ class _Transition:
             deadline_source=event.deadline_source,
             version=1,
             run_bytes=value_size(event.input),
+            secret=event.secret,
         )
         self._state = state
         self.queue_discovery()

@@ -78,6 +78,9 @@ class StartRun:
     idempotency_key: str | None = None
     deadline_at: datetime | None = None
     deadline_source: DeadlineSource = DeadlineSource.NONE
+    secret: str | None = None
+    """What the run's completion tokens are made with (decision 32): random, drawn by the engine, kept with the
+    run (so a token outlives a key rotation and a ``ryusen dev`` restart), never shown."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

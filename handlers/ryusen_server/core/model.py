@@ -374,6 +374,9 @@ class RunState(_State):
     stop_intent: StopIntent | None = None
     idempotency_key: str | None = None
     steps: list[StepState] = Field(default_factory=list)
+    secret: str | None = None
+    """What the run's completion tokens are made with (decision 32): drawn by the engine at the start, never shown
+    (a run started before it existed has none: its tokens are made with the master key)."""
     discovery: DiscoveryTask | None = None
     discovery_seq: int = 0
     completion_seq: int = 0
