@@ -431,8 +431,6 @@ class _RunRenderer:
                 what.append(_error_line(attempt["error"]))
             if attempt.get("detail"):
                 what.append(str(attempt["detail"]))
-            if status == "waiting":  # decision 32: how to complete it
-                what.append("waiting for its completion from outside")
             if status in ("queued", "retry_authorized") and attempt.get("not_before"):
                 what.append(f"not before {self.time(attempt['not_before'])}")
             notes: list[str] = []  # the circumstances, on a line of their own

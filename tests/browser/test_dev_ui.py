@@ -155,7 +155,8 @@ def test_a_traceback_shows_its_innermost_frame_and_opens_to_every_frame(page: An
 
 def test_cancel_with_a_reason_stops_the_run_and_shows_its_unwind(page: Any, stack: DevStack) -> None:
     mine = tag()
-    run = stack.start("slow", {"tag": mine, "sleep_s": 4})
+    # long enough that the run is still going when the cancel is sent on a loaded machine (it settles, then undoes)
+    run = stack.start("slow", {"tag": mine, "sleep_s": 12})
     wait_for(lambda: stack.invocations(f"{mine}:slow-start"), what="the slow step to start")
     open_run(page, stack, run["id"])
     page.get_by_role("button", name="Cancel run…").click()

@@ -1046,12 +1046,16 @@ class Step:
         """Wait ``duration``, durably: step ``step_id`` completes that long after it is first recorded, however
         often the function is replayed meanwhile (no process waits). A stop during the wait ends it at once."""
         wait = Wait.of("step.sleep", duration if isinstance(duration, timedelta) else object(), sleep=True)
-        self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+        self._run(
+            step_id, _slept, (), {}, _caller_location(1), None, "durable wait", None, None, None, None, None, wait
+        )
 
     def sleep_until(self, step_id: str, moment: datetime) -> None:
         """Wait, durably, until ``moment`` (a timezone-aware ``datetime``); at once if it has passed."""
         wait = Wait.of("step.sleep_until", moment if isinstance(moment, datetime) else object(), sleep=True)
-        self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+        self._run(
+            step_id, _slept, (), {}, _caller_location(1), None, "durable wait", None, None, None, None, None, wait
+        )
 
     def _run(
         self,
@@ -1136,12 +1140,16 @@ class AsyncStep:
     def sleep(self, step_id: str, duration: timedelta) -> Awaitable[None]:
         """Like :meth:`Step.sleep`, awaitable."""
         wait = Wait.of("step.sleep", duration if isinstance(duration, timedelta) else object(), sleep=True)
-        return self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+        return self._run(
+            step_id, _slept, (), {}, _caller_location(1), None, "durable wait", None, None, None, None, None, wait
+        )
 
     def sleep_until(self, step_id: str, moment: datetime) -> Awaitable[None]:
         """Like :meth:`Step.sleep_until`, awaitable."""
         wait = Wait.of("step.sleep_until", moment if isinstance(moment, datetime) else object(), sleep=True)
-        return self._run(step_id, _slept, (), {}, _caller_location(1), None, None, None, None, None, None, None, wait)
+        return self._run(
+            step_id, _slept, (), {}, _caller_location(1), None, "durable wait", None, None, None, None, None, wait
+        )
 
     def _run(
         self,
