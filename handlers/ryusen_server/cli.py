@@ -37,6 +37,7 @@ from ryusen._internal.client import (
     ResolveAction,
     blocker_for,
     is_loopback,
+    parse_time,
 )
 from ryusen._internal.client import WaitTimeoutError as ClientWaitTimeoutError
 
@@ -183,15 +184,6 @@ PIPE_WIDTH = 100
 ATTEMPT_INDENT = 5
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value)
-    except ValueError:
-        return None
-
-
 def _zone(moment: datetime) -> str:
     offset = moment.utcoffset()
     if offset is None:
@@ -200,7 +192,7 @@ def _zone(moment: datetime) -> str:
 
 
 def _full_time(value: Any) -> str:
-    moment = _parse_time(value)
+    moment = parse_time(value)
     if moment is None:
         return str(value) if value else "—"
     return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 100_000}{_zone(moment)}"
@@ -208,7 +200,7 @@ def _full_time(value: Any) -> str:
 
 def _clock_time(value: Any, day: str | None) -> str:
     """``12:00:01.2``, with the date in front when it is not the run's creation day."""
-    moment = _parse_time(value)
+    moment = parse_time(value)
     if moment is None:
         return str(value) if value else "…"
     text = moment.strftime("%H:%M:%S.") + str(moment.microsecond // 100_000)
@@ -300,7 +292,7 @@ class _RunRenderer:
         self.console = console
         self.tracebacks = tracebacks
         """Show every frame of an error's traceback (else its innermost frame only)."""
-        created = _parse_time(view.get("created_at"))
+        created = parse_time(view.get("created_at"))
         self.day = created.strftime("%Y-%m-%d") if created else None
         self.last_release: str | None = None
 
@@ -579,7 +571,7 @@ def render_runs(runs: list[dict[str, Any]], *, console: Console) -> None:
     table.add_column("STEPS", justify="right", no_wrap=True)
     table.add_column("CREATED")
     for run in printable(runs):
-        created = _parse_time(run.get("created_at"))
+        created = parse_time(run.get("created_at"))
         summary = Text(str(run.get("summary", "")), style=_SUMMARY_STYLE.get(run.get("outcome"), ""))
         if run.get("blocked") and "blocked" not in summary.plain:
             summary.append(" (blocked)", style="bold red")

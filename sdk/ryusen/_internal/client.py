@@ -140,7 +140,8 @@ def _error_for(status: int, body: Any, text: str) -> ApiError:
 # --- what the API answers ---------------------------------------------------------------------------------------------
 
 
-def _time(value: Any) -> datetime | None:
+def parse_time(value: Any) -> datetime | None:
+    """An ISO-8601 time from a run view, or None (absent, or not a time)."""
     if not isinstance(value, str) or not value:
         return None
     try:
@@ -190,9 +191,9 @@ class Run:
             input=view.get("input"),
             output=view.get("output"),
             error=view.get("error"),
-            created_at=_time(view.get("created_at")),
-            finished_at=_time(view.get("finished_at")),
-            deadline_at=_time(deadline.get("at")) if isinstance(deadline, dict) else None,
+            created_at=parse_time(view.get("created_at")),
+            finished_at=parse_time(view.get("finished_at")),
+            deadline_at=parse_time(deadline.get("at")) if isinstance(deadline, dict) else None,
             idempotency_key=view.get("idempotency_key"),
             blockers=list(blockers) if isinstance(blockers, list) else [],
             steps=list(steps) if isinstance(steps, list) else [],
