@@ -216,3 +216,21 @@ def test_the_example_shops_refund_over_its_limit_waits_for_an_approval(capsys: p
 
 def waiting_on(env: WorkflowEnvironment, run_id: str) -> bool:
     return env.get(run_id).attempts("approval")[-1]["status"] == "waiting"
+
+
+@pytest.mark.rfd("X2")
+def test_the_same_completion_sent_again_is_taken_once_and_answered_as_taken() -> None:
+    """A completion whose write committed and whose answer was lost (a throttled or timed-out API call) is sent
+    again by the client: the same result for the same token is the completion already taken, not a refusal."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    env = WorkflowEnvironment(approvals(tokens, calls))
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    env.complete(tokens[0], {"approved": True})
+    version = env.engine.get_run(run_id).version
+    env.complete(tokens[0], {"approved": True})  # the retry: no ConflictError, nothing written
+    assert env.engine.get_run(run_id).version == version
+    assert env.wait(run_id).output == {"paid": 40} and calls["pay"] == 1
+    with pytest.raises(ConflictError):
+        env.complete(tokens[0], {"approved": False})  # another result for it is still refused

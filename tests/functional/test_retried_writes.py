@@ -294,3 +294,39 @@ def test_an_expired_run_reads_as_gone_even_before_dynamodb_deletes_it(dynamo: tu
     long_ago = done.model_copy(update={"version": 3, "finished_at": T0.replace(year=2020)})
     kept.save(long_ago, expected_version=2)
     assert kept.get("run_old") is None
+
+
+def test_a_completion_whose_write_lost_its_reply_is_taken_once_and_not_refused() -> None:
+    """Decision 32 on DynamoDB: the write that takes a completion commits and its reply is lost, so botocore sends
+    it again and the store meets its own first try: taken once. A caller that saw no answer sends the completion
+    again: the same completion, answered as taken, not refused (and nothing more written)."""
+    import ryusen
+    from ryusen.testing import WorkflowEnvironment as Env
+
+    tokens: list[str] = []
+    app = Ryusen("approvals")
+
+    @app.function("expense")
+    def expense(data: Any, step: Step) -> Any:
+        def ask() -> str:
+            token = ryusen.operation().completion_token
+            assert token is not None
+            tokens.append(token)
+            return "asked"
+
+        return step.run("approval", ask, completion="external", timeout=timedelta(hours=1))
+
+    with Env(app, store="moto") as env:
+        assert isinstance(env.store, DynamoStore)
+        run_id = env.start("expense", {})
+        env.drive(until=lambda: bool(tokens) and env.get(run_id).attempts("approval")[-1]["status"] == "waiting")
+        replies = LostReplies(env.store._client)
+        env.complete(tokens[0], {"approved": True})  # no ConflictError although the write was sent twice
+        replies.armed = False
+        assert sum(replies.lost.values()) >= 1
+        version = env.engine.get_run(run_id).version
+        env.complete(tokens[0], {"approved": True})  # the caller's own retry
+        assert env.engine.get_run(run_id).version == version
+        run = env.wait(run_id)
+    assert run.outcome == "completed" and run.output == {"approved": True}
+    assert run.attempts("approval")[0]["stale_submissions"] == []

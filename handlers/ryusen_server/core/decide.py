@@ -1030,6 +1030,10 @@ class _Transition:
             and attempt is not None
             and attempt.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
         )
+        if not live and attempt is not None and self.completion_taken(step, attempt, event):
+            # the same completion again (a retried request whose first try committed): answered as taken
+            self.reemit_queued()  # its first try's sends may have been lost with its answer
+            return self.ignore("the same completion was already taken")
         if live and event.error is None and (too_large := self.oversized_result(event.result)) is not None:
             # refused, nothing recorded: the sender may send less (no callback ran that an operator must settle)
             return self.reject(too_large.type, too_large.message)
@@ -1055,6 +1059,16 @@ class _Transition:
                 " completion is kept on it, not taken"
             )
         return None
+
+    @staticmethod
+    def completion_taken(step: StepState, attempt: Attempt, event: CompletionReported) -> bool:
+        """``event`` is the completion this attempt already took: the same result it succeeded with, or the same
+        error it failed with (a step completed from outside settles by nothing else but an operator)."""
+        if attempt.resolution is not None:
+            return False
+        if event.error is None:
+            return attempt.status is AttemptStatus.SUCCEEDED and step.result == event.result
+        return attempt.status is AttemptStatus.FAILED and attempt.error == event.error.bounded()
 
     def outcome_lost(self, step: StepState, attempt: Attempt, detail: str) -> None:
         """An authorized effect attempt whose outcome cannot be established (decisions 6.4)."""
