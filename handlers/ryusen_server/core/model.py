@@ -22,7 +22,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, model_serializer
 
 from ryusen._internal.wire import ErrorInfo, OmittedValue, Phase, RetryPolicyWire, TaskKind, nested_step_conflict
 
@@ -140,6 +140,16 @@ class _State(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
+def _without_unset(dumped: Any, fields: tuple[tuple[str, Any], ...]) -> Any:
+    """``dumped`` without the fields that hold their default: a journal entry and a head stay as small as they
+    were before those fields existed (the store writes one per step), and read back the same."""
+    if isinstance(dumped, dict):
+        for name, default in fields:
+            if name in dumped and dumped[name] == default:
+                del dumped[name]
+    return dumped
+
+
 class StaleSubmission(_State):
     received_at: datetime
     source: str
@@ -197,6 +207,10 @@ class Attempt(_State):
     """When and why the attempt's outcome became Unknown: kept after a late result or an operator settles it
     (decisions 28), so the history shows it was not known for a while."""
 
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_unset(handler(self), (("waiting_since", None),))
+
     @property
     def opened_a_step(self) -> bool:
         """Its callback ran and opened a step inside it (decisions 23): failed, but no retry is spent."""
@@ -222,6 +236,10 @@ class StepState(_State):
     wait_until: datetime | None = None
     """Decision 31: when a wait ends (a sleep completes, a ``not_before`` step's attempt may start); fixed when the
     step is first recorded, so no replay moves it."""
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _without_unset(handler(self), (("sleep", False), ("external", False), ("wait_until", None)))
 
     def heartbeat_for(self, phase: Phase) -> float | None:
         """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``
