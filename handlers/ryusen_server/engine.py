@@ -1226,6 +1226,7 @@ class Engine:
             "memo_token": token,
             "memo_base": base,
             "tracebacks": "tracebacks" in features,
+            "parallel_steps": "parallel_steps" in features,
         }
         if task.kind is TaskKind.DISCOVER:
             return TaskRequest(**common)
@@ -1250,7 +1251,11 @@ class Engine:
             respond_by=respond_by.timestamp(),
             respond_within_s=self._respond_within_s(respond_by, features),
             continue_after=(  # a step completed from outside ends its pass: what comes next waits for it
-                self.settings.chain and task.kind is TaskKind.FORWARD and "continuation" in features and not external
+                self.settings.chain
+                and task.kind is TaskKind.FORWARD
+                and "continuation" in features
+                and not external
+                and not (step.group is not None and step.group == state.group)  # the next pass waits for siblings
             ),
             acknowledge_after_s=(
                 self.settings.acknowledge_after_s

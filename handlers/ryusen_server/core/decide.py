@@ -55,6 +55,7 @@ from ryusen._internal.wire import (
     RetryPolicyWire,
     StepPlan,
     StepReached,
+    StepsReached,
     TargetNotFound,
     TaskKind,
     nested_step_build,
@@ -293,6 +294,9 @@ class _Transition:
         """This decision recorded the stop intent for a deadline that had passed (``enforce_deadline``)."""
         self.external_completion = False
         """This decision takes a completion from outside (decision 32): a success completes the step."""
+        self._filling = False
+        self._refill = False
+        """``start_siblings`` is running (a wait already over settles its sibling at once, which asks again)."""
 
     @property
     def s(self) -> RunState:
@@ -556,6 +560,7 @@ class _Transition:
         if s.deadline_at is not None and not deadline_fired:
             self.commands.append(CancelTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.DEADLINE, at=s.deadline_at)))
         self.s.phase = RunPhase.FINISHED
+        self.s.group = self.s.max_parallel = None
         self.s.recovery = recovery
         self.s.finished_at = self.now
         self.s.discovery = None
@@ -1149,6 +1154,8 @@ class _Transition:
             # a callback ran and returned too much: whatever current code does now (reaches another step,
             # completes, fails), only an operator or a stop moves the run on (decisions 25)
             return self.definition_conflict(held[1], holds=held[0])
+        if isinstance(response, StepsReached):
+            return self.siblings_reached(response)
         if isinstance(response, StepReached):
             plan = response.step
             known = s.step(plan.id)
@@ -1201,6 +1208,128 @@ class _Transition:
             self.definition_conflict(response.conflict)
         elif isinstance(response, FunctionNotFound):
             self.function_not_found(response.detail)
+
+    # ---- steps declared together (decision 30) ------------------------------------------
+
+    def siblings_reached(self, response: StepsReached) -> None:
+        """A pass reported steps declared together: record each (as a step reported alone would be), and run up
+        to ``max_parallel`` of them at once, the rest in declaration order as those settle."""
+        s = self.s
+        plans = [plan for plan in response.steps if s.step(plan.id) is None or self.restartable(plan.id)]
+        for plan in response.steps:
+            known = s.step(plan.id)
+            if known is not None and (held := self.held_by(known, Phase.FORWARD, self.build_id)):
+                return self.definition_conflict(held[1], holds=held[0])  # its callback ran: not again (23, 25)
+        new = [plan for plan in plans if s.step(plan.id) is None]
+        if new:
+            verdict = self.unstable_step_id(new[0])
+            if isinstance(verdict, UnstableStepId):
+                return self.definition_conflict(verdict)
+            if verdict == "confirming":
+                return None
+        for plan in plans:
+            known = s.step(plan.id)
+            if (too_long := self.timeout_over_maximum(plan) or self.wait_too_far(plan, known)) is not None:
+                return self.definition_conflict(too_long)
+        if len(s.steps) + len(new) > self.settings.max_steps:
+            return self.too_many_steps(new[self.settings.max_steps - len(s.steps)])
+        self.clear_definition_blockers()
+        group = s.discoveries
+        for plan in plans:
+            step = self.step(plan.id)
+            if step is None:
+                step = StepState(id=plan.id)
+                s.add_step(step)
+                self._owned.add(id(step))
+            self.take_plan(step, plan)
+            self.wait_s(step, plan)
+            step.group = group
+        s.group = group
+        s.max_parallel = response.max_parallel
+        self.touch()
+        self.start_siblings()
+
+    def restartable(self, step_id: str) -> bool:
+        """A known step a pass reports again, that may start: neither settled nor in flight."""
+        step = self.s.step(step_id)
+        if step is None or step.status in (StepStatus.COMPLETED, StepStatus.FAILED):
+            return False
+        current = step.current(Phase.FORWARD)
+        return current is None or current.status not in LIVE_ATTEMPT
+
+    @staticmethod
+    def take_plan(step: StepState, plan: StepPlan) -> None:
+        step.name, step.location, step.has_compensation = plan.name, plan.location, plan.has_compensation
+        step.retry, step.compensate_retry = plan.retry, plan.compensate_retry
+        step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
+        step.heartbeat_s = plan.heartbeat_s
+        step.external = plan.completion == "external"
+        step.status = StepStatus.PENDING
+
+    def in_group(self, step: StepState) -> bool:
+        return step.group is not None and step.group == self.s.group
+
+    def sibling_settled(self, step: StepState) -> None:
+        """A step of the running group settled (or its pass did not reach it: it leaves the group, and the
+        discovery after the group decides about it). Start the next sibling, or the discovery once none is left."""
+        current = step.current(Phase.FORWARD)
+        if step.status is StepStatus.PENDING and (current is None or current.status not in LIVE_ATTEMPT):
+            step.group = None
+        self.start_siblings()
+
+    def group_census(self) -> tuple[int, int | None, bool]:
+        """The running group: how many are in flight, the index of the next that has not started, and whether
+        the group is halted (a sibling failed for good: no new sibling starts, as ``gather`` raises there)."""
+        s = self.s
+        in_flight, unstarted, halted = 0, None, False
+        group = s.group
+        for i, step in enumerate(s.steps):
+            if step.group != group:
+                continue
+            attempts = step.attempts
+            current = attempts[-1] if attempts else None
+            if current is not None and current.phase is not Phase.FORWARD:
+                current = step.current(Phase.FORWARD)
+            if current is not None and current.status in LIVE_ATTEMPT:
+                in_flight += 1
+            elif step.status is StepStatus.FAILED:
+                halted = True
+            elif step.status is StepStatus.PENDING and unstarted is None:
+                unstarted = i
+        return in_flight, unstarted, halted
+
+    def start_siblings(self) -> None:
+        """Keep up to ``max_parallel`` of the running group in flight, in declaration order; once none is in
+        flight and none may start, the group is done and the next discovery runs (the function goes on, or
+        raises a sibling's failure at its own await). A stop starts no sibling (P4); a definition blocker waits
+        for a wake."""
+        if self._filling:
+            self._refill = True
+            return None
+        s = self.s
+        self._filling = True
+        try:
+            while True:
+                self._refill = False
+                in_flight, unstarted, halted = self.group_census()
+                may_start = not halted and not self.stopping and not s.blocked_by_definition
+                if may_start and unstarted is not None and in_flight < (s.max_parallel or 1):
+                    step = self.own(unstarted)
+                    delay = max(0.0, (step.wait_until - self.now).total_seconds()) if step.wait_until else 0.0
+                    self.queue_attempt(step, Phase.FORWARD, delay)
+                    continue
+                if not self._refill:
+                    break
+        finally:
+            self._filling = False
+        if in_flight == 0 and (unstarted is None or not may_start):
+            s.group = s.max_parallel = None
+            self.touch()
+            if self.stopping:
+                return self.evaluate_recovery()
+            if not s.blocked_by_definition:
+                self.queue_discovery()
+        return None
 
     def wait_s(self, step: StepState, plan: StepPlan) -> float:
         """Seconds until ``step`` may start (decision 31): its due time is set from the plan the first time the
@@ -1690,6 +1819,8 @@ class _Transition:
             step.completed_seq = s.completion_seq
             if self.stopping:
                 return self.evaluate_recovery()  # S5: joins the unwind
+            if self.in_group(step):
+                return self.sibling_settled(step)  # decision 30: the function goes on once its siblings settle
             if self.next is not None:  # continuation: what the replay found next, in this same write
                 self.build_id = attempt.build_id
                 return self.discovered(self.next)
@@ -1709,6 +1840,8 @@ class _Transition:
             if self.stopping:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
+            if self.in_group(step):
+                return self.sibling_settled(step)  # it leaves the group; the discovery after it decides
             # a step that current code keeps not reaching (an endpoint serving two revisions at once) backs off
             fenced = 0
             for earlier in reversed([a for a in step.attempts if a.phase is Phase.FORWARD]):
@@ -1723,6 +1856,8 @@ class _Transition:
             if self.stopping:
                 step.status = StepStatus.FENCED
                 return self.evaluate_recovery()
+            if self.in_group(step):
+                step.group = None  # current code does not reach it as declared: the discovery after decides
             if isinstance(response, ConflictFound):
                 return self.definition_conflict(response.conflict)
             return self.function_not_found(response.detail)
@@ -1799,6 +1934,8 @@ class _Transition:
                 return None
             step.status = StepStatus.FAILED  # F5: one terminal failure, then discovery
             self.record_step_error(step, error)
+            if self.in_group(step):
+                return self.sibling_settled(step)  # P3: raised at its own await once its siblings settle
             return self.queue_discovery()
         if retry_allowed:
             step.compensation_status = CompensationStatus.PENDING

@@ -236,10 +236,16 @@ class StepState(_State):
     wait_until: datetime | None = None
     """Decision 31: when a wait ends (a sleep completes, a ``not_before`` step's attempt may start); fixed when the
     step is first recorded, so no replay moves it."""
+    group: int | None = None
+    """Decision 30: the discovery pass (``RunState.discoveries``) that reported this step declared together with
+    others; its siblings share it. None for a step reported alone, or one that left its group (its attempt's pass
+    did not reach it: a later discovery decides)."""
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_unset(handler(self), (("sleep", False), ("external", False), ("wait_until", None)))
+        return _without_unset(
+            handler(self), (("sleep", False), ("external", False), ("wait_until", None), ("group", None))
+        )
 
     def heartbeat_for(self, phase: Phase) -> float | None:
         """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``
@@ -398,6 +404,11 @@ class RunState(_State):
     discovery: DiscoveryTask | None = None
     discovery_seq: int = 0
     completion_seq: int = 0
+    group: int | None = None
+    """Decision 30: the steps declared together that the run is running (``StepState.group``), until every one of
+    them has settled and the next discovery is queued."""
+    max_parallel: int | None = None
+    """Decision 30: how many of ``group``'s steps may be in flight at once (the function's ``max_parallel``)."""
     unwind: list[UnwindEntry] = Field(default_factory=list)
     blockers: list[Blocker] = Field(default_factory=list)
     probe_interval_s: float | None = None

@@ -58,8 +58,10 @@ from .signing import (
 )
 from .step import AsyncStep, CallbackInterruptedError, OmittedResult, Step, _fresh, _Replay
 from .wire import (
+    DEFAULT_MAX_PARALLEL,
     FEATURES_HEADER,
     MAX_ID_LENGTH,
+    MAX_PARALLEL_LIMIT,
     MAX_RUN_TIMEOUT_S,
     SDK_FEATURES,
     CallbackFailed,
@@ -107,6 +109,8 @@ class RegisteredFunction:
     retired_steps: frozenset[str] = frozenset()
     """Step ids this release has removed on purpose: a compensation pass that does not reach one of them
     records a skip (decisions 24) instead of blocking the unwind."""
+    max_parallel: int = DEFAULT_MAX_PARALLEL
+    """Decision 30: the most steps declared together that run at once; the rest start in declaration order."""
 
 
 INSECURE_ENV = "RYUSEN_INSECURE_LOCAL"
@@ -287,7 +291,12 @@ class Ryusen:
         return dict(self._functions)
 
     def function(
-        self, function_id: str, *, timeout: timedelta | None = None, retired_steps: Iterable[str] = ()
+        self,
+        function_id: str,
+        *,
+        timeout: timedelta | None = None,
+        retired_steps: Iterable[str] = (),
+        max_parallel: int = DEFAULT_MAX_PARALLEL,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a workflow function ``fn(input, step)`` under ``function_id``.
 
@@ -297,8 +306,15 @@ class Ryusen:
         a completed step with a retired id, its compensation is skipped. Without it, a compensation pass that
         ends before its step (an early return, a guard on an external read) blocks the unwind until a release,
         the probe or an operator moves it on: a pass that did not reach the step proves nothing about it.
+
+        ``max_parallel`` bounds the steps declared together (``asyncio.gather``, a task group, ``step.parallel``)
+        that run at once (decision 30); the rest start in declaration order as those settle.
         """
         retired = frozenset(retired_steps)
+        if isinstance(max_parallel, bool) or not isinstance(max_parallel, int):
+            raise DefinitionError(f"function {function_id!r}: max_parallel must be a whole number")
+        if not 1 <= max_parallel <= MAX_PARALLEL_LIMIT:
+            raise DefinitionError(f"function {function_id!r}: max_parallel must be between 1 and {MAX_PARALLEL_LIMIT}")
         if isinstance(retired_steps, str) or not all(isinstance(r, str) and r for r in retired):
             raise DefinitionError(f"function {function_id!r}: retired_steps must be a list of step ids")
         if not function_id or not isinstance(function_id, str) or len(function_id) > MAX_ID_LENGTH:
@@ -310,7 +326,7 @@ class Ryusen:
             if function_id in self._functions:
                 raise DefinitionError(f"function id {function_id!r} is registered twice in app {self.app_id!r}")
             self._functions[function_id] = RegisteredFunction(
-                function_id, fn, timeout, inspect.iscoroutinefunction(fn), retired
+                function_id, fn, timeout, inspect.iscoroutinefunction(fn), retired, max_parallel
             )
             return fn
 
@@ -394,8 +410,13 @@ class Ryusen:
         elif len(self.kept_passes):
             self.kept_passes.drop(request.run_id)  # not a chained attempt: the run's kept pass is of no use
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
-        outcome = self._pass(registered, request, _replay(request, registered))
-        following = self._continuation(registered, request, outcome, pristine, window, inline=_on_lambda(options))
+        first = _replay(request, registered)
+        outcome = self._pass(registered, request, first)
+        following = (
+            self._continuation(registered, request, outcome, pristine, window, inline=_on_lambda(options))
+            if not first.had_siblings  # a step declared with others: the next discovery waits for them all
+            else None
+        )
         return _respond(request, outcome, following)
 
     def _execute_kept(
@@ -541,9 +562,11 @@ class Ryusen:
         if not registered.is_async:  # a plain function (and its callbacks) must not block the server's loop
             return await asyncio.to_thread(self.execute, request, sent, options=options, window=window)
         pristine = _fresh(request.input) if request.continue_after else None  # the pass may change its input
-        outcome = await self._pass_async(registered, request, _replay(request, registered))
+        first = _replay(request, registered)
+        outcome = await self._pass_async(registered, request, first)
         following: Any = None
-        discovery = _discovery_after(request, outcome, pristine)
+        # a step declared with others: the server runs the next discovery once they all have settled
+        discovery = _discovery_after(request, outcome, pristine) if not first.had_siblings else None
         budget = _continuation_budget(window) if discovery is not None else 0.0
         if discovery is not None and budget > 0:
             replay = _replay(discovery)
@@ -566,10 +589,31 @@ class Ryusen:
         output: Any = None
         replay.function_thread = threading.get_ident()  # the event loop's
         replay.build_id = self.build_id
+        attention = replay.attention = asyncio.Event()
+        main = asyncio.ensure_future(registered.fn(request.input, AsyncStep(replay)))
         try:
-            output = await registered.fn(request.input, AsyncStep(replay))
-        except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
-            raised = exc
+            # steps the function awaits with no recorded outcome wait; once its tasks have settled, the pass
+            # decides what they report together (decision 30)
+            while not main.done():
+                noticed = asyncio.ensure_future(attention.wait())
+                try:
+                    await asyncio.wait((main, noticed), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    noticed.cancel()
+                if main.done():
+                    break
+                attention.clear()
+                await replay.settle(main)
+                if not main.done():
+                    await replay.decide_waiting()
+            try:
+                output = main.result()
+            except BaseException as exc:  # noqa: BLE001 - a Suspend, possibly inside an exception group (TaskGroup)
+                raised = exc
+        finally:
+            if not main.done():
+                main.cancel()
+        await replay.finish_declared()
         await replay.wait_for_callback()
         return replay.report(output=output, raised=raised)
 
@@ -1249,8 +1293,10 @@ def _replay(request: TaskRequest, registered: RegisteredFunction | None = None) 
         forward_result = OmittedResult(size=omitted.size, sha256=omitted.sha256, limit=omitted.limit)
     replay = _Replay(request.kind, request.memo, request.step_id, request.operation, forward_result)
     replay.tracebacks = request.tracebacks
+    replay.parallel = request.parallel_steps
     if registered is not None:
         replay.retired_steps = registered.retired_steps
+        replay.max_parallel = registered.max_parallel
     return replay
 
 

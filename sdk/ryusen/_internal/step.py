@@ -44,6 +44,7 @@ step; a pass from the top sees only the recorded results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -67,8 +68,10 @@ from pydantic import ValidationError
 from .errors import ConcurrentStepError, NonRetryableError, NoOperationError, StepFailed
 from .heartbeat import SINK
 from .wire import (
+    DEFAULT_MAX_PARALLEL,
     FRAME_TEXT_LIMIT,
     MAX_FRAMES,
+    MAX_SIBLINGS,
     MAX_VALUE_BYTES,
     MAX_WAIT_S,
     NESTED_STEP_ERROR,
@@ -94,6 +97,7 @@ from .wire import (
     RetryPolicyWire,
     StepPlan,
     StepReached,
+    StepsReached,
     TargetNotFound,
     TaskKind,
     Traceback,
@@ -399,6 +403,48 @@ class _Open:
         return Occurrence(step_id=self.step_id, location=self.location, name=self.name)
 
 
+@dataclass(slots=True, eq=False)
+class _Declared:
+    """A ``step.run`` call as it was made (decision 30): its step exists from here, whether or not its awaitable
+    is ever awaited. Steps declared before the function awaits any of them are declared together."""
+
+    index: int
+    step_id: str
+    location: str | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    name: str | None
+    compensate: Callable[[Any], Any] | None
+    retry: RetryPolicy | None
+    timeout: timedelta | None
+    compensate_retry: RetryPolicy | None
+    compensate_timeout: timedelta | None
+    heartbeat: timedelta | None
+    wait: Wait | None
+    completion: str
+    seen: _Seen
+    duplicate_of: _Seen | None = None
+    context: contextvars.Context | None = None
+    """The context the call was made in: its callback runs in it, wherever it is started from."""
+    awaitable: Any = None
+    """What the call returned (an async function's): closed at the end of the pass if it was never awaited."""
+
+    def entry_args(self) -> tuple[Any, ...]:
+        """What :meth:`_Replay.enter` takes, in its order."""
+        return (self.step_id, self.location, self.fn, self.name, self.compensate, self.retry, self.timeout,
+                self.compensate_retry, self.compensate_timeout, self.heartbeat, self.wait, self.completion)  # fmt: skip
+
+
+class _Declaring(BaseException):
+    """Raised by ``step.run`` inside ``step.parallel``'s collection: the call is declared, not run."""
+
+
+SETTLE_ROUNDS = 64
+"""The most event-loop turns an async pass lets its tasks run before it decides what its waiting steps report:
+three turns in a row in which no ``step.run`` is called or entered end it sooner."""
+
+
 class CallbackInterruptedError(Exception):
     """The target callback was entered but did not finish (it raised a ``BaseException`` such as
     ``KeyboardInterrupt``, or was cancelled): there is no outcome to report, and ``target_not_found``
@@ -472,8 +518,60 @@ class _Replay:
         self.tracebacks = False
         """The server asked for tracebacks (``tracebacks``): the errors this pass reports say where they were
         raised."""
+        self.parallel = False
+        """The server runs steps declared together at once (``parallel_steps``): a pass may report them all."""
+        self.max_parallel = DEFAULT_MAX_PARALLEL
+        self.declarations: list[_Declared] = []
+        """Every ``step.run`` call of this pass, as made (decision 30)."""
+        self.calls = 0
+        """``step.run`` calls and entries so far: an async pass has settled when a few loop turns add none."""
+        self.waiting: list[tuple[_Declared, asyncio.Future[None]]] = []
+        """Awaited steps with no recorded outcome that are not this task's target (siblings, or the steps a
+        discovery reports together): what they report is decided once the pass has settled."""
+        self.attention: asyncio.Event | None = None
+        """Set when a step starts waiting: the async runner then lets the pass settle and decides."""
+        self.collecting: tuple[int, list[_Declared]] | None = None
+        """``step.parallel`` is collecting its calls (a ``step.run`` meanwhile declares, and runs nothing)."""
+        self.claimed: _Declared | None = None
+        """An async attempt's target, claimed where it was called: the runner runs it once the function stops."""
+        self.had_siblings = False
+        """This attempt's pass met steps declared with its target: no continuation is worth running after it."""
 
     # ---- step.run -----------------------------------------------------------------
+
+    def declare(
+        self,
+        step_id: str,
+        location: str | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+        compensate: Callable[[Any], Any] | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | None,
+        compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
+        heartbeat: timedelta | None,
+        wait: Wait | None,
+        completion: str,
+    ) -> _Declared:
+        """A ``step.run`` call, as it is made (decision 30): the step exists from now on in this pass. A second
+        call with the same id is its duplicate, reported when either is awaited."""
+        with self._lock:
+            self.calls += 1
+            declared = _Declared(len(self.declarations), step_id, location, fn, args, kwargs, name, compensate, retry,
+                                 timeout, compensate_retry, compensate_timeout, heartbeat, wait, completion,
+                                 _Seen(location, fn, name))  # fmt: skip
+            declared.context = contextvars.copy_context()
+            if isinstance(step_id, str) and step_id and not self.closed:
+                first = self.seen.get(step_id)
+                if first is not None:
+                    declared.duplicate_of = first
+                else:
+                    self.seen[step_id] = declared.seen
+                self.declarations.append(declared)
+            return declared
 
     def enter(
         self,
@@ -489,21 +587,32 @@ class _Replay:
         heartbeat: timedelta | None = None,
         wait: Wait | None = None,
         completion: str = "callback",
+        *,
+        declared: _Declared | None = None,
     ) -> tuple[str, Any]:
-        """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise."""
+        """Decide what ``step.run`` does: ("return", value), ("execute", callable) or ("park", None); or raise.
+
+        A declared call (``declared``: an async function's, or one of ``step.parallel``'s) with no recorded
+        outcome that is not this task's target answers ("together", None) in a discovery and ("beside", None)
+        otherwise: what it reports is decided with the steps declared with it (decision 30)."""
         if not isinstance(step_id, str) or not step_id:
             raise TypeError("step id must be a non-empty string")
         with self._lock:
+            self.calls += 1
             if self.keeper is not None and self.keepable and threading.get_ident() != self.keeper.thread_id:
                 self.keepable = False  # a step from another thread: the rest of this pass is not kept
             if self.closed:
                 raise Suspend(self.outcome)  # the task has answered: nothing more runs in this pass
             if self.stopped_at is not None:
+                if declared is not None and (moved := self._after_stop_together()) is not None:
+                    return moved
                 return self._after_stop(step_id, location, _display_name(fn, name))
             if self.function_thread is not None and threading.get_ident() != self.function_thread:
                 self._refuse_from_another_thread(step_id, location, _display_name(fn, name))
-            first = self.seen.get(step_id)
-            seen = _Seen(location, fn, name)
+            if declared is not None:
+                first, seen = declared.duplicate_of, declared.seen
+            else:
+                first, seen = self.seen.get(step_id), _Seen(location, fn, name)
             display = seen.name if first is not None or step_id == self.target else ""
             if first is not None:
                 if self.target_without_compensator is not None and step_id == self.target and compensate is None:
@@ -516,7 +625,8 @@ class _Replay:
                     duplicate=Occurrence(location=location, name=display),
                 )
                 self._stop(step_id, location, display, ConflictFound(conflict=duplicate))
-            self.seen[step_id] = seen
+            if declared is None:
+                self.seen[step_id] = seen
             recorded = self.memo.get(step_id)
             if self.kind is TaskKind.COMPENSATE and step_id == self.target:
                 if compensate is not None:
@@ -537,15 +647,10 @@ class _Replay:
                 self.recorded_failures.append(failure)
                 raise failure
             if self.kind is TaskKind.DISCOVER:
-                plan = self._plan(
-                    step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout
-                )
-                if heartbeat is not None and isinstance(plan, StepReached):
-                    plan = self._with_heartbeat(plan, step_id, location, heartbeat)
-                if wait is not None and isinstance(plan, StepReached):
-                    plan = self._with_wait(plan, step_id, location, wait)
-                if completion != "callback" and isinstance(plan, StepReached):
-                    plan = self._with_completion(plan, step_id, location, completion)
+                if declared is not None:
+                    return "together", None
+                plan = self._full_plan(step_id, location, display, compensate, retry, timeout, compensate_retry,
+                                       compensate_timeout, heartbeat, wait, completion)  # fmt: skip
                 # a wait, or a completion from outside: nothing to keep a pass for meanwhile
                 waits = isinstance(plan, StepReached) and (wait is not None or completion != "callback")
                 if self.keeper is not None and self.keepable and isinstance(plan, StepReached) and not waits:
@@ -555,22 +660,274 @@ class _Replay:
                     return "keep", plan
                 self._stop(step_id, location, display, plan)
             if step_id != self.target:
-                assert self.target is not None
-                if self.kind is TaskKind.COMPENSATE and self.target in self.retired_steps:
-                    # the release retired the target: a step it no longer reaches is no conflict (decisions 24)
-                    detail = f"current code reaches step {step_id!r} and retires step {self.target!r}"
-                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="retired"))
-                if self.kind is TaskKind.COMPENSATE and self.target_without_compensator is None:
-                    met = Occurrence(step_id=step_id, location=location, name=display)
-                    conflict = NewStepBeforeTarget(step_id=self.target, first=met)
-                    self._stop(step_id, location, display, ConflictFound(conflict=conflict))
-                if self.kind is TaskKind.COMPENSATE:
-                    detail = f"current code declares no compensator for step {self.target!r}"
-                    self._stop(step_id, location, display, TargetNotFound(detail=detail, reason="no_compensator"))
-                detail = f"current code reaches step {step_id!r} before {self.target!r}"
-                self._stop(step_id, location, display, TargetNotFound(detail=detail))
+                if declared is not None:
+                    self.had_siblings = True
+                    return "beside", None
+                self._stop(step_id, location, display, self._before_target(step_id, location, display))
             self._open(step_id, location, display)
             return "execute", fn
+
+    def _before_target(self, step_id: str, location: str | None, display: str) -> Any:
+        """What an attempt's pass reports when it meets step ``step_id``, with no recorded outcome, and not its
+        target: the target was not reached (or, compensating, why it cannot be)."""
+        assert self.target is not None
+        if self.kind is TaskKind.COMPENSATE and self.target in self.retired_steps:
+            # the release retired the target: a step it no longer reaches is no conflict (decisions 24)
+            detail = f"current code reaches step {step_id!r} and retires step {self.target!r}"
+            return TargetNotFound(detail=detail, reason="retired")
+        if self.kind is TaskKind.COMPENSATE and self.target_without_compensator is None:
+            met = Occurrence(step_id=step_id, location=location, name=display)
+            return ConflictFound(conflict=NewStepBeforeTarget(step_id=self.target, first=met))
+        if self.kind is TaskKind.COMPENSATE:
+            detail = f"current code declares no compensator for step {self.target!r}"
+            return TargetNotFound(detail=detail, reason="no_compensator")
+        return TargetNotFound(detail=f"current code reaches step {step_id!r} before {self.target!r}")
+
+    def _full_plan(
+        self,
+        step_id: str,
+        location: str | None,
+        display: str,
+        compensate: Callable[[Any], Any] | None,
+        retry: RetryPolicy | None,
+        timeout: timedelta | None,
+        compensate_retry: RetryPolicy | None,
+        compensate_timeout: timedelta | None,
+        heartbeat: timedelta | None,
+        wait: Wait | None,
+        completion: str,
+    ) -> StepReached | ConflictFound:
+        plan = self._plan(step_id, location, display, compensate, retry, timeout, compensate_retry, compensate_timeout)
+        if heartbeat is not None and isinstance(plan, StepReached):
+            plan = self._with_heartbeat(plan, step_id, location, heartbeat)
+        if wait is not None and isinstance(plan, StepReached):
+            plan = self._with_wait(plan, step_id, location, wait)
+        if completion != "callback" and isinstance(plan, StepReached):
+            plan = self._with_completion(plan, step_id, location, completion)
+        return plan
+
+    # ---- steps declared together (decision 30) ------------------------------------------
+
+    def _after_stop_together(self) -> tuple[str, Any] | None:
+        """A declared ``step.run`` of the function's own thread after the pass stopped: the suspension again, or
+        a wait for the running target; None where decision 18's refusal applies (inside a callback)."""
+        if _current_operation.get() is not None:
+            return None  # opened inside the running callback (or a task it started): refused (decisions 23)
+        if self.function_thread is not None and threading.get_ident() != self.function_thread:
+            return None
+        if self.outcome is not None:
+            raise Suspend(self.outcome)
+        if self.entered:
+            return "park", None
+        return None
+
+    def together_outcome(self) -> Any:
+        """What a discovery reports for the steps declared in this pass with no recorded outcome: their plans
+        in declaration order (one plan alone as before), or the first conflict among them."""
+        pending: list[_Declared] = []
+        for declared in self.declarations:
+            if declared.duplicate_of is not None:
+                first = declared.duplicate_of
+                duplicate = DuplicateStepConflict(
+                    step_id=declared.step_id,
+                    first=Occurrence(location=first.location, name=first.name),
+                    duplicate=Occurrence(location=declared.location, name=declared.seen.name),
+                )
+                return ConflictFound(conflict=duplicate)
+            if declared.step_id not in self.memo:
+                pending.append(declared)
+        plans: list[StepPlan] = []
+        for declared in pending:
+            plan = self._full_plan(declared.step_id, declared.location, declared.seen.name, declared.compensate,
+                                   declared.retry, declared.timeout, declared.compensate_retry,
+                                   declared.compensate_timeout, declared.heartbeat, declared.wait,
+                                   declared.completion)  # fmt: skip
+            if isinstance(plan, ConflictFound):
+                return plan
+            plans.append(plan.step)
+            if not self.parallel:
+                break  # a server that runs one step at a time: the first now, the next in a later pass
+        if len(plans) > MAX_SIBLINGS:
+            first_pending = pending[0]
+            message = (
+                f"{len(plans)} steps are declared together from step {first_pending.step_id!r};"
+                f" at most {MAX_SIBLINGS} may be"
+            )
+            step_id, where = _text(first_pending.step_id), first_pending.location
+            return ConflictFound(conflict=InvalidStep(step_id=step_id, location=where, message=message))
+        if len(plans) == 1:
+            return StepReached(step=plans[0])
+        return StepsReached(steps=plans, max_parallel=self.max_parallel)
+
+    def stop_together(self, waiting: list[_Declared]) -> None:
+        """End a discovery pass with what the steps declared together report (lock held)."""
+        if self.outcome is None and not self.closed:
+            self.outcome = self.together_outcome()
+        if self.stopped_at is None and waiting:
+            first = min(waiting, key=lambda d: d.index)
+            self.stopped_at = _Open(first.step_id, first.location, first.seen.name, _context())
+
+    def declared_target(self) -> _Declared | None:
+        if self.target is None:
+            return None
+        return next((d for d in self.declarations if d.step_id == self.target and d.duplicate_of is None), None)
+
+    async def wait_declared(self, declared: _Declared) -> NoReturn:
+        """An awaited step with no recorded outcome that is not the target: wait until the pass decides."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            decided = self.outcome is not None or self.closed or self.stopped_at is not None
+            if not decided:
+                self.waiting.append((declared, waiter))
+        if not decided:
+            if self.attention is not None:
+                self.attention.set()
+            await waiter
+        if self.outcome is None and self.entered:
+            await self.park()
+        raise Suspend(self.outcome)
+
+    async def settle(self, main: asyncio.Future[Any]) -> None:
+        """Let the function's tasks run until they stop calling ``step.run`` (or the function ends)."""
+        quiet = 0
+        for _ in range(SETTLE_ROUNDS):
+            before = self.calls
+            await asyncio.sleep(0)
+            if main.done():
+                return
+            quiet = quiet + 1 if self.calls == before else 0
+            if quiet >= 3:
+                return
+
+    async def decide_waiting(self) -> None:
+        """The pass has settled with steps waiting: a discovery reports them together; an attempt's pass runs its
+        target (however it was declared) and reports it, or reports that it is not reached."""
+        with self._lock:
+            waiting, self.waiting = self.waiting, []
+            if not waiting:
+                return
+            if self.kind is TaskKind.DISCOVER or self.entered or self.outcome is not None or self.closed:
+                if self.kind is TaskKind.DISCOVER:
+                    self.stop_together([d for d, _ in waiting])
+                _release_all(waiting)
+                return
+            target = self.declared_target()
+            if target is None:
+                first = min((d for d, _ in waiting), key=lambda d: d.index)
+                self.outcome = self._before_target(first.step_id, first.location, first.seen.name)
+                self.stopped_at = _Open(first.step_id, first.location, first.seen.name, _context())
+                _release_all(waiting)
+                return
+        try:
+            await self.run_declared(target)
+        finally:
+            _release_all(waiting)
+
+    def claim(self, declared: _Declared) -> bool:
+        """An async attempt's pass calls its target: the pass stops here, and the runner runs the target's callback
+        in the call's context (the function need not build what comes after it: a fan-out's other thousand
+        steps). False where the call is not the target's (or not runnable from its declaration)."""
+        if self.kind is TaskKind.DISCOVER or declared.step_id != self.target or declared.duplicate_of is not None:
+            return False
+        if self.kind is TaskKind.COMPENSATE and declared.compensate is None:
+            return False
+        with self._lock:
+            if self.entered or self.closed or self.outcome is not None or self.stopped_at is not None:
+                return False
+            if self.function_thread is not None and threading.get_ident() != self.function_thread:
+                return False
+            if _current_operation.get() is not None:
+                return False  # opened inside a callback: refused as before (decisions 23)
+            self._open(declared.step_id, declared.location, declared.seen.name)
+            self.claimed = declared
+            if self.declarations and len(self.declarations) > 1:
+                self.had_siblings = self.had_siblings or any(
+                    d.step_id not in self.memo for d in self.declarations if d is not declared
+                )
+            return True
+
+    async def run_in_context(self, declared: _Declared) -> None:
+        """Run the target's callback (its pass is open), in the context its ``step.run`` was called in."""
+        loop = asyncio.get_running_loop()
+        callback = self.run_callback_async(_async_call(self, declared))
+        task = loop.create_task(callback, context=declared.context) if declared.context else loop.create_task(callback)
+        with contextlib.suppress(Suspend):
+            await task
+
+    async def run_declared(self, declared: _Declared) -> None:
+        """Run this attempt's target from its declaration: the function declared it and has not (or will not)
+        run it itself (a task group cancelled its task, the function ended first)."""
+        with self._lock:
+            if self.entered or self.closed or self.outcome is not None:
+                return
+            if self.kind is TaskKind.COMPENSATE and declared.compensate is None:
+                self.target_without_compensator = declared.location
+                return
+            self._open(declared.step_id, declared.location, declared.seen.name)
+        await self.run_in_context(declared)
+
+    async def finish_declared(self) -> None:
+        """The function ended: an attempt whose target it declared and never ran still runs it (decision 30:
+        each sibling settles on its own); then every step still waiting ends with the pass."""
+        claimed, self.claimed = self.claimed, None
+        if claimed is not None:
+            await self.run_in_context(claimed)
+        elif self.kind is not TaskKind.DISCOVER and not self.entered and self.outcome is None and not self.closed:
+            target = self.declared_target()
+            if target is not None:
+                await self.run_declared(target)
+        with self._lock:
+            waiting, self.waiting = self.waiting, []
+        for _, waiter in waiting:
+            waiter.cancel()
+        for declared in self.declarations:  # never awaited (the pass stopped first): no warning about it
+            awaitable = declared.awaitable
+            if awaitable is not None and inspect.getcoroutinestate(awaitable) == inspect.CORO_CREATED:
+                awaitable.close()
+
+    # ---- step.parallel (a sync function's steps declared together) -----------------------
+
+    def run_together(self, declared: list[_Declared], return_exceptions: bool) -> list[Any]:
+        """``step.parallel``: the calls' recorded results (or failures) in order, once every one has one; else
+        end the pass as one ``step.run`` among them would, with them all (decision 30)."""
+        results: list[Any] = []
+        failures: list[StepFailed] = []
+        unrecorded: list[_Declared] = []
+        target: tuple[_Declared, Any] | None = None
+        for one in declared:
+            try:
+                action, value = self.enter(*one.entry_args(), declared=one)
+            except StepFailed as failure:
+                results.append(failure)
+                failures.append(failure)
+                continue
+            if action == "return":
+                results.append(value)
+            elif action == "execute":
+                target = (one, value)
+                results.append(None)
+            else:
+                unrecorded.append(one)
+                results.append(None)
+        if target is not None:
+            one, value = target
+            with self._lock:
+                self.keepable = False  # the rest of this pass waits for the siblings: not a continuation
+                self.had_siblings = bool(unrecorded) or self.had_siblings
+            call = value if self.kind is TaskKind.COMPENSATE else (lambda: value(*one.args, **one.kwargs))
+            self.run_callback(one.step_id, _declaring(one.heartbeat, call))  # raises Suspend
+        if failures and not return_exceptions:
+            raise failures[0]  # as gather does: the first failure, in declaration order; no sibling starts
+        if unrecorded:
+            with self._lock:
+                if self.kind is TaskKind.DISCOVER:
+                    self.stop_together(unrecorded)
+                elif self.outcome is None:
+                    first = unrecorded[0]
+                    self.outcome = self._before_target(first.step_id, first.location, first.seen.name)
+                    self.stopped_at = _Open(first.step_id, first.location, first.seen.name, _context())
+                raise Suspend(self.outcome)
+        return results
 
     def _plan(
         self,
@@ -852,6 +1209,8 @@ class _Replay:
             self.callback_done.wait()  # a callback in another thread: its outcome is this task's
         for waiter in self.parked:
             waiter.cancel()
+        for _, waiter in self.waiting:
+            waiter.cancel()
         if self.entered:
             if self.outcome is None:
                 raise CallbackInterruptedError(f"the callback of step {self.target!r} did not finish")
@@ -925,6 +1284,12 @@ def nested_step_error(conflict: ConcurrentStepConflict, build_id: str | None = N
         data={**conflict.model_dump(mode="json"), **({"build_id": build_id} if build_id else {})},
         retryable=False,
     )
+
+
+def _release_all(waiting: list[tuple[_Declared, asyncio.Future[None]]]) -> None:
+    for _, waiter in waiting:
+        if not waiter.done():
+            waiter.get_loop().call_soon_threadsafe(_release, waiter)
 
 
 def _release(waiter: asyncio.Future[None]) -> None:
@@ -1057,6 +1422,36 @@ class Step:
             step_id, _slept, (), {}, _caller_location(1), None, "durable wait", None, None, None, None, None, wait
         )
 
+    def parallel(self, *calls: Callable[[], Any], return_exceptions: bool = False) -> list[Any]:
+        """Run several steps together (decision 30): each call runs one ``step.run`` (or ``step.sleep``), as a
+        ``lambda``. Returns their results in order once all have settled; the steps run at once, up to the
+        function's ``max_parallel``. A step that failed raises its :class:`StepFailed` (the first in order), after
+        every sibling in flight has settled; with ``return_exceptions=True`` it is returned in its place.
+
+        >>> def trip(data: dict, step: Step) -> list:
+        ...     return step.parallel(
+        ...         lambda: step.run("flight", book_flight, data, compensate=cancel_flight),
+        ...         lambda: step.run("hotel", book_hotel, data, compensate=cancel_hotel),
+        ...     )
+        """
+        replay = self._replay
+        if replay.collecting is not None:
+            raise TypeError("step.parallel cannot be called inside another step.parallel")
+        collected: list[_Declared] = []
+        replay.collecting = (threading.get_ident(), collected)
+        try:
+            for call in calls:
+                if not callable(call):
+                    raise TypeError("step.parallel takes callables, each calling step.run once: lambda: step.run(...)")
+                before = len(collected)
+                with contextlib.suppress(_Declaring):
+                    call()
+                if len(collected) != before + 1:
+                    raise TypeError("each callable given to step.parallel must call step.run (or step.sleep) once")
+        finally:
+            replay.collecting = None
+        return replay.run_together(collected, return_exceptions)
+
     def _run(
         self,
         step_id: str,
@@ -1075,6 +1470,12 @@ class Step:
         completion: str = "callback",
     ) -> Any:
         replay = self._replay
+        collecting = replay.collecting
+        if collecting is not None and collecting[0] == threading.get_ident():  # inside step.parallel: declared
+            declared = replay.declare(step_id, location, fn, args, kwargs, name, compensate, retry, timeout,
+                                      compensate_retry, compensate_timeout, heartbeat, wait, completion)  # fmt: skip
+            collecting[1].append(declared)
+            raise _Declaring
         enter = functools.partial(
             replay.enter,
             step_id,
@@ -1168,33 +1569,44 @@ class AsyncStep:
         wait: Wait | None,
         completion: str = "callback",
     ) -> Awaitable[Any]:
+        replay = self._replay
+        # the step exists from the call on (decision 30): steps called before any is awaited run together
+        declared = replay.declare(step_id, location, fn, args, kwargs, name, compensate, retry, timeout,
+                                  compensate_retry, compensate_timeout, heartbeat, wait, completion)  # fmt: skip
+
+        if replay.claim(declared):
+            raise Suspend(None)  # this attempt's target: the pass stops at its call, and the runner runs it
+
         async def run() -> Any:
-            replay = self._replay
-            action, value = replay.enter(
-                step_id,
-                location,
-                fn,
-                name,
-                compensate,
-                retry,
-                timeout,
-                compensate_retry,
-                compensate_timeout,
-                heartbeat,
-                wait,
-                completion,
-            )
+            action, value = replay.enter(*declared.entry_args(), declared=declared)
             if action == "return":
                 return value
             if action == "park":
                 await replay.park()
-            compensating = replay.kind is TaskKind.COMPENSATE
-            call = _declaring(heartbeat, value if compensating else (lambda: value(*args, **kwargs)))
-            if not _is_async(compensate if compensating else fn):
-                call = _off_the_loop(call)  # a plain callback must not hold the event loop (other requests')
-            await replay.run_callback_async(call)
+            if action in ("together", "beside"):
+                await replay.wait_declared(declared)
+            await replay.run_callback_async(_async_call(replay, declared, value))
 
-        return run()
+        declared.awaitable = awaitable = run()
+        return awaitable
+
+
+def _async_call(replay: _Replay, declared: _Declared, value: Any = None) -> Callable[[], Any]:
+    """What runs an async pass's target: its callback (or compensator), with its heartbeat declared; a plain
+    callback on a worker thread, so that it does not hold the event loop (other requests')."""
+    compensating = replay.kind is TaskKind.COMPENSATE
+    call: Callable[[], Any]
+    if compensating:
+        compensate = declared.compensate
+        assert compensate is not None
+        call = value if value is not None else (lambda: compensate(replay.forward_result))
+    else:
+        fn = value if value is not None else declared.fn
+        call = lambda: fn(*declared.args, **declared.kwargs)  # noqa: E731
+    call = _declaring(declared.heartbeat, call)
+    if not _is_async(declared.compensate if compensating else declared.fn):
+        call = _off_the_loop(call)
+    return call
 
 
 def _declaring(heartbeat: timedelta | None, call: Callable[[], Any]) -> Callable[[], Any]:

@@ -40,6 +40,7 @@ SDK_FEATURES = (
     "heartbeat",
     "tracebacks",
     "external_completion",
+    "parallel_steps",
 )
 """``continuation``: a forward request may carry ``continue_after``, and its response ``next``.
 ``memo_cache``: a request may carry ``memo_token`` and ``memo_base``, and its response ``memo_miss``.
@@ -56,7 +57,9 @@ found next, to the result URL (``docs/design/dispatch.md``).
 ``tracebacks``: a request may carry ``tracebacks``; an error the endpoint then reports may carry its
 ``traceback`` (an error without one is sent as before).
 ``external_completion``: a step's plan may say ``completion: "external"``, and an attempt's operation may carry
-its ``completion_token`` (decision 32)."""
+its ``completion_token`` (decision 32).
+``parallel_steps``: a request may carry ``parallel_steps``; a discovery pass the endpoint then answers may report
+several steps declared together (``StepsReached``, decision 30). Without it, they are reported one at a time."""
 MAX_WAIT_S = 366 * 24 * 3600.0
 """The longest durable wait a step may declare (decision 31): a year."""
 MAX_VALUE_BYTES = 256 * 1024
@@ -455,6 +458,9 @@ class TaskRequest(_Wire):
     is answered ``accepted`` at once, and its outcome goes to ``result_url`` when the callback ends."""
     tracebacks: bool = False
     """``tracebacks``: report where an error was raised (``ErrorInfo.traceback``)."""
+    parallel_steps: bool = False
+    """``parallel_steps``: the server runs steps declared together concurrently; a pass may report them all
+    (``StepsReached``)."""
     memo_base: MemoBase | None = None
     """``memo_cache``: ``memo`` holds only what changed since the memo named ``memo_base.token``, and
     ``input`` is not sent. An endpoint that does not hold that memo runs nothing and answers ``memo_miss``;
@@ -538,6 +544,7 @@ FEATURE_FIELDS = (
     "respond_within_s",
     "acknowledge_after_s",
     "tracebacks",
+    "parallel_steps",
 )
 """Request fields an SDK understands only if it announced their feature: sent only when set."""
 
@@ -554,6 +561,22 @@ def encode_request(request: TaskRequest) -> bytes:
 class StepReached(_Wire):
     type: Literal["step"] = "step"
     step: StepPlan
+
+
+DEFAULT_MAX_PARALLEL = 10
+MAX_PARALLEL_LIMIT = 100
+"""The most siblings a function may have in flight at once (``max_parallel``)."""
+MAX_SIBLINGS = 10_000
+"""The most steps one pass may declare together."""
+
+
+class StepsReached(_Wire):
+    """Decision 30: steps declared together (their awaitables existed before the function awaited any of them),
+    in declaration order, with no recorded outcome. The server runs up to ``max_parallel`` of them at once."""
+
+    type: Literal["steps"] = "steps"
+    steps: list[StepPlan] = Field(min_length=2, max_length=MAX_SIBLINGS)
+    max_parallel: int = Field(default=DEFAULT_MAX_PARALLEL, ge=1, le=MAX_PARALLEL_LIMIT)
 
 
 class FunctionCompleted(_Wire):
@@ -579,7 +602,8 @@ class FunctionNotFound(_Wire):
 
 
 DiscoveryResponse = Annotated[
-    StepReached | FunctionCompleted | FunctionFailed | ConflictFound | FunctionNotFound, Field(discriminator="type")
+    StepReached | StepsReached | FunctionCompleted | FunctionFailed | ConflictFound | FunctionNotFound,
+    Field(discriminator="type"),
 ]
 
 
