@@ -99,6 +99,9 @@ class StepView(_View):
     external: bool = Field(description='Its result comes from outside (`completion="external"`).')
     sleep: bool = Field(description="A durable wait (`step.sleep`): no callback; it completes at `wait_until`.")
     wait_until: datetime | None = Field(description="When the step's wait ends (`step.sleep`, or `not_before=`).")
+    group: int | None = Field(
+        description="Steps declared together (decision 30) share it: the discovery pass that reported them."
+    )
     result: Any = None
     error: ErrorInfo | None
     completed_seq: int | None

@@ -290,3 +290,28 @@ def approval(data: dict[str, Any], step: Step) -> Any:
     wait = timedelta(seconds=data.get("timeout_s", 600))
     decision = step.run("approve", ask, completion="external", timeout=wait)
     return step.run("pay", effect, "pay", tag) if decision.get("approved") else {"rejected": decision}
+
+
+# ---- decision 30 over HTTP (issue 27) --------------------------------------------------------
+
+
+async def book(what: str, tag: str, seconds: float) -> dict[str, Any]:
+    """A slow booking: the invocation log shows when it started and ended, so a test can see overlap."""
+    import asyncio
+
+    record(f"{tag}:start-{what}")
+    await asyncio.sleep(seconds)
+    record(f"{tag}:end-{what}")
+    return {"booked": what, "op": ryusen.operation().id}
+
+
+@app.function("trip", max_parallel=3)
+async def trip(data: dict[str, Any], step: ryusen.AsyncStep) -> Any:
+    """Flight, hotel and car booked together (each undone if the run stops), then a confirmation."""
+    import asyncio
+
+    tag, seconds = data["tag"], data.get("seconds", 2.0)
+    kinds = data.get("kinds", ["flight", "hotel", "car"])
+    booked = await asyncio.gather(*(step.run(k, book, k, tag, seconds, compensate=undo(tag, k)) for k in kinds))
+    await step.run("confirm", effect, "confirm", tag)
+    return [b["booked"] for b in booked]

@@ -188,6 +188,7 @@ def step_view(step: StepState, *, in_unwind: bool = False) -> dict[str, Any]:
         "sleep": step.sleep,
         "external": step.external,
         "wait_until": _iso(step.wait_until),
+        "group": step.group,
         "result": step.result,
         "error": step.error.model_dump() if step.error else None,
         "completed_seq": step.completed_seq,
