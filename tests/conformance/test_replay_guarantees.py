@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-import ryusen
 from ryusen import AsyncStep, RetryPolicy, Ryusen, Step, StepFailed
 from ryusen._internal.wire import TaskKind, TaskRequest
 from ryusen.testing import WorkflowEnvironment
@@ -263,7 +262,7 @@ def test_two_steps_at_once_from_threads_are_refused_with_a_definition_blocker() 
     steps together): the refusal blocks the run, names both steps, and the probe only counts it again."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ryusen import ConcurrentStepError, Step
+    from ryusen import ConcurrentStepError
 
     app = Ryusen("parallel")
     calls: Counter[str] = Counter()
