@@ -117,6 +117,9 @@ _Posted = TypeVar("_Posted", LateResult, Heartbeat)
 """What an SDK posts to the result URL unasked."""
 
 MAX_RACES = 50
+_RUN_LOCKS = tuple(threading.Lock() for _ in range(64))
+"""Decisions about one run are taken one at a time in a process (striped by run id; held only around the read,
+the decision and the write, never around sends or hooks, so that no two are ever held at once)."""
 WAKES_PER_MESSAGE = 100
 """Blocked runs one wake message wakes; more are woken by the next (the index lists those still blocked)."""
 MAX_DEFERRAL_DELAY_S = 30.0
@@ -579,16 +582,20 @@ class Engine:
         and the conditional write still catches it if it is out of date.
         """
         for _ in range(MAX_RACES):
-            state, known = (known, None) if known is not None else (self.store.get(run_id), None)
-            if state is None:
-                raise NotFoundError(f"no run {run_id!r}", run_id=run_id)
-            decision = decide(state, event, now=self.clock(), settings=self.settings.engine)
-            if decision.changed:
-                try:
-                    self.store.save(decision.state, expected_version=state.version)
-                except VersionConflictError as conflict:
-                    known = conflict.current  # someone moved first: decide again on what they wrote
-                    continue
+            # one decision of a run at a time in this process (siblings settling at once would otherwise race for
+            # the same version and spend a write and a read on every loss); other processes still race: the
+            # conditional write fences them
+            with _RUN_LOCKS[hash(run_id) % len(_RUN_LOCKS)]:
+                state, known = (known, None) if known is not None else (self.store.get(run_id), None)
+                if state is None:
+                    raise NotFoundError(f"no run {run_id!r}", run_id=run_id)
+                decision = decide(state, event, now=self.clock(), settings=self.settings.engine)
+                if decision.changed:
+                    try:
+                        self.store.save(decision.state, expected_version=state.version)
+                    except VersionConflictError as conflict:
+                        known = conflict.current  # someone moved first: decide again on what they wrote
+                        continue
             self._emit("decided", (event, decision))
             self._send(decision)
             return decision
