@@ -34,6 +34,12 @@ A step completed from outside: ``ryusen run refund-request --input '{"charge_id"
 waits for a person's approval (the app prints the command that gives it: ``ryusen complete TOKEN --result
 '{"approved": true}'``; ``ryusen show RUN`` shows it too); within two days, or the step fails.
 
+A trip, with all three: ``ryusen run trip --input '{"traveller": "ada", "total": 2400, "departure_in_days":
+0.001}'`` books the flight, the hotel and the car at once (steps in parallel), waits for a manager's approval
+because the total is over 1,000 (the app prints the ``ryusen complete`` command), then waits until a day before
+departure to send a reminder. ``"car": "none-left"`` makes the car booking fail: the flight and hotel are cancelled
+once it has. A rejected approval cancels all three, newest booking first.
+
 The "systems" here are in-memory dictionaries so the example runs anywhere;
 a real app would call its inventory, payment and shipping services, passing
 ``ryusen.operation().id`` as the idempotency key.
@@ -169,6 +175,56 @@ def review_request(order: dict[str, Any], step: Step) -> dict[str, Any]:
     """Some time after an order, ask for a review: a durable wait, then one step."""
     step.sleep("until-review", timedelta(days=order.get("wait_days", 14)))
     return step.run("ask-for-review", ask_for_review, order["customer"])
+
+
+BOOKINGS: dict[str, dict[str, Any]] = {}
+
+
+async def book(kind: str, trip: dict[str, Any]) -> dict[str, Any]:
+    """Book one part of a trip (an airline's, a hotel's or a car rental's API), keyed by the operation id."""
+    if trip.get(kind) == "none-left":
+        raise NonRetryableError(f"no {kind} available")
+    key = ryusen.operation().id
+    with _lock:
+        booking = BOOKINGS.setdefault(key, {"kind": kind, "ref": f"{kind[:2]}_{key[-6:]}", "cancelled": False})
+    return dict(booking)
+
+
+async def cancel_booking(booking: dict[str, Any]) -> dict[str, Any]:
+    with _lock:
+        for stored in BOOKINGS.values():
+            if stored["ref"] == booking["ref"]:
+                stored["cancelled"] = True
+    return {"cancelled": booking["ref"]}
+
+
+def ask_manager(trip: dict[str, Any]) -> str:
+    token = ryusen.operation().completion_token
+    print(f"trip of {trip['total']} waits for approval: ryusen complete {token} --result '{{\"approved\": true}}'")
+    return "asked"
+
+
+def remind(traveller: str, refs: list[str]) -> dict[str, Any]:
+    return {"reminded": traveller, "bookings": refs}
+
+
+@app.function("trip", max_parallel=3)
+async def trip(data: dict[str, Any], step: ryusen.AsyncStep) -> dict[str, Any]:
+    """Book flight, hotel and car in parallel; over 1,000, wait for a manager's approval; a day before departure,
+    send a reminder. Any failure cancels what was booked, newest first."""
+    import asyncio
+
+    bookings = await asyncio.gather(
+        *(step.run(kind, book, kind, data, compensate=cancel_booking) for kind in ("flight", "hotel", "car"))
+    )
+    if data["total"] > 1000:
+        decision = await step.run("approval", ask_manager, data, completion="external", timeout=timedelta(days=3))
+        if not decision.get("approved"):
+            raise NonRetryableError("the manager did not approve the trip")
+    days = max(0.0, data.get("departure_in_days", 7) - 1)
+    await step.sleep("until-reminder", timedelta(days=days))
+    refs = [b["ref"] for b in bookings]
+    return await step.run("reminder", remind, data["traveller"], refs)
 
 
 lambda_handler = app.lambda_handler

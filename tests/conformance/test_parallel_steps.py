@@ -374,3 +374,71 @@ def test_a_fan_out_over_a_thousand_items_completes_with_at_most_1_1_writes_per_s
     assert writes / 1000 <= 1.1, env.counter.counts
     invocations = env.counter.counts["endpoint.invoke"]
     assert invocations / 1000 <= 1.1, env.counter.counts
+
+
+# ---- the example app's trip: parallel steps, an approval from outside, a durable wait ---------------------
+
+
+def _shop() -> Any:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "shop.py"
+    spec = importlib.util.spec_from_file_location("shop_for_trips", path)
+    assert spec is not None and spec.loader is not None
+    shop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shop)
+    return shop
+
+
+@pytest.mark.rfd("P1", "P3")
+def test_the_example_trip_books_in_parallel_waits_for_approval_and_reminds_a_day_before(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shop = _shop()
+    env = WorkflowEnvironment(shop.app)
+    run_id = env.start("trip", {"traveller": "ada", "total": 2400, "departure_in_days": 10})
+    printed: list[str] = []
+
+    def asked() -> bool:
+        printed.append(capsys.readouterr().out)
+        return "ryusen complete" in "".join(printed)
+
+    env.drive(until=asked)
+    view = env.get(run_id)
+    assert [view.step(k)["status"] for k in ("flight", "hotel", "car")] == ["completed"] * 3
+    assert view.step("flight")["group"] == view.step("car")["group"] is not None  # booked together
+    assert view.attempts("approval")[-1]["status"] == "waiting"
+    token = "".join(printed).split("ryusen complete ", 1)[1].split()[0]  # as the app printed it
+    env.complete(token, {"approved": True})
+    done = env.wait(run_id)
+    assert done.outcome == "completed" and done.output["reminded"] == "ada" and len(done.output["bookings"]) == 3
+    started = datetime.fromisoformat(done["created_at"])
+    reminded = datetime.fromisoformat(done.step("reminder")["attempts"][0]["authorized_at"])
+    assert reminded - started >= timedelta(days=9)  # a day before departure, not before
+
+
+def test_the_example_trip_cancels_what_it_booked_when_the_car_is_sold_out() -> None:
+    shop = _shop()
+    run = WorkflowEnvironment(shop.app).run("trip", {"traveller": "bo", "total": 300, "car": "none-left"})
+    assert run.outcome == "failed" and run.recovery == "compensated"
+    assert run.step("car")["status"] == "failed"
+    cancelled = sorted(b["kind"] for b in shop.BOOKINGS.values() if b["cancelled"])
+    assert cancelled == ["flight", "hotel"]
+
+
+def test_branches_of_several_steps_run_their_first_steps_together_then_their_next() -> None:
+    app = Ryusen("branches")
+
+    @app.function("pairs")
+    async def pairs(data: Any, step: AsyncStep) -> Any:
+        async def branch(k: str) -> int:
+            first = await step.run(f"{k}-1", lambda: 1)
+            return first + await step.run(f"{k}-2", lambda: 2)
+
+        return await asyncio.gather(branch("x"), branch("y"))
+
+    run = WorkflowEnvironment(app).run("pairs")
+    assert run.outcome == "completed" and run.output == [3, 3]
+    groups = {s["id"]: s["group"] for s in run.steps}
+    assert groups["x-1"] == groups["y-1"] != groups["x-2"] == groups["y-2"]
