@@ -465,8 +465,14 @@ class _RunRenderer:
         console.print(Text(f"Steps ({len(steps)}, in discovery order)", style="bold underline"))
         if not steps:
             console.print(Text("  no steps yet", style="dim"))
+        together: dict[Any, int] = {}
+        for step in steps:  # decision 30: steps declared together share a group
+            if step.get("group") is not None:
+                together[step["group"]] = together.get(step["group"], 0) + 1
         for number, step in enumerate(steps, 1):
             line = Text.assemble(f"{number:>3}. ", (str(step.get("id")), "bold"), "  ", _status(step.get("status")))
+            if together.get(step.get("group"), 0) > 1:
+                line.append(f"  ∥ parallel group {step['group']} ({together[step['group']]} steps)", style="magenta")
             if step.get("location"):
                 line.append(f"  {step['location']}")
             if step.get("name") and step["name"] != step.get("id"):

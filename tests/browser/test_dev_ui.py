@@ -267,3 +267,15 @@ def test_screenshots_for_the_docs(page: Any, stack: DevStack) -> None:
     open_run(page, stack, saga["id"])
     page.locator('.wf-row[data-step-id="ship"]').click()
     page.screenshot(path=str(ROOT / "docs" / "images" / "dev-ui-run.png"), full_page=True)
+
+
+def test_steps_declared_together_are_marked_side_by_side_in_the_waterfall(page: Any, stack: DevStack) -> None:
+    """Decision 30: siblings carry the group mark in the waterfall, and a sibling's detail names the others."""
+    run = stack.start("trip", {"tag": tag(), "seconds": 0.2})
+    wait_for(lambda: stack.run(run["id"])["phase"] == "finished", what="the trip")
+    open_run(page, stack, run["id"])
+    for kind in ("flight", "hotel", "car"):
+        expect(page.locator(f'.wf-row.in-group[data-step-id="{kind}"] .group-mark')).to_have_count(1)
+    expect(page.locator('.wf-row[data-step-id="confirm"] .group-mark')).to_have_count(0)
+    page.locator('.wf-row[data-step-id="hotel"]').click()
+    expect(page.locator(".step-detail .group")).to_contain_text("declared together with flight, car")

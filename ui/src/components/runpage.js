@@ -181,6 +181,8 @@ function StepDetail({ run, step, onChanged, onClose }) {
     <div class="title"><h3><code>${step.id}</code> <${Badge} value=${step.status} /></h3>
       <button type="button" class="link" onClick=${onClose}>close</button></div>
     <p class="muted small">${step.name ? `${step.name} · ` : ""}${step.location || ""}${step.has_compensation || step.sleep ? "" : " · no compensator declared"}</p>
+    ${step.group !== null && step.group !== undefined && run.steps.filter((s) => s.group === step.group).length > 1
+      ? html`<p class="group" data-group=${step.group}>declared together with ${run.steps.filter((s) => s.group === step.group && s.id !== step.id).map((s) => s.id).join(", ")}: they run side by side, at most the function's max_parallel at once</p>` : ""}
     ${step.wait_until ? html`<p class="wait" data-wait-until=${step.wait_until}>${step.sleep ? "a durable wait: completes at" : "its first attempt starts no earlier than"} <${Time} at=${step.wait_until} />${step.status === "pending" ? " (waiting: no process runs meanwhile)" : ""}</p>` : ""}
     <${Completion} step=${step} onChanged=${onChanged} />
     <div class="io">

@@ -88,6 +88,8 @@ export function Waterfall({ run, selected, onSelect, now }) {
   const deadline = parseTime(run.deadline && run.deadline.at);
   const deadlineBeyond = deadline !== null && deadline > range.end;
   if (deadline !== null && !deadlineBeyond) markers.push({ kind: "deadline", left: pct(deadline), label: `deadline ${formatTime(deadline)}` });
+  const siblings = {};  // decision 30: steps declared together share a group
+  for (const step of run.steps) if (step.group !== null && step.group !== undefined) siblings[step.group] = (siblings[step.group] || 0) + 1;
   const span = range.end - range.start;
   const ticks = [0, 0.25, 0.5, 0.75, 1].map((f) => ({ left: f * 100, label: `+${formatDuration(f * span)}` }));
   const overlay = html`<div class="markers">${markers.map(
@@ -107,9 +109,10 @@ export function Waterfall({ run, selected, onSelect, now }) {
             const fwd = step.attempts.filter((a) => a.phase === "forward");
             const comp = step.attempts.filter((a) => a.phase === "compensation");
             const unknown = step.attempts.some((a) => a.status === "unknown");
-            return html`<div key=${step.id} class=${`wf-row${selected === step.id ? " selected" : ""}${unknown ? " has-unknown" : ""}`}
+            const together = step.group !== null && step.group !== undefined && siblings[step.group] > 1;
+            return html`<div key=${step.id} class=${`wf-row${selected === step.id ? " selected" : ""}${unknown ? " has-unknown" : ""}${together ? " in-group" : ""}`}
               style=${{ top: `${pos.top}px`, height: `${pos.height}px` }} data-step-id=${step.id} onClick=${() => onSelect(step.id)}>
-              <div class="wf-label"><span class="idx">${i + 1}</span> <code title=${step.name || step.id}>${step.id}</code>
+              <div class="wf-label"><span class="idx">${i + 1}</span>${together ? html`<span class="group-mark" data-group=${step.group} title=${`declared together with ${siblings[step.group] - 1} other step(s): they run side by side`}>∥</span>` : ""} <code title=${step.name || step.id}>${step.id}</code>
                 <${Badge} value=${step.status} />${comp.length || step.compensation.status !== "none"
                   ? html` <${Badge} value=${step.compensation.status} title="compensation" />` : ""}</div>
               <div class="wf-track">
