@@ -1055,3 +1055,17 @@ def test_a_prefix_matched_only_among_the_newest_runs_does_not_cancel_a_run() -> 
     cancelled = [r.url.path for r in fake.requests if r.method == "POST" and r.url.path != "/v1/runs/abcdef12/cancel"]
     assert cancelled == [], f"cancelled {cancelled} from a prefix matched among part of the runs"
     assert result.exit_code == 1 and "full id" in result.stderr
+
+
+def test_show_marks_steps_declared_together() -> None:
+    view = run_view(
+        steps=[
+            step("flight", "completed", "trip.py:9", [attempt("forward", 1, "succeeded", "01.0", "02.0")], group=1),
+            step("hotel", "running", "trip.py:10", [attempt("forward", 1, "authorized", "01.0", None)], group=1),
+            step("confirm", "pending", "trip.py:12", [], group=None),
+        ]
+    )
+    lines = rendered(view).splitlines()
+    flight = next(line for line in lines if "flight" in line and "trip.py:9" in line)
+    confirm = next(line for line in lines if "confirm" in line and "trip.py:12" in line)
+    assert "parallel group 1 (2 steps)" in flight and "parallel group" not in confirm
