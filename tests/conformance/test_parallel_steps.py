@@ -442,3 +442,22 @@ def test_branches_of_several_steps_run_their_first_steps_together_then_their_nex
     assert run.outcome == "completed" and run.output == [3, 3]
     groups = {s["id"]: s["group"] for s in run.steps}
     assert groups["x-1"] == groups["y-1"] != groups["x-2"] == groups["y-2"]
+
+
+def test_code_that_swallows_the_pass_s_stop_and_awaits_another_step_does_not_hang_the_attempt() -> None:
+    """An attempt's pass stops at its target's call; the callback is already running, so code that catches
+    everything there and awaits another step waits for it and the pass ends as usual."""
+    app = Ryusen("swallow")
+    calls: Counter[str] = Counter()
+
+    @app.function("f")
+    async def f(data: Any, step: AsyncStep) -> Any:
+        try:
+            out = await asyncio.gather(*(step.run(f"i{i}", lambda i=i: calls.update([f"i{i}"]) or i) for i in range(3)))
+        except BaseException:  # noqa: BLE001 - what the test is about
+            out = None
+        return [out, await step.run("after", lambda: calls.update(["after"]) or "a")]
+
+    run = WorkflowEnvironment(app).run("f")
+    assert run.outcome == "completed" and run.output == [[0, 1, 2], "a"]
+    assert calls == Counter({"i0": 1, "i1": 1, "i2": 1, "after": 1})

@@ -532,8 +532,9 @@ class _Replay:
         """Set when a step starts waiting: the async runner then lets the pass settle and decides."""
         self.collecting: tuple[int, list[_Declared]] | None = None
         """``step.parallel`` is collecting its calls (a ``step.run`` meanwhile declares, and runs nothing)."""
-        self.claimed: _Declared | None = None
-        """An async attempt's target, claimed where it was called: the runner runs it once the function stops."""
+        self.claimed: asyncio.Task[None] | None = None
+        """An async attempt's target, claimed where it was called: its callback, started at once on the loop (the
+        function stops there; the runner waits for it)."""
         self.had_siblings = False
         """This attempt's pass met steps declared with its target: no continuation is worth running after it."""
 
@@ -839,7 +840,9 @@ class _Replay:
             if _current_operation.get() is not None:
                 return False  # opened inside a callback: refused as before (decisions 23)
             self._open(declared.step_id, declared.location, declared.seen.name)
-            self.claimed = declared
+            # started now, not when the function has stopped: code that swallows the stop and waits on another
+            # step waits for this callback, which must be running
+            self.claimed = asyncio.get_running_loop().create_task(self.run_in_context(declared))
             if self.declarations and len(self.declarations) > 1:
                 self.had_siblings = self.had_siblings or any(
                     d.step_id not in self.memo for d in self.declarations if d is not declared
@@ -852,7 +855,7 @@ class _Replay:
         callback = self.run_callback_async(_async_call(self, declared))
         task = loop.create_task(callback, context=declared.context) if declared.context else loop.create_task(callback)
         with contextlib.suppress(Suspend):
-            await task
+            await asyncio.shield(task)
 
     async def run_declared(self, declared: _Declared) -> None:
         """Run this attempt's target from its declaration: the function declared it and has not (or will not)
@@ -871,7 +874,7 @@ class _Replay:
         each sibling settles on its own); then every step still waiting ends with the pass."""
         claimed, self.claimed = self.claimed, None
         if claimed is not None:
-            await self.run_in_context(claimed)
+            await claimed
         elif self.kind is not TaskKind.DISCOVER and not self.entered and self.outcome is None and not self.closed:
             target = self.declared_target()
             if target is not None:
