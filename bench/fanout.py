@@ -108,22 +108,25 @@ def bench_dev(items_list: list[int]) -> None:
         try:
             client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
             assert stack.wired is not None
-            finished = threading.Event()
+            finished: set[str] = set()
+            changed = threading.Condition()
 
             def on_decision(kind: str, payload: Any) -> None:
                 if kind == "decided" and payload[1].state.phase.value == "finished":
-                    finished.set()
+                    with changed:
+                        finished.add(payload[1].state.id)
+                        changed.notify_all()
 
             stack.wired.engine.hooks.append(on_decision)
             for items in items_list:
                 for sleep in (False, True):
-                    finished.clear()
                     stack.counter.reset()
                     started = time.perf_counter()
                     run_id = client.post(
                         "/v1/functions/fan-out/runs", json={"input": {"items": items, "sleep": sleep}}
                     ).json()["id"]
-                    assert finished.wait(1800), "run did not finish"
+                    with changed:
+                        assert changed.wait_for(lambda rid=run_id: rid in finished, 1800), "run did not finish"
                     wall = time.perf_counter() - started
                     counts, sent = dict(stack.counter.counts), dict(stack.counter.bytes_sent)
                     view = client.get(f"/v1/runs/{run_id}").json()
