@@ -62,6 +62,7 @@ from ryusen._internal.wire import (
     nested_step_conflict,
     value_size,
 )
+from ryusen._internal.wire import Occurrence as WireOccurrence
 
 from .events import (
     AttemptReported,
@@ -205,6 +206,15 @@ COMPLETION_REFUSED = "completion_refused"
 """How a decision's note begins when it kept a completion as stale instead of taking it (decision 32)."""
 
 
+def _live_forward(step: StepState) -> bool:
+    """The step's forward attempt has not settled (queued, in flight, waiting or Unknown)."""
+    attempts = step.attempts
+    current = attempts[-1] if attempts else None
+    if current is not None and current.phase is not Phase.FORWARD:
+        current = step.current(Phase.FORWARD)
+    return current is not None and current.status in LIVE_ATTEMPT
+
+
 def _without_repeats(commands: list[Any]) -> list[Any]:
     """``commands`` in order, each equal one once (two repairs may ask for the same send)."""
     kept: list[Any] = []
@@ -296,6 +306,8 @@ class _Transition:
         """This decision takes a completion from outside (decision 32): a success completes the step."""
         self._filling = False
         self._refill = False
+        self.census_visited = 0
+        """Steps the last ``group_census`` looked at (diagnostics: the suite checks it stays bounded)."""
         """``start_siblings`` is running (a wait already over settles its sibling at once, which asks again)."""
 
     @property
@@ -560,7 +572,8 @@ class _Transition:
         if s.deadline_at is not None and not deadline_fired:
             self.commands.append(CancelTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.DEADLINE, at=s.deadline_at)))
         self.s.phase = RunPhase.FINISHED
-        self.s.group = self.s.max_parallel = None
+        self.s.group = self.s.max_parallel = self.s.group_next = None
+        self.s.group_live, self.s.group_halted = [], False
         self.s.recovery = recovery
         self.s.finished_at = self.now
         self.s.discovery = None
@@ -1215,7 +1228,18 @@ class _Transition:
         """A pass reported steps declared together: record each (as a step reported alone would be), and run up
         to ``max_parallel`` of them at once, the rest in declaration order as those settle."""
         s = self.s
+        ids = [plan.id for plan in response.steps]
+        if len(set(ids)) != len(ids):  # an endpoint's SDK checks this; the engine does not take it on trust
+            step_id = next(i for n, i in enumerate(ids) if i in ids[:n])
+            first, second = (plan for plan in response.steps if plan.id == step_id)
+            duplicate = DuplicateStepConflict(
+                step_id=step_id,
+                first=WireOccurrence(location=first.location, name=first.name),
+                duplicate=WireOccurrence(location=second.location, name=second.name),
+            )
+            return self.definition_conflict(duplicate)
         plans = [plan for plan in response.steps if s.step(plan.id) is None or self.restartable(plan.id)]
+        in_flight = [step_id for step_id in ids if self.live(step_id)]
         for plan in response.steps:
             known = s.step(plan.id)
             if known is not None and (held := self.held_by(known, Phase.FORWARD, self.build_id)):
@@ -1235,6 +1259,7 @@ class _Transition:
             return self.too_many_steps(new[self.settings.max_steps - len(s.steps)])
         self.clear_definition_blockers()
         group = s.discoveries
+        tail = len(s.steps)  # where this group's new steps begin
         for plan in plans:
             step = self.step(plan.id)
             if step is None:
@@ -1244,10 +1269,22 @@ class _Transition:
             self.take_plan(step, plan)
             self.wait_s(step, plan)
             step.group = group
-        s.group = group
+        for step_id in in_flight:  # reported again while in flight (a wake): still this group's, not restarted
+            step = self.step(step_id)
+            assert step is not None
+            step.group = group
+        members = [i for plan in response.steps if (i := s.step_index(plan.id)) is not None]
+        s.group, s.group_next, s.group_halted = group, min(members, default=tail), False
+        s.group_live = sorted(i for i in members if _live_forward(s.steps[i]))
         s.max_parallel = response.max_parallel
         self.touch()
         self.start_siblings()
+
+    def live(self, step_id: str) -> bool:
+        """A known step whose forward attempt has not settled (queued, in flight, waiting or Unknown)."""
+        step = self.s.step(step_id)
+        current = step.current(Phase.FORWARD) if step is not None else None
+        return current is not None and current.status in LIVE_ATTEMPT
 
     def restartable(self, step_id: str) -> bool:
         """A known step a pass reports again, that may start: neither settled nor in flight."""
@@ -1275,28 +1312,43 @@ class _Transition:
         current = step.current(Phase.FORWARD)
         if step.status is StepStatus.PENDING and (current is None or current.status not in LIVE_ATTEMPT):
             step.group = None
+        if step.status is StepStatus.FAILED:
+            self.s.group_halted = True
         self.start_siblings()
 
     def group_census(self) -> tuple[int, int | None, bool]:
         """The running group: how many are in flight, the index of the next that has not started, and whether
-        the group is halted (a sibling failed for good: no new sibling starts, as ``gather`` raises there)."""
+        the group is halted (a sibling failed for good: no new sibling starts, as ``gather`` raises there).
+
+        Bounded by the siblings in flight, not the run: the ones started are listed (``group_live``, checked
+        here), and the next to start is looked for from where the last look ended (``group_next``)."""
         s = self.s
-        in_flight, unstarted, halted = 0, None, False
-        group = s.group
-        for i, step in enumerate(s.steps):
-            if step.group != group:
-                continue
-            attempts = step.attempts
-            current = attempts[-1] if attempts else None
-            if current is not None and current.phase is not Phase.FORWARD:
-                current = step.current(Phase.FORWARD)
-            if current is not None and current.status in LIVE_ATTEMPT:
-                in_flight += 1
-            elif step.status is StepStatus.FAILED:
+        steps, group = s.steps, s.group
+        halted = s.group_halted
+        live: list[int] = []
+        self.census_visited = 0
+        for i in s.group_live:
+            self.census_visited += 1
+            step = steps[i]
+            if step.group == group and _live_forward(step):
+                live.append(i)
+            elif step.group == group and step.status is StepStatus.FAILED:
                 halted = True
-            elif step.status is StepStatus.PENDING and unstarted is None:
+        i = s.group_next or 0
+        unstarted = None
+        while i < len(steps):
+            self.census_visited += 1
+            step = steps[i]
+            if step.group == group and step.status is StepStatus.PENDING and not _live_forward(step):
                 unstarted = i
-        return in_flight, unstarted, halted
+                break
+            if step.group == group and step.status is StepStatus.FAILED:
+                halted = True
+            i += 1
+        if live != s.group_live:
+            s.group_live = live  # replaced, never changed in place (a working copy shares it)
+        s.group_next, s.group_halted = i, halted
+        return len(live), unstarted, halted
 
     def start_siblings(self) -> None:
         """Keep up to ``max_parallel`` of the running group in flight, in declaration order; once none is in
@@ -1316,6 +1368,7 @@ class _Transition:
                 if may_start and unstarted is not None and in_flight < (s.max_parallel or 1):
                     step = self.own(unstarted)
                     delay = max(0.0, (step.wait_until - self.now).total_seconds()) if step.wait_until else 0.0
+                    s.group_live = [*s.group_live, unstarted]
                     self.queue_attempt(step, Phase.FORWARD, delay)
                     continue
                 if not self._refill:
@@ -1323,7 +1376,8 @@ class _Transition:
         finally:
             self._filling = False
         if in_flight == 0 and (unstarted is None or not may_start):
-            s.group = s.max_parallel = None
+            s.group = s.max_parallel = s.group_next = None
+            s.group_live, s.group_halted = [], False
             self.touch()
             if self.stopping:
                 return self.evaluate_recovery()
@@ -1731,7 +1785,14 @@ class _Transition:
         # a pass that did not reach its target got past nothing: the blockers stand (decisions 24, 29)
         target_not_reached = isinstance(event.response, TargetNotFound) and event.response.reason == "not_reached"
         if not isinstance(event.response, ConflictFound | FunctionNotFound) and not target_not_reached:
-            self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
+            if self.in_group(step):
+                # a sibling's pass proves nothing about another sibling's blocker: only its own are cleared
+                self.s.blockers = [
+                    b for b in self.s.blockers if b.type not in DEFINITION_BLOCKERS or b.step_id != step.id
+                ]
+                self.touch()
+            else:
+                self.clear_definition_blockers()  # this pass got past whatever blocked the ones before it
         self.apply_outcome(step, attempt, event.response)
 
     def record_stale(self, attempt: Attempt, event: AttemptReported, reason: str) -> None:

@@ -409,6 +409,14 @@ class RunState(_State):
     them has settled and the next discovery is queued."""
     max_parallel: int | None = None
     """Decision 30: how many of ``group``'s steps may be in flight at once (the function's ``max_parallel``)."""
+    group_live: list[int] = Field(default_factory=list)
+    """The indexes of the running group's steps started and maybe not settled (checked at each census): what is in
+    flight is counted from them, not from every step. Replaced, never changed in place."""
+    group_next: int | None = None
+    """Where the running group's next step to start is looked for (every one before it has started, or is not
+    the group's)."""
+    group_halted: bool = False
+    """A step of the running group failed for good: no new one starts (the function raises at its await)."""
     unwind: list[UnwindEntry] = Field(default_factory=list)
     blockers: list[Blocker] = Field(default_factory=list)
     probe_interval_s: float | None = None

@@ -524,7 +524,7 @@ class Ryusen:
         budget = _continuation_budget(window)
         if budget <= 0:
             return None
-        replay = _replay(discovery)
+        replay = _replay(discovery, registered)
         if inline:
             try:
                 return self._pass(registered, discovery, replay)
@@ -569,7 +569,7 @@ class Ryusen:
         discovery = _discovery_after(request, outcome, pristine) if not first.had_siblings else None
         budget = _continuation_budget(window) if discovery is not None else 0.0
         if discovery is not None and budget > 0:
-            replay = _replay(discovery)
+            replay = _replay(discovery, registered)
             try:
                 following = await asyncio.wait_for(self._pass_async(registered, discovery, replay), budget)
             except TimeoutError:
@@ -1337,6 +1337,7 @@ def _discovery_after(request: TaskRequest, outcome: Any, run_input: Any) -> Task
         input=run_input,
         memo=memo,
         tracebacks=request.tracebacks,
+        parallel_steps=request.parallel_steps,  # the server runs what it finds together as it would any pass's
     )
 
 

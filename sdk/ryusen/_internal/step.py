@@ -565,6 +565,13 @@ class _Replay:
                                  timeout, compensate_retry, compensate_timeout, heartbeat, wait, completion,
                                  _Seen(location, fn, name))  # fmt: skip
             declared.context = contextvars.copy_context()
+            if self.closed or not isinstance(step_id, str) or not step_id:
+                return declared  # entering it raises what applies (the pass has ended, an invalid id)
+            if _current_operation.get() is not None:
+                return declared  # opened inside a callback: not declared; entering it is refused (decisions 23)
+            if self.function_thread is not None and threading.get_ident() != self.function_thread:
+                # from another thread (decision 18 stays): refused where it is called, never reported or run
+                self._refuse_from_another_thread(step_id, location, declared.seen.name)
             if isinstance(step_id, str) and step_id and not self.closed:
                 first = self.seen.get(step_id)
                 if first is not None:
@@ -787,6 +794,16 @@ class _Replay:
         if self.outcome is None and self.entered:
             await self.park()
         raise Suspend(self.outcome)
+
+    async def pause_for_others(self) -> None:
+        """A few loop turns, until the function's other tasks stop calling ``step.run``."""
+        quiet = 0
+        for _ in range(SETTLE_ROUNDS):
+            before = self.calls
+            await asyncio.sleep(0)
+            quiet = quiet + 1 if self.calls == before else 0
+            if quiet >= 3 or self.entered or self.closed:
+                return
 
     async def settle(self, main: asyncio.Future[Any]) -> None:
         """Let the function's tasks run until they stop calling ``step.run`` (or the function ends)."""
@@ -1581,7 +1598,14 @@ class AsyncStep:
             raise Suspend(None)  # this attempt's target: the pass stops at its call, and the runner runs it
 
         async def run() -> Any:
-            action, value = replay.enter(*declared.entry_args(), declared=declared)
+            try:
+                action, value = replay.enter(*declared.entry_args(), declared=declared)
+            except StepFailed:
+                if replay.kind is not TaskKind.DISCOVER:
+                    # let the other tasks reach their steps first: a task group cancels them when this raises, and
+                    # an attempt's target among them must still be found (its callback or compensator runs)
+                    await replay.pause_for_others()
+                raise
             if action == "return":
                 return value
             if action == "park":
