@@ -254,7 +254,10 @@ class Checker:
             self.fail(
                 f"{run}: siblings {group.order} started as {started}: not in declaration order (P2): {_describe(state)}"
             )
-        if group.frozen is not None and not set(started) <= group.frozen:
+        again = {i for ids in self.sim.reported.get(run, [])[group.reports_at_freeze :] for i in ids}
+        if group.frozen is not None and not set(started) <= group.frozen | again:
+            # a later pass that reports a sibling again declares it anew (the function caught the failure and
+            # went on: an async function's gather does not cancel its other awaits): it may start then
             self.fail(
                 f"{run}: sibling {sorted(set(started) - group.frozen)} started after {group.why} (P3, P4):"
                 f" {_describe(state)}"
@@ -262,6 +265,7 @@ class Checker:
         failed = [i for i, s in steps.items() if s is not None and s.status is StepStatus.FAILED]
         if group.frozen is None and (failed or state.stop_intent is not None):
             group.frozen = group.started
+            group.reports_at_freeze = len(self.sim.reported.get(run, []))
             group.why = f"{failed[0]} failed for good" if failed else "the stop intent"
             self.sim.cases[f"a group halted: {'a sibling failed for good' if failed else 'a stop'}"] += 1
         group.started = set(started)
@@ -607,6 +611,8 @@ class _Group:
         self.frozen: set[str] | None = None
         """Once a sibling failed for good, or the run's stop intent: the siblings started before (no other may)."""
         self.why = ""
+        self.reports_at_freeze = 0
+        """How many passes had reported steps when it froze (a pass after may declare a sibling again)."""
 
 
 def _running(state: RunState) -> list[str]:

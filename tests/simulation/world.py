@@ -59,6 +59,7 @@ from ryusen._internal.wire import (
     HeartbeatReply,
     LateResult,
     Phase,
+    StepReached,
     StepsReached,
     TaskRequest,
     TaskResponse,
@@ -417,8 +418,8 @@ class Simulation:
             self.rng, clean=self.profile.is_clean, long_steps=long_steps, waits=waits, parallel=together
         )
         self.reported: dict[str, list[list[str]]] = {}
-        """Per run, the steps each pass an endpoint answered reported declared together (``StepsReached``, in
-        declaration order): a discovery's, or an attempt's ``next``."""
+        """Per run, the steps each pass an endpoint answered reported (``StepsReached``, in declaration order, or
+        ``StepReached``): a discovery's, or an attempt's ``next``."""
         self.specs = [self.spec]
         self.releases = 0
         self.run_ids: list[str] = []
@@ -1724,6 +1725,8 @@ class SimInvoker:
             if isinstance(found, StepsReached):
                 self.sim.reported.setdefault(run_id, []).append([plan.id for plan in found.steps])
                 self.sim.cases["a pass reported steps declared together"] += 1
+            elif isinstance(found, StepReached):
+                self.sim.reported.setdefault(run_id, []).append([found.step.id])
 
     def _record(self, request: TaskRequest, spec: workload.WorkflowSpec, response: TaskResponse) -> None:
         """What the endpoint answered to an attempt, and what the code that answered says about its step."""

@@ -1235,7 +1235,7 @@ class _Transition:
             return self.too_many_steps(new[self.settings.max_steps - len(s.steps)])
         self.clear_definition_blockers()
         group = s.discoveries
-        for plan in plans:
+        for order, plan in enumerate(plans):
             step = self.step(plan.id)
             if step is None:
                 step = StepState(id=plan.id)
@@ -1244,6 +1244,7 @@ class _Transition:
             self.take_plan(step, plan)
             self.wait_s(step, plan)
             step.group = group
+            step.sibling = order
         s.group = group
         s.max_parallel = response.max_parallel
         self.touch()
@@ -1283,9 +1284,9 @@ class _Transition:
         s = self.s
         in_flight, unstarted, halted = 0, None, False
         group = s.group
-        for i, step in enumerate(s.steps):
-            if step.group != group:
-                continue
+        members = sorted((step.sibling or 0, i) for i, step in enumerate(s.steps) if step.group == group)
+        for _, i in members:  # in declaration order (a known step re-reported may sit before a new one in steps)
+            step = s.steps[i]
             attempts = step.attempts
             current = attempts[-1] if attempts else None
             if current is not None and current.phase is not Phase.FORWARD:
@@ -1661,6 +1662,9 @@ class _Transition:
             return self.probe_finds_nothing_to_do(due, "a discovery pass is already queued")
         if self.stopping:
             return self.probe_finds_nothing_to_do(due, "no rediscovery after a stop intent")
+        if s.group is not None and self.group_census()[0]:
+            # decision 30: the discovery after a group waits for its siblings in flight (a wake after they settle)
+            return self.probe_finds_nothing_to_do(due, "steps declared together are still in flight")
         self.probe_done(due)
         self.queue_discovery()
 

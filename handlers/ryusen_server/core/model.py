@@ -240,12 +240,13 @@ class StepState(_State):
     """Decision 30: the discovery pass (``RunState.discoveries``) that reported this step declared together with
     others; its siblings share it. None for a step reported alone, or one that left its group (its attempt's pass
     did not reach it: a later discovery decides)."""
+    sibling: int | None = None
+    """Decision 30: its place among the steps its group's pass declared together (they start in that order)."""
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_unset(
-            handler(self), (("sleep", False), ("external", False), ("wait_until", None), ("group", None))
-        )
+        unset = (("sleep", False), ("external", False), ("wait_until", None), ("group", None), ("sibling", None))
+        return _without_unset(handler(self), unset)
 
     def heartbeat_for(self, phase: Phase) -> float | None:
         """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``

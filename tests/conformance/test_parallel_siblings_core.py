@@ -1,0 +1,93 @@
+"""Steps declared together (decision 30) in the pure core, as the whole-server simulator found them wanting (issue
+27): a wake (a release sync, the probe, an operator's rediscover) of a run held by a definition blocker queues no
+discovery while a sibling of its group is still in flight; a group's siblings start in the order the pass declared
+them, even where a known step re-reported comes before a new one in the run's steps."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from ryusen._internal.wire import (
+    CallbackFailed,
+    CallbackSucceeded,
+    ConflictFound,
+    DuplicateStepConflict,
+    ErrorInfo,
+    Occurrence,
+    Phase,
+    StepPlan,
+    StepsReached,
+    TargetNotFound,
+    TaskKind,
+)
+from ryusen_server.core.decide import decide
+from ryusen_server.core.events import (
+    AttemptReported,
+    DiscoveryReported,
+    EngineSettings,
+    ReleaseRef,
+    StartRun,
+    TaskDelivered,
+    WakeRequested,
+)
+from ryusen_server.core.model import AttemptStatus, RunState, TaskRef
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+SETTINGS = EngineSettings()
+RELEASE = ReleaseRef(release_id="r1", build_id="b1")
+
+
+def apply(state: RunState | None, event: object) -> RunState:
+    return decide(state, event, now=NOW, settings=SETTINGS).state  # type: ignore[arg-type]
+
+
+def started(ids: list[str], max_parallel: int) -> RunState:
+    state = apply(None, StartRun(run_id="run1", app_id="a", function_id="f", input=1))
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=1), release=RELEASE))
+    together = StepsReached(steps=[StepPlan(id=i) for i in ids], max_parallel=max_parallel)
+    return apply(state, DiscoveryReported(seq=1, response=together))
+
+
+def deliver(state: RunState, step_id: str, generation: int = 1) -> RunState:
+    task = TaskRef(run_id="run1", kind=TaskKind.FORWARD, step_id=step_id, generation=generation)
+    return apply(state, TaskDelivered(task=task, release=RELEASE))
+
+
+def forward(state: RunState, step_id: str) -> list[AttemptStatus]:
+    step = state.step(step_id)
+    assert step is not None
+    return [a.status for a in step.attempts if a.phase is Phase.FORWARD]
+
+
+def test_a_wake_queues_no_discovery_while_a_sibling_is_in_flight() -> None:
+    state = started(["a", "b"], max_parallel=2)
+    state = deliver(deliver(state, "a"), "b")
+    duplicate = DuplicateStepConflict(step_id="x", first=Occurrence(location="f.py:1"), duplicate=Occurrence())
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
+                                         response=ConflictFound(conflict=duplicate)))  # fmt: skip
+    assert state.blocked_by_definition and forward(state, "b") == [AttemptStatus.AUTHORIZED]
+    for source in ("release_sync", "operator", "probe"):
+        woken = decide(state, WakeRequested(source=source), now=NOW, settings=SETTINGS)  # type: ignore[arg-type]
+        assert woken.state.discovery is None, source  # b runs: the discovery after the group waits for it
+    error = ErrorInfo(type="Boom", message="no", retryable=False)
+    state = apply(state, AttemptReported(step_id="b", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackFailed(error=error)))  # fmt: skip
+    state = apply(state, WakeRequested(source="release_sync"))
+    assert state.discovery is not None  # none in flight: the discovery after the group runs
+
+
+def test_siblings_start_in_declaration_order_when_a_known_step_is_reported_after_a_new_one() -> None:
+    state = started(["a", "b"], max_parallel=2)
+    state = deliver(deliver(state, "a"), "b")
+    # b's pass did not reach it (a release moved it): it leaves the group, and a later pass declares n before it
+    missed = TargetNotFound(detail="current code reaches step 'a' before 'b'")
+    state = apply(state, AttemptReported(step_id="b", phase=Phase.FORWARD, generation=1, response=missed))
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackSucceeded(result=1)))  # fmt: skip
+    assert state.discovery is not None
+    seq = state.discovery.seq
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
+    together = StepsReached(steps=[StepPlan(id="n"), StepPlan(id="b")], max_parallel=1)
+    state = apply(state, DiscoveryReported(seq=seq, response=together))
+    assert forward(state, "n") == [AttemptStatus.QUEUED]  # declared first: it starts first
+    assert forward(state, "b") == [AttemptStatus.FENCED]  # its earlier attempt only: it waits for n
