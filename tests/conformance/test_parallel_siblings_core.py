@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from ryusen._internal.wire import (
+    NESTED_STEP_ERROR,
     CallbackFailed,
     CallbackSucceeded,
+    ConcurrentStepConflict,
     ConflictFound,
     DuplicateStepConflict,
     ErrorInfo,
@@ -26,6 +30,7 @@ from ryusen_server.core.events import (
     DiscoveryReported,
     EngineSettings,
     ReleaseRef,
+    Resolve,
     StartRun,
     TaskDelivered,
     WakeRequested,
@@ -91,3 +96,27 @@ def test_siblings_start_in_declaration_order_when_a_known_step_is_reported_after
     state = apply(state, DiscoveryReported(seq=seq, response=together))
     assert forward(state, "n") == [AttemptStatus.QUEUED]  # declared first: it starts first
     assert forward(state, "b") == [AttemptStatus.FENCED]  # its earlier attempt only: it waits for n
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 27, seed 457: an operator's retry starts a held sibling beside a queued discovery"
+)
+def test_an_operators_retry_of_a_held_sibling_does_not_run_beside_the_discovery_a_rediscover_queued() -> None:
+    state = started(["a", "b"], max_parallel=2)
+    state = deliver(deliver(state, "a"), "b")
+    final = ErrorInfo(type="Boom", message="no", retryable=False)
+    state = apply(state, AttemptReported(step_id="b", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackFailed(error=final)))  # fmt: skip
+    opened = ConcurrentStepConflict(first=Occurrence(step_id="a"), second=Occurrence(step_id="a-receipt"))
+    nested = ErrorInfo(type=NESTED_STEP_ERROR, message="opened a step", data={**opened.model_dump(), "build_id": "b1"})
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackFailed(error=nested)))  # fmt: skip
+    assert state.blocked_by_definition
+    state = apply(state, WakeRequested(source="operator"))  # the blocker's remedy: rediscover with current code
+    assert state.discovery is not None
+    seq = state.discovery.seq
+    state = apply(state, Resolve(step_id="a", phase=Phase.FORWARD, generation=1, action="retry", reason="r", by="o"))
+    state = deliver(state, "a", generation=2)
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
+    running = forward(state, "a")[-1] is AttemptStatus.AUTHORIZED
+    assert not (running and state.discovery is not None and state.discovery.status is AttemptStatus.AUTHORIZED)
