@@ -7,6 +7,13 @@ no sooner than its lease; a lease never runs past ``respond_by`` plus its grace,
 (plus the grace) after the latest heartbeat; a heartbeat never changes an attempt that is not in flight; a
 heartbeat's reply says the run is stopping only for a forward attempt in flight of a run with a stop intent.
 
+Steps declared together (decision 30) add theirs (:meth:`Checker._siblings`): never more forward attempts in flight
+(authorized or Unknown; a queued one is not running) than the function's ``max_parallel``; a group's siblings start
+(their first attempt in the group) in the order the pass that reported them declared them; none starts after the
+stop intent, nor after a sibling of its group failed for good; the next discovery is not authorized while a sibling
+of the group runs; no compensation is authorized while a forward attempt is in flight (an Unknown sibling blocks
+the unwind). The unwind's order (reverse completion, one at a time) is :meth:`Checker.effect`'s, siblings included.
+
 :meth:`Checker.committed` runs on every write that commits, with the state written; :meth:`Checker.effect`
 runs as a callback or compensator starts executing, with the request that carries it and the durable state
 at that moment; :meth:`Checker.at_end` compares fault-free runs with what their code says they must end with.
@@ -80,6 +87,12 @@ class Checker:
         self.waits: dict[tuple[str, str], datetime] = {}
         """Each step's wait's due time as first recorded (decision 31)."""
         self.slept: set[Key] = set()
+        self.groups: dict[str, _Group] = {}
+        """Per run, the group of steps declared together it runs (or ran last) (decision 30)."""
+        self.run_group: dict[str, int | None] = {}
+        """Per run, its ``group`` as the last write showed it."""
+        self.forward_seen: dict[tuple[str, str], int] = {}
+        """(run, step) -> its forward attempts as of the last write."""
 
     def fail(self, text: str) -> None:
         self.sim.violation(text)
@@ -161,6 +174,7 @@ class Checker:
                 or _json(kept.result) != result
             ):
                 self.fail(f"{run}: the accepted result of {step_id} #{generation} was lost or changed")
+        self._siblings(state)
         self._axes(state)
         for blocker in state.blockers:
             if (run, blocker.type.value) not in self._blocked:
@@ -173,6 +187,103 @@ class Checker:
             self.finished.add(run)
             self._unwound(state)
         self.decisions.committed(state)
+
+    # ---- steps declared together (decision 30) ---------------------------------------------------------
+
+    def _siblings(self, state: RunState) -> None:
+        run = state.id
+        running = _running(state)
+        limit = max(spec.max_parallel for spec in self.sim.specs)
+        if len(running) > limit:
+            self.fail(
+                f"{run}: {len(running)} forward attempts in flight {running}, max_parallel is {limit}: {_describe(state)}"
+            )
+        if state.max_parallel is not None and state.max_parallel not in {spec.max_parallel for spec in self.sim.specs}:
+            self.fail(f"{run}: runs a group at max_parallel {state.max_parallel}; its code says {limit}")
+        if state.group is not None and state.group != self.run_group.get(run):
+            self._group_recorded(state)
+        self.run_group[run] = state.group
+        group = self.groups.get(run)
+        if group is not None:
+            self._group_rules(state, group, running)
+        compensating = [
+            f"{s.id} #{a.generation}"
+            for s in state.steps
+            for a in s.attempts
+            if a.phase is Phase.COMPENSATION and a.status is AttemptStatus.AUTHORIZED
+        ]
+        if compensating and running:
+            self.fail(
+                f"{run}: compensation {compensating} authorized while forward {running} is in flight (S8, P5):"
+                f" {_describe(state)}"
+            )
+        for s in state.steps:
+            self.forward_seen[(run, s.id)] = sum(1 for a in s.attempts if a.phase is Phase.FORWARD)
+
+    def _group_recorded(self, state: RunState) -> None:
+        """A write recorded a group: its siblings are the steps a pass an endpoint answered reported together, in
+        the order it declared them."""
+        run = state.id
+        members = {s.id for s in state.steps if s.group == state.group}
+        order = next(
+            (
+                [i for i in ids if i in members]
+                for ids in reversed(self.sim.reported.get(run, []))
+                if members <= set(ids)
+            ),
+            None,
+        )
+        if order is None:
+            self.fail(f"{run}: group {state.group} of {sorted(members)}: no pass reported these steps together")
+            return
+        self.sim.cases["a group of steps declared together recorded"] += 1
+        base = {i: self.forward_seen.get((run, i), 0) for i in order}
+        discovery = state.discovery.seq if state.discovery is not None else None
+        self.groups[run] = _Group(state.group, order, base, discovery)
+
+    def _group_rules(self, state: RunState, group: _Group, running: list[str]) -> None:
+        run = state.id
+        steps = {i: state.step(i) for i in group.order}
+        started = [
+            i
+            for i, s in steps.items()
+            if s is not None and sum(1 for a in s.attempts if a.phase is Phase.FORWARD) > group.base[i]
+        ]
+        # P2: in declaration order (a queued sibling has started: its authorization may race its siblings')
+        if started != group.order[: len(started)]:
+            self.fail(
+                f"{run}: siblings {group.order} started as {started}: not in declaration order (P2): {_describe(state)}"
+            )
+        again = {i for ids in self.sim.reported.get(run, [])[group.reports_at_freeze :] for i in ids}
+        if group.frozen is not None and not set(started) <= group.frozen | again:
+            # a later pass that reports a sibling again declares it anew (the function caught the failure and
+            # went on: an async function's gather does not cancel its other awaits): it may start then
+            self.fail(
+                f"{run}: sibling {sorted(set(started) - group.frozen)} started after {group.why} (P3, P4):"
+                f" {_describe(state)}"
+            )
+        failed = [i for i, s in steps.items() if s is not None and s.status is StepStatus.FAILED]
+        if group.frozen is None and (failed or state.stop_intent is not None):
+            group.frozen = group.started
+            group.reports_at_freeze = len(self.sim.reported.get(run, []))
+            group.why = f"{failed[0]} failed for good" if failed else "the stop intent"
+            self.sim.cases[f"a group halted: {'a sibling failed for good' if failed else 'a stop'}"] += 1
+        group.started = set(started)
+        in_flight = [i for i in group.order if any(r.startswith(f"{i} #") for r in running)]
+        d = state.discovery
+        repair = state.blocked_by_definition  # a wake's pass that repairs a blocker may run beside them
+        if (
+            d is not None
+            and d.seq != group.discovery
+            and d.status is AttemptStatus.AUTHORIZED
+            and in_flight
+            and not repair
+        ):
+            self.fail(
+                f"{run}: discovery #{d.seq} authorized while siblings {in_flight} are in flight: {_describe(state)}"
+            )
+        if len(in_flight) > 1:
+            self.sim.cases[f"siblings in flight at once: {len(in_flight)}"] += 1
 
     def _unwound(self, state: RunState) -> None:
         """A run that failed, was cancelled or timed out has finished: every accepted success was compensated
@@ -455,27 +566,70 @@ class Checker:
                         f"{run}: {step_id}'s compensator ran {sim.executions[(run, step_id, 'compensation')]} times, not {times}"
                     )
             order = [e.step_id for e in state.unwind if e.status is CompensationStatus.COMPENSATED]
-            if order != want.undone:
+            # reverse completion order: steps declared together complete in any order among themselves (P3)
+            seq = {s.id: s.completed_seq or 0 for s in state.steps}
+            if not want.exact:
+                continue
+            if sorted(order) != sorted(want.undone) or order != sorted(order, key=lambda i: -seq[i]):
+                self.fail(f"{run}: compensated {order}, not {want.undone} in reverse completion order")
+            elif not any(g.parallel for g in sim.spec.groups) and order != want.undone:
                 self.fail(f"{run}: compensated {order}, not {want.undone}")
 
     def describe(self, run: str) -> str:
         state = self.sim.store.peek(run)
         if state is None:
             return f"{run}: not written"
-        steps = ", ".join(
-            f"{s.id}:{s.status.value}/{s.compensation_status.value}["
-            + " ".join(f"{a.phase.value[0]}{a.generation}={a.status.value}" for a in s.attempts)
-            + "]"
-            for s in state.steps
-        )
-        discovery = (
-            f"discovery #{state.discovery.seq} {state.discovery.status.value}" if state.discovery else "no discovery"
-        )
-        blockers = [b.type.value for b in state.blockers]
-        return (
-            f"{run} v{state.version} {state.phase.value}/{state.outcome}/{state.recovery} blockers={blockers}"
-            f" due={state.work_due_at()} {discovery}; {steps}"
-        )
+        return _describe(state)
+
+
+def _describe(state: RunState) -> str:
+    """One line: the run's axes, blockers, discovery, group, and each step with its attempts."""
+    run = state.id
+    steps = ", ".join(
+        f"{s.id}:{s.status.value}/{s.compensation_status.value}{f'<g{s.group}>' if s.group is not None else ''}["
+        + " ".join(f"{a.phase.value[0]}{a.generation}={a.status.value}" for a in s.attempts)
+        + "]"
+        for s in state.steps
+    )
+    discovery = (
+        f"discovery #{state.discovery.seq} {state.discovery.status.value}" if state.discovery else "no discovery"
+    )
+    blockers = [b.type.value for b in state.blockers]
+    return (
+        f"{run} v{state.version} {state.phase.value}/{state.outcome}/{state.recovery} blockers={blockers}"
+        f" due={state.work_due_at()} {discovery} group={state.group}; {steps}"
+    )
+
+
+class _Group:
+    """A group of steps declared together as the checker follows it (decision 30): from the write that recorded
+    it, whatever the engine does with the steps' ``group`` since."""
+
+    def __init__(self, group: int | None, order: list[str], base: dict[str, int], discovery: int | None) -> None:
+        self.group = group
+        self.order = order
+        """Its siblings, in the order the pass declared them."""
+        self.base = base
+        """Each sibling's forward attempts before the group was recorded: one more means it started."""
+        self.discovery = discovery
+        """The discovery the run held when the group was recorded (the pass that reported it)."""
+        self.started: set[str] = set()
+        """The siblings started as of the last write."""
+        self.frozen: set[str] | None = None
+        """Once a sibling failed for good, or the run's stop intent: the siblings started before (no other may)."""
+        self.why = ""
+        self.reports_at_freeze = 0
+        """How many passes had reported steps when it froze (a pass after may declare a sibling again)."""
+
+
+def _running(state: RunState) -> list[str]:
+    """Forward attempts in flight: authorized (its callback may run), or Unknown (it may still be running)."""
+    return [
+        f"{s.id} #{a.generation}"
+        for s in state.steps
+        for a in s.attempts
+        if a.phase is Phase.FORWARD and a.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
+    ]
 
 
 def _moved_past(attempt: Attempt) -> bool:

@@ -14,6 +14,11 @@ ends compensation passes before their target; a callback or compensator that ret
 run's deadline falls while it runs); a step id that changes on every pass. None of them is in a fault-free
 seed's workflow.
 
+Steps declared together (decision 30): a group may declare its steps together (``step.parallel``: 2 to 5 siblings,
+run up to the function's ``max_parallel`` at once), a sibling's durable wait a sibling of its own; each sibling
+fails, retries, goes Unknown or fails for good on its own, and one that fails for good raises at the group's await
+(as ``gather`` does) once its siblings in flight have settled.
+
 And long steps (decision 33): a step may declare ``heartbeat=`` (and a timeout a few intervals long); its callback
 works a while between heartbeats (``ryusen.heartbeat``), a few times, and returns early, with a result of its own,
 once a heartbeat says the run is stopping (``StopRequested``). How long each pause is, and whether the callback goes
@@ -97,6 +102,9 @@ class GroupSpec:
     steps: tuple[StepSpec, ...]
     caught: bool
     """The group is wrapped in ``try/except StepFailed``: a failure of one of its steps skips the rest of it."""
+    parallel: bool = False
+    """Decision 30: its steps are declared together (``step.parallel``; a step's wait is a sibling before it), and
+    none of them is caught alone: the first that fails for good raises at the group's await."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,8 @@ class WorkflowSpec:
     compensation pass that meets the guard ends before its target (decisions 24)."""
     retired: tuple[str, ...] = ()
     """Step ids this release retires (``@app.function(retired_steps=...)``)."""
+    max_parallel: int = 10
+    """Decision 30: how many steps declared together may run at once (``@app.function(max_parallel=...)``)."""
 
     @property
     def steps(self) -> list[StepSpec]:
@@ -136,9 +146,11 @@ class WorkflowSpec:
                 for s in g.steps
             )
             guard = "guard: " if self.guard_at == gi else ""
+            inner = f"together({inner})" if g.parallel else inner
             parts.append(guard + (f"try{{{inner}}}" if g.caught else inner))
         retired = f" | retires {','.join(self.retired)}" if self.retired else ""
-        return " | ".join(parts) + (" | raise" if self.raise_at_end else "") + retired
+        together = f" | max_parallel {self.max_parallel}" if any(g.parallel for g in self.groups) else ""
+        return " | ".join(parts) + (" | raise" if self.raise_at_end else "") + retired + together
 
 
 def generate(
@@ -147,43 +159,60 @@ def generate(
     clean: bool = False,
     long_steps: random.Random | None = None,
     waits: random.Random | None = None,
+    parallel: random.Random | None = None,
 ) -> WorkflowSpec:
-    """A workflow of 1 to 6 steps. ``clean``: every step succeeds first time, and none has a case of decisions
-    23-29 (a fault-free baseline's shape still varies: compensators, groups). ``long_steps``: where the steps
-    that heartbeat are drawn from (a generator of their own, so a seed that draws none is the workflow it was
-    before heartbeats); None: no step heartbeats."""
+    """A workflow of 1 to 4 groups of steps. ``clean``: every step succeeds first time, and none has a case of
+    decisions 23-29 (a fault-free baseline's shape still varies: compensators, groups). ``long_steps``: where the
+    steps that heartbeat are drawn from (a generator of their own, so a seed that draws none is the workflow it was
+    before heartbeats); None: no step heartbeats. ``parallel``: where groups of steps declared together (decision
+    30) and their extra siblings are drawn from (likewise); None: none is."""
     groups: list[GroupSpec] = []
     n = 0
+    max_parallel = parallel.randint(1, 3) if parallel is not None else 10
     for _ in range(rng.randint(1, 4)):
+        together = parallel is not None and parallel.random() < 0.35
         steps = []
         for _ in range(rng.randint(1, 2)):
-            max_attempts = rng.randint(1, 3)
-            fails = 0 if clean else rng.choice([0, 0, 0, 1, 2, max_attempts])
-            undo_attempts = rng.randint(1, 3)
-            spec = StepSpec(
-                id=f"s{n}",
-                fails=fails,
-                max_attempts=max_attempts,
-                compensate=rng.random() < 0.7,
-                undo_fails=0 if clean else rng.randint(0, undo_attempts - 1),
-                undo_attempts=undo_attempts,
-                caught=rng.random() < 0.25,
-                on_unknown=rng.choice(["block", "block", "retry"]),
-                undo_on_unknown=rng.choice(["block", "block", "retry"]),
-            )
-            if not clean:
-                spec = _with_cases(spec, rng)
-                if long_steps is not None:
-                    spec = _with_heartbeat(spec, long_steps)
-                if waits is not None and waits.random() < 0.2:  # a generator of its own, as for long steps
-                    spec = replace(spec, wait_s=waits.choice([2.0, 45.0, 3600.0, 3 * 86400.0]))
-                if waits is not None and waits.random() < 0.15 and spec.heartbeat_s is None and not spec.nests:
-                    spec = replace(spec, external_s=waits.choice([30.0, 600.0, 86400.0]), big="")
-            steps.append(spec)
+            steps.append(_draw_step(rng, f"s{n}", clean, long_steps, waits))
             n += 1
-        groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3))
+        if together:
+            assert parallel is not None
+            for _ in range(max(0, parallel.randint(2, 5) - len(steps))):  # 2 to 5 siblings
+                steps.append(_draw_step(parallel, f"s{n}", clean, long_steps, waits))
+                n += 1
+            steps = [replace(s, caught=False) for s in steps]  # the group's await raises the first failure
+        groups.append(GroupSpec(tuple(steps), caught=rng.random() < 0.3, parallel=together))
     guard_at = rng.randrange(len(groups)) if not clean and rng.random() < 0.4 else None
-    return WorkflowSpec(tuple(groups), raise_at_end=rng.random() < 0.2, guard_at=guard_at)
+    spec = WorkflowSpec(tuple(groups), raise_at_end=rng.random() < 0.2, guard_at=guard_at)
+    return replace(spec, max_parallel=max_parallel) if any(g.parallel for g in groups) else spec
+
+
+def _draw_step(
+    rng: random.Random, step_id: str, clean: bool, long_steps: random.Random | None, waits: random.Random | None
+) -> StepSpec:
+    max_attempts = rng.randint(1, 3)
+    fails = 0 if clean else rng.choice([0, 0, 0, 1, 2, max_attempts])
+    undo_attempts = rng.randint(1, 3)
+    spec = StepSpec(
+        id=step_id,
+        fails=fails,
+        max_attempts=max_attempts,
+        compensate=rng.random() < 0.7,
+        undo_fails=0 if clean else rng.randint(0, undo_attempts - 1),
+        undo_attempts=undo_attempts,
+        caught=rng.random() < 0.25,
+        on_unknown=rng.choice(["block", "block", "retry"]),
+        undo_on_unknown=rng.choice(["block", "block", "retry"]),
+    )
+    if not clean:
+        spec = _with_cases(spec, rng)
+        if long_steps is not None:
+            spec = _with_heartbeat(spec, long_steps)
+        if waits is not None and waits.random() < 0.2:  # a generator of its own, as for long steps
+            spec = replace(spec, wait_s=waits.choice([2.0, 45.0, 3600.0, 3 * 86400.0]))
+        if waits is not None and waits.random() < 0.15 and spec.heartbeat_s is None and not spec.nests:
+            spec = replace(spec, external_s=waits.choice([30.0, 600.0, 86400.0]), big="")
+    return spec
 
 
 def _with_cases(spec: StepSpec, rng: random.Random) -> StepSpec:
@@ -249,7 +278,7 @@ def variant(spec: WorkflowSpec, rng: random.Random, release: int) -> tuple[Workf
         guard_at = None
     else:
         how = "same"
-    kept = [(GroupSpec(tuple(g), spec.groups[i].caught), i) for i, g in enumerate(groups) if g]
+    kept = [(replace(spec.groups[i], steps=tuple(g)), i) for i, g in enumerate(groups) if g]
     if guard_at is not None:  # the guard stays before the same group (or the next one left)
         later = [k for k, (_, i) in enumerate(kept) if i >= guard_at]
         guard_at = later[0] if later else None
@@ -262,9 +291,11 @@ def fixed(spec: WorkflowSpec, release: int, ids_seen: set[str]) -> WorkflowSpec:
     an earlier release had that this one does not (renamed or added steps: their compensation passes cannot
     reach them)."""
     groups = tuple(
-        GroupSpec(
-            tuple(replace(s, nests=False, undo_nests=False, big="", undo_big=False, unstable=False) for s in g.steps),
-            g.caught,
+        replace(
+            g,
+            steps=tuple(
+                replace(s, nests=False, undo_nests=False, big="", undo_big=False, unstable=False) for s in g.steps
+            ),
         )
         for g in spec.groups
     )
@@ -280,8 +311,12 @@ class Expected:
     forward: dict[str, int]
     """Executions of each step's callback."""
     undone: list[str]
-    """The steps compensated, in order."""
+    """The steps compensated, in order (in reverse completion order: steps declared together complete in any order
+    among themselves, so :meth:`.invariants.Checker.at_end` takes their order from when each completed)."""
     undo_runs: dict[str, int]
+    exact: bool = True
+    """False where timing decides: a group declared together with a sibling that fails for good (which siblings
+    after it start depends on when it fails). Fault-free seeds, the only ones compared, have none."""
 
 
 def expected(spec: WorkflowSpec, data: Any) -> Expected:
@@ -290,7 +325,20 @@ def expected(spec: WorkflowSpec, data: Any) -> Expected:
     forward: dict[str, int] = {}
     results: list[Any] = []
     failed = False
+    exact = True
     for group in spec.groups:
+        if group.parallel:  # decision 30: every sibling runs, unless one fails for good (then the group raises)
+            if all(s.succeeds for s in group.steps):
+                for s in group.steps:
+                    forward[s.id] = min(s.fails + 1, s.max_attempts)
+                    completed.append(s)
+                    results.append(result_of(s.id, data))
+                continue
+            exact = False
+            if not group.caught:
+                failed = True
+                break
+            continue
         for s in group.steps:
             forward[s.id] = min(s.fails + 1, s.max_attempts)
             if s.succeeds:
@@ -306,12 +354,12 @@ def expected(spec: WorkflowSpec, data: Any) -> Expected:
         if failed:
             break
     if not failed and not spec.raise_at_end:
-        return Expected("completed", None, results, forward, [], {})
+        return Expected("completed", None, results, forward, [], {}, exact)
     undone = [s.id for s in reversed(completed) if s.compensate]
     # every accepted success is in the unwind: one whose code has no compensator is skipped (target_not_found)
     recovery = "compensated" if completed else "not_required"
     return Expected(
-        "failed", recovery, None, forward, undone, {s.id: s.undo_fails + 1 for s in completed if s.compensate}
+        "failed", recovery, None, forward, undone, {s.id: s.undo_fails + 1 for s in completed if s.compensate}, exact
     )
 
 
@@ -451,13 +499,29 @@ def build_app(spec: WorkflowSpec, hooks: Hooks, *, master_key: str, seen: Any) -
             **long,
         )
 
-    @app.function(FUNCTION_ID, retired_steps=spec.retired)
+    def together(step: Step, group: GroupSpec, data: Any) -> list[Any]:
+        """Decision 30: the group's steps declared together (a step's wait a sibling before it); their results in
+        order once all have settled, or the first failure in declaration order (as ``gather`` raises it)."""
+        calls: list[Callable[[], Any]] = []
+        kept: list[bool] = []
+        for s in group.steps:
+            if s.wait_s:
+                calls.append(lambda s=s: step.sleep(f"{s.id}-wait", timedelta(seconds=s.wait_s)))  # type: ignore[misc]
+                kept.append(False)
+            calls.append(lambda s=s: run_step(step, s, data))  # type: ignore[misc]
+            kept.append(True)
+        return [r for r, keep in zip(step.parallel(*calls), kept, strict=True) if keep]
+
+    @app.function(FUNCTION_ID, retired_steps=spec.retired, max_parallel=spec.max_parallel)
     def saga(data: Any, step: Step) -> Any:
         results: list[Any] = []
         for gi, group in enumerate(spec.groups):
             if spec.guard_at == gi and hooks.order_cancelled():
                 return {"order": "cancelled", "results": results}  # an early return on an external read
             try:
+                if group.parallel:
+                    results.extend(together(step, group, data))
+                    continue
                 for s in group.steps:
                     if s.wait_s:  # decision 31: a durable wait first
                         step.sleep(f"{s.id}-wait", timedelta(seconds=s.wait_s))

@@ -59,6 +59,8 @@ from ryusen._internal.wire import (
     HeartbeatReply,
     LateResult,
     Phase,
+    StepReached,
+    StepsReached,
     TaskRequest,
     TaskResponse,
     late_result_scope,
@@ -411,7 +413,13 @@ class Simulation:
             engine.hooks.append(self._observe_answers)
         long_steps = self.xrng if new_dispatch else None
         waits = random.Random(f"waits-{seed}") if new_dispatch else None
-        self.spec = workload.generate(self.rng, clean=self.profile.is_clean, long_steps=long_steps, waits=waits)
+        together = random.Random(f"parallel-{seed}") if new_dispatch else None  # decision 30, as for waits
+        self.spec = workload.generate(
+            self.rng, clean=self.profile.is_clean, long_steps=long_steps, waits=waits, parallel=together
+        )
+        self.reported: dict[str, list[list[str]]] = {}
+        """Per run, the steps each pass an endpoint answered reported (``StepsReached``, in declaration order, or
+        ``StepReached``): a discovery's, or an attempt's ``next``."""
         self.specs = [self.spec]
         self.releases = 0
         self.run_ids: list[str] = []
@@ -1595,8 +1603,11 @@ class SimInvoker:
             response = app._serve("POST", headers, body, url_path(url), app.signing_keys, options=self.waiting)
         finally:
             SERVING.reset(token)
-        if response.status == 200 and request.operation is not None and request.step_id is not None:
-            self._record(request, spec, TaskResponse.model_validate_json(response.body))
+        if response.status == 200:
+            answered = TaskResponse.model_validate_json(response.body)
+            self._together(request.run_id, answered)
+            if request.operation is not None and request.step_id is not None:
+                self._record(request, spec, answered)
         return response
 
     def _serve_acknowledging(
@@ -1624,6 +1635,7 @@ class SimInvoker:
                 return app._error(500, "callback_interrupted", str(outcome), answering)  # type: ignore[no-any-return]
             assert outcome is not None
             sim.cases["acknowledgeable attempt answered inline"] += 1
+            self._together(request.run_id, outcome)
             self._record(request, spec, outcome)
             return app._reply(200, encode_response(outcome), answering)  # type: ignore[no-any-return]
         job.accepted = True
@@ -1664,6 +1676,7 @@ class SimInvoker:
         if isinstance(outcome, CallbackInterruptedError) or outcome.attempt is None:
             sim.note(f"  {job.key} was acknowledged and ended with no outcome: its lease will say Unknown")
             return
+        self._together(job.request.run_id, outcome)
         self._record(job.request, job.spec, outcome)
         op = job.request.operation
         assert op is not None and job.request.step_id is not None
@@ -1705,6 +1718,15 @@ class SimInvoker:
         if verdict == "heartbeat_reply_lost":
             return None
         return reply
+
+    def _together(self, run_id: str, response: TaskResponse) -> None:
+        """Steps a pass reported declared together (decision 30), in the order it declared them."""
+        for found in (response.discovery, response.next):
+            if isinstance(found, StepsReached):
+                self.sim.reported.setdefault(run_id, []).append([plan.id for plan in found.steps])
+                self.sim.cases["a pass reported steps declared together"] += 1
+            elif isinstance(found, StepReached):
+                self.sim.reported.setdefault(run_id, []).append([found.step.id])
 
     def _record(self, request: TaskRequest, spec: workload.WorkflowSpec, response: TaskResponse) -> None:
         """What the endpoint answered to an attempt, and what the code that answered says about its step."""

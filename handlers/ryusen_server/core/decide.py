@@ -572,7 +572,7 @@ class _Transition:
         if s.deadline_at is not None and not deadline_fired:
             self.commands.append(CancelTimer(timer=TimerRef(run_id=s.id, kind=TimerKind.DEADLINE, at=s.deadline_at)))
         self.s.phase = RunPhase.FINISHED
-        self.s.group = self.s.max_parallel = self.s.group_next = None
+        self.s.group = self.s.max_parallel = self.s.group_next = self.s.group_order = None
         self.s.group_live, self.s.group_halted = [], False
         self.s.recovery = recovery
         self.s.finished_at = self.now
@@ -609,6 +609,13 @@ class _Transition:
             self.s.discovery = None
             self.touch()
             return self.ignore("discovery fenced by the stop intent")
+        if self.s.group is not None and not self.s.blocked_by_definition and self.group_census()[0] > 0:
+            # decision 30: the function goes on once its siblings have settled; the group's end queues the pass. (A
+            # pass that repairs a definition blocker runs at once: siblings in flight are reported again and stay
+            # in their group, so it cannot go past them.)
+            self.s.discovery = None
+            self.touch()
+            return self.ignore("discovery fenced: steps declared together are still in flight")
         if release is None:
             d.redeliveries += 1
             self.touch()
@@ -1273,8 +1280,13 @@ class _Transition:
             step = self.step(step_id)
             assert step is not None
             step.group = group
+        # the group's steps in declaration order: they start in it (a known step reported again may sit before a
+        # new one in the run's steps, so the order is kept apart when it is not the steps' own)
         members = [i for plan in response.steps if (i := s.step_index(plan.id)) is not None]
-        s.group, s.group_next, s.group_halted = group, min(members, default=tail), False
+        in_order = members == sorted(members)
+        s.group, s.group_halted = group, False
+        s.group_order = None if in_order else members
+        s.group_next = (members[0] if members else tail) if in_order else 0
         s.group_live = sorted(i for i in members if _live_forward(s.steps[i]))
         s.max_parallel = response.max_parallel
         self.touch()
@@ -1334,20 +1346,22 @@ class _Transition:
                 live.append(i)
             elif step.group == group and step.status is StepStatus.FAILED:
                 halted = True
-        i = s.group_next or 0
+        order = s.group_order
+        position = s.group_next or 0
         unstarted = None
-        while i < len(steps):
+        while position < (len(order) if order is not None else len(steps)):
             self.census_visited += 1
+            i = order[position] if order is not None else position
             step = steps[i]
             if step.group == group and step.status is StepStatus.PENDING and not _live_forward(step):
                 unstarted = i
                 break
             if step.group == group and step.status is StepStatus.FAILED:
                 halted = True
-            i += 1
+            position += 1
         if live != s.group_live:
             s.group_live = live  # replaced, never changed in place (a working copy shares it)
-        s.group_next, s.group_halted = i, halted
+        s.group_next, s.group_halted = position, halted
         return len(live), unstarted, halted
 
     def start_siblings(self) -> None:
@@ -1376,13 +1390,14 @@ class _Transition:
         finally:
             self._filling = False
         if in_flight == 0 and (unstarted is None or not may_start):
-            s.group = s.max_parallel = s.group_next = None
+            s.group = s.max_parallel = s.group_next = s.group_order = None
             s.group_live, s.group_halted = [], False
             self.touch()
             if self.stopping:
                 return self.evaluate_recovery()
-            if not s.blocked_by_definition:
-                self.queue_discovery()
+            # also when blocked: a wake refused while siblings were in flight (a release synced meanwhile) is not
+            # lost; a pass that meets the same conflict only counts it again (D7)
+            self.queue_discovery()
         return None
 
     def wait_s(self, step: StepState, plan: StepPlan) -> float:
@@ -2336,10 +2351,25 @@ class _Transition:
         """An operator's consented retry: the step's phase is pending again, and its next generation is queued."""
         if phase is Phase.FORWARD:
             step.status = StepStatus.PENDING
+            self.rejoin_group(step)
         else:
             step.compensation_status = CompensationStatus.PENDING
             self.set_unwind_status(step.id, CompensationStatus.PENDING)
         self.queue_attempt(step, phase)
+
+    def rejoin_group(self, step: StepState) -> None:
+        """A step declared together with others runs again by an operator's consent (decision 30): it is its
+        group's again, so the discovery after the group waits for it (the group starts nothing else)."""
+        s = self.s
+        i = s.step_index(step.id)
+        if step.group is None or i is None or (s.group is not None and s.group != step.group):
+            return
+        if s.group is None:
+            s.group, s.max_parallel, s.group_order, s.group_next = step.group, 1, None, len(s.steps)
+            s.group_live, s.group_halted = [], True
+        if i not in s.group_live:
+            s.group_live = [*s.group_live, i]
+        self.touch()
 
     def supplied_result_too_large(self, event: Resolve) -> ErrorInfo | None:
         """Why an operator's ``succeed`` cannot be recorded (over the value limit, or the run's), or None."""

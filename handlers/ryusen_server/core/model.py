@@ -243,9 +243,8 @@ class StepState(_State):
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _without_unset(
-            handler(self), (("sleep", False), ("external", False), ("wait_until", None), ("group", None))
-        )
+        unset = (("sleep", False), ("external", False), ("wait_until", None), ("group", None))
+        return _without_unset(handler(self), unset)
 
     def heartbeat_for(self, phase: Phase) -> float | None:
         """The heartbeat interval an attempt of ``phase`` must keep: the forward callback's (``step.run(heartbeat=)``
@@ -412,9 +411,12 @@ class RunState(_State):
     group_live: list[int] = Field(default_factory=list)
     """The indexes of the running group's steps started and maybe not settled (checked at each census): what is in
     flight is counted from them, not from every step. Replaced, never changed in place."""
+    group_order: list[int] | None = None
+    """The running group's step indexes in declaration order, when that is not their order in ``steps`` (a known
+    step reported again with new ones); None when it is. Replaced, never changed in place."""
     group_next: int | None = None
-    """Where the running group's next step to start is looked for (every one before it has started, or is not
-    the group's)."""
+    """Where the running group's next step to start is looked for: a position in ``group_order`` when it is set,
+    else an index in ``steps`` (every one before it has started, or is not the group's)."""
     group_halted: bool = False
     """A step of the running group failed for good: no new one starts (the function raises at its await)."""
     unwind: list[UnwindEntry] = Field(default_factory=list)
