@@ -9,6 +9,7 @@ commands. Handlers (Lambda, ``ryusen dev``, ``ryusen.testing``) only call it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -117,9 +118,7 @@ _Posted = TypeVar("_Posted", LateResult, Heartbeat)
 """What an SDK posts to the result URL unasked."""
 
 MAX_RACES = 50
-_RUN_LOCKS = tuple(threading.Lock() for _ in range(64))
-"""Decisions about one run are taken one at a time in a process (striped by run id; held only around the read,
-the decision and the write, never around sends or hooks, so that no two are ever held at once)."""
+RUN_LOCK_STRIPES = 64
 WAKES_PER_MESSAGE = 100
 """Blocked runs one wake message wakes; more are woken by the next (the index lists those still blocked)."""
 MAX_DEFERRAL_DELAY_S = 30.0
@@ -538,6 +537,13 @@ class Engine:
         """Observers of engine activity (the dev UI, ryusen.testing's fault injection)."""
         self.chain_guards: list[Callable[[], bool]] = []
         """Each must allow chaining the next task (``ryusen.testing`` stops a chain where a test wants to look)."""
+        self.run_locks: tuple[threading.Lock, ...] | None = None
+        """Decisions about one run are taken one at a time in this engine (striped by run id; held only around the
+        read, the decision and the write, never around sends or hooks, so that no two are ever held at once):
+        siblings settling at once would otherwise race for the same version and spend a write and a read on every
+        loss. Other processes still race (the conditional write fences them). Set by ``serialize_runs`` (``ryusen
+        dev``, one process with many dispatcher threads); None by default: tests that race writes on purpose, and
+        the simulator, schedule their own interleavings."""
         self.sleep: Callable[[float], None] = time.sleep
         """How a retry waits (the simulator replaces it: its time is its own)."""
         self.sent_memos = SentMemos()
@@ -557,6 +563,10 @@ class Engine:
         if seen is not None and time.monotonic() - seen[0] < self.settings.release_recheck_s:
             return seen[1]
         return self._read_release(function_id)
+
+    def serialize_runs(self) -> None:
+        """Take decisions about one run one at a time in this process (see ``run_locks``)."""
+        self.run_locks = tuple(threading.Lock() for _ in range(RUN_LOCK_STRIPES))
 
     def master_keys(self, *, fresh: bool = False) -> list[str]:
         """The valid master keys, the one to sign with first (during a rotation's window, also the one it
@@ -585,7 +595,8 @@ class Engine:
             # one decision of a run at a time in this process (siblings settling at once would otherwise race for
             # the same version and spend a write and a read on every loss); other processes still race: the
             # conditional write fences them
-            with _RUN_LOCKS[hash(run_id) % len(_RUN_LOCKS)]:
+            locks = self.run_locks
+            with locks[hash(run_id) % len(locks)] if locks else contextlib.nullcontext():
                 state, known = (known, None) if known is not None else (self.store.get(run_id), None)
                 if state is None:
                     raise NotFoundError(f"no run {run_id!r}", run_id=run_id)

@@ -410,6 +410,7 @@ class Simulation:
         """Answers on the queue, deferred while the store would not take them, not yet recorded."""
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
+            engine.run_locks = None  # the scheduler interleaves the activities itself (a lock would deadlock it)
             engine.hooks.append(self._observe_answers)
         long_steps = self.xrng if new_dispatch else None
         waits = random.Random(f"waits-{seed}") if new_dispatch else None

@@ -192,6 +192,7 @@ class DevStack:
             EndpointPolicy.local(),
             hold=self._delays.call_later,
         )
+        self.wired.engine.serialize_runs()  # one process, many dispatcher threads: they need not race each other
         self._serve_api()
         self._spawn(self._dispatch_loop, "ryusen-dispatch")
         self._spawn(self._timer_loop, "ryusen-timers")
