@@ -89,6 +89,8 @@ class Checker:
         self.slept: set[Key] = set()
         self.groups: dict[str, _Group] = {}
         """Per run, the group of steps declared together it runs (or ran last) (decision 30)."""
+        self.discoveries_authorized: dict[str, int] = {}
+        """Per run, the discovery it had authorized at the last write checked."""
         self.run_group: dict[str, int | None] = {}
         """Per run, its ``group`` as the last write showed it."""
         self.forward_seen: dict[tuple[str, str], int] = {}
@@ -200,7 +202,9 @@ class Checker:
             )
         if state.max_parallel is not None and state.max_parallel not in {spec.max_parallel for spec in self.sim.specs}:
             self.fail(f"{run}: runs a group at max_parallel {state.max_parallel}; its code says {limit}")
-        if state.group is not None and state.group != self.run_group.get(run):
+        known = self.groups.get(run)
+        reopened = known is not None and known.group == state.group  # an operator's retry reopens the same group
+        if state.group is not None and state.group != self.run_group.get(run) and not reopened:
             self._group_recorded(state)
         self.run_group[run] = state.group
         group = self.groups.get(run)
@@ -237,7 +241,9 @@ class Checker:
             self.fail(f"{run}: group {state.group} of {sorted(members)}: no pass reported these steps together")
             return
         self.sim.cases["a group of steps declared together recorded"] += 1
-        base = {i: self.forward_seen.get((run, i), 0) for i in order}
+        # a sibling in flight when its group is recorded (a wake's repair pass reported it again) has started
+        live = {s.id for s in state.steps if s.group == state.group and _live(s)}
+        base = {i: self.forward_seen.get((run, i), 0) - (1 if i in live else 0) for i in order}
         discovery = state.discovery.seq if state.discovery is not None else None
         self.groups[run] = _Group(state.group, order, base, discovery)
 
@@ -272,13 +278,13 @@ class Checker:
         in_flight = [i for i in group.order if any(r.startswith(f"{i} #") for r in running)]
         d = state.discovery
         repair = state.blocked_by_definition  # a wake's pass that repairs a blocker may run beside them
-        if (
-            d is not None
-            and d.seq != group.discovery
-            and d.status is AttemptStatus.AUTHORIZED
-            and in_flight
-            and not repair
-        ):
+        authorized = d is not None and d.status is AttemptStatus.AUTHORIZED
+        # checked as the pass is authorized: one authorized as a repair may still run when an operator then starts
+        # a sibling
+        newly = authorized and d is not None and self.discoveries_authorized.get(run) != d.seq
+        if authorized and d is not None:
+            self.discoveries_authorized[run] = d.seq
+        if newly and d is not None and d.seq != group.discovery and in_flight and not repair:
             self.fail(
                 f"{run}: discovery #{d.seq} authorized while siblings {in_flight} are in flight: {_describe(state)}"
             )
@@ -580,6 +586,15 @@ class Checker:
         if state is None:
             return f"{run}: not written"
         return _describe(state)
+
+
+def _live(step: StepState) -> bool:
+    current = step.current(Phase.FORWARD)
+    return current is not None and current.status in (
+        AttemptStatus.QUEUED,
+        AttemptStatus.AUTHORIZED,
+        AttemptStatus.UNKNOWN,
+    )
 
 
 def _describe(state: RunState) -> str:

@@ -2365,7 +2365,7 @@ class _Transition:
         if step.group is None or i is None or (s.group is not None and s.group != step.group):
             return
         if s.group is None:
-            s.group, s.max_parallel, s.group_order, s.group_next = step.group, 1, None, len(s.steps)
+            s.group, s.max_parallel, s.group_order, s.group_next = step.group, None, None, len(s.steps)
             s.group_live, s.group_halted = [], True
         if i not in s.group_live:
             s.group_live = [*s.group_live, i]
