@@ -1,7 +1,7 @@
-"""Adversarial review of steps declared together (decision 30, P1-P6).
+"""An adversarial review of steps declared together (decision 30, P1-P6), kept as regression tests.
 
-Each test that fails on the reviewed commit shows a defect; its docstring says what it shows and what is
-expected. Tests that pass record attacks that held."""
+The tests whose docstrings describe a defect failed on the reviewed commit (30830ce) and pass since its fixes; the
+others record attacks that held."""
 
 from __future__ import annotations
 
@@ -14,19 +14,9 @@ from typing import Any
 
 import pytest
 
-import ryusen
 from ryusen import AsyncStep, NonRetryableError, RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
-
-
-def tokens_by_step(tokens: dict[str, str]) -> Any:
-    def ask(name: str) -> str:
-        token = ryusen.operation().completion_token
-        assert token is not None
-        tokens[name] = token
-        return "asked"
-
-    return ask
+from tests.conformance.test_parallel_steps import tokens_by_step
 
 
 def within(seconds: float, body: Callable[[], Any]) -> Any:

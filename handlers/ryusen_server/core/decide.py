@@ -1202,12 +1202,7 @@ class _Transition:
                 return self.queue_discovery()  # the memo raced a settlement; replay again
             elif (current := step.current(Phase.FORWARD)) is not None and current.status in LIVE_ATTEMPT:
                 return self.ignore(f"step {plan.id} already has a live attempt")
-            step.name, step.location, step.has_compensation = plan.name, plan.location, plan.has_compensation
-            step.retry, step.compensate_retry = plan.retry, plan.compensate_retry
-            step.timeout_s, step.compensate_timeout_s = plan.timeout_s, plan.compensate_timeout_s
-            step.heartbeat_s = plan.heartbeat_s
-            step.external = plan.completion == "external"
-            step.status = StepStatus.PENDING
+            self.take_plan(step, plan)
             self.queue_attempt(step, Phase.FORWARD, self.wait_s(step, plan))
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
             limit := self.settings.max_value_bytes
