@@ -18,6 +18,7 @@ from ryusen._internal.wire import (
     Occurrence,
     Phase,
     StepPlan,
+    StepReached,
     StepsReached,
     TargetNotFound,
     TaskKind,
@@ -128,3 +129,71 @@ def test_an_operators_retry_of_a_held_sibling_does_not_run_beside_the_discovery_
     state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
     running = forward(state, "a")[-1] is AttemptStatus.AUTHORIZED
     assert not (running and state.discovery is not None and state.discovery.status is AttemptStatus.AUTHORIZED)
+
+
+def test_a_step_in_flight_that_a_repair_pass_no_longer_reports_still_counts_against_max_parallel() -> None:
+    """Seed 8181: a release renames sibling b while it waits; the repair pass reports [a, b2]. b is still in
+    flight: it joins the new group, so a restarts beside it and b2 waits for a slot."""
+    state = started(["a", "b"], max_parallel=2)
+    state = deliver(deliver(state, "a"), "b")
+    duplicate = DuplicateStepConflict(step_id="x", first=Occurrence(location="f.py:1"), duplicate=Occurrence())
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
+                                         response=ConflictFound(conflict=duplicate)))  # fmt: skip
+    state = apply(state, WakeRequested(source="release_sync"))
+    assert state.discovery is not None
+    seq = state.discovery.seq
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
+    renamed = StepsReached(steps=[StepPlan(id="a"), StepPlan(id="b2")], max_parallel=2)
+    state = apply(state, DiscoveryReported(seq=seq, response=renamed))
+    assert forward(state, "b") == [AttemptStatus.AUTHORIZED] and forward(state, "a")[-1] is AttemptStatus.QUEUED
+    assert forward(state, "b2") == []  # two in flight already (a, and b that no pass declares now)
+    state = apply(state, AttemptReported(step_id="b", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackSucceeded(result=2)))  # fmt: skip
+    assert forward(state, "b2") == [AttemptStatus.QUEUED]  # b settled: a slot for b2
+
+
+def test_a_step_a_repair_pass_finds_alone_waits_for_the_step_in_flight() -> None:
+    """Seed 3418: an operator retries a held step while a repair pass is queued; the pass (a release renamed the
+    step) reports one new step. It starts once the step in flight has settled: one at a time."""
+    state = apply(None, StartRun(run_id="run1", app_id="a", function_id="f", input=1))
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=1), release=RELEASE))
+    state = apply(state, DiscoveryReported(seq=1, response=StepsReached(steps=[StepPlan(id="s0"), StepPlan(id="s1")],
+                                                                        max_parallel=1)))  # fmt: skip
+    state = deliver(state, "s0")
+    opened = ConcurrentStepConflict(first=Occurrence(step_id="s0"), second=Occurrence(step_id="inner"))
+    nested = ErrorInfo(type=NESTED_STEP_ERROR, message="opened a step", data={**opened.model_dump(), "build_id": "b1"})
+    state = apply(state, AttemptReported(step_id="s0", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackFailed(error=nested)))  # fmt: skip
+    assert state.blocked_by_definition
+    state = apply(state, WakeRequested(source="operator"))  # a repair pass is queued...
+    assert state.discovery is not None
+    seq = state.discovery.seq
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
+    assert state.discovery is not None and state.discovery.status is AttemptStatus.AUTHORIZED  # ...and runs
+    state = apply(state, Resolve(step_id="s0", phase=Phase.FORWARD, generation=1, action="retry", reason="r", by="o"))
+    state = deliver(state, "s0", generation=2)
+    assert forward(state, "s0")[-1] is AttemptStatus.AUTHORIZED  # the operator's retry runs meanwhile
+    state = apply(state, DiscoveryReported(seq=seq, response=StepReached(step=StepPlan(id="s0r1"))))
+    assert forward(state, "s0r1") == []  # recorded, not started beside s0's retry
+    state = apply(state, AttemptReported(step_id="s0", phase=Phase.FORWARD, generation=2,
+                                         response=CallbackSucceeded(result=0)))  # fmt: skip
+    assert forward(state, "s0r1") == [AttemptStatus.QUEUED]
+
+
+def test_a_discovery_queued_before_an_operator_starts_a_step_again_waits_for_it() -> None:
+    state = started(["a", "b"], max_parallel=1)
+    state = deliver(state, "a")
+    opened = ConcurrentStepConflict(first=Occurrence(step_id="a"), second=Occurrence(step_id="inner"))
+    nested = ErrorInfo(type=NESTED_STEP_ERROR, message="opened a step", data={**opened.model_dump(), "build_id": "b1"})
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
+                                         response=CallbackFailed(error=nested)))  # fmt: skip
+    state = apply(state, WakeRequested(source="operator"))
+    assert state.discovery is not None
+    seq = state.discovery.seq
+    state = apply(state, Resolve(step_id="a", phase=Phase.FORWARD, generation=1, action="retry", reason="r", by="o"))
+    state = deliver(state, "a", generation=2)
+    state = apply(state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=seq), release=RELEASE))
+    assert state.discovery is None  # fenced: the discovery after the group waits for a's retry
+    state = apply(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=2,
+                                         response=CallbackSucceeded(result=0)))  # fmt: skip
+    assert forward(state, "b") == [AttemptStatus.QUEUED]  # the group goes on: b in its turn

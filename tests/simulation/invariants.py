@@ -226,14 +226,23 @@ class Checker:
 
     def _group_recorded(self, state: RunState) -> None:
         """A write recorded a group: its siblings are the steps a pass an endpoint answered reported together, in
-        the order it declared them."""
+        the order it declared them. Steps already in flight before the write (a repair pass ran beside them, or a
+        release no longer declares them) join it as started: they count against ``max_parallel``, and the
+        discovery after the group waits for them."""
         run = state.id
         members = {s.id for s in state.steps if s.group == state.group}
+        counts = {s.id: sum(1 for a in s.attempts if a.phase is Phase.FORWARD) for s in state.steps}
+        running = {
+            s.id
+            for s in state.steps
+            if s.group == state.group and _live(s) and counts[s.id] == self.forward_seen.get((run, s.id), 0)
+        }
+        declared = members - running
         order = next(
             (
-                [i for i in ids if i in members]
+                [i for i in ids if i in declared]
                 for ids in reversed(self.sim.reported.get(run, []))
-                if members <= set(ids)
+                if declared <= set(ids)
             ),
             None,
         )
@@ -241,9 +250,10 @@ class Checker:
             self.fail(f"{run}: group {state.group} of {sorted(members)}: no pass reported these steps together")
             return
         self.sim.cases["a group of steps declared together recorded"] += 1
-        # a sibling in flight when its group is recorded (a wake's repair pass reported it again) has started
-        live = {s.id for s in state.steps if s.group == state.group and _live(s)}
-        base = {i: self.forward_seen.get((run, i), 0) - (1 if i in live else 0) for i in order}
+        if running:
+            self.sim.cases["a group recorded beside steps in flight"] += 1
+        order = sorted(running) + order
+        base = {i: self.forward_seen.get((run, i), 0) - (1 if i in running else 0) for i in order}
         discovery = state.discovery.seq if state.discovery is not None else None
         self.groups[run] = _Group(state.group, order, base, discovery)
 

@@ -1175,7 +1175,11 @@ class _Transition:
             # completes, fails), only an operator or a stop moves the run on (decisions 25)
             return self.definition_conflict(held[1], holds=held[0])
         if isinstance(response, StepsReached):
-            return self.siblings_reached(response)
+            return self.siblings_reached(response.steps, response.max_parallel)
+        if isinstance(response, StepReached) and self.beside_live_steps(response.step.id):
+            # a pass that repairs a blocker (or runs beside a group) while other steps are in flight: the step it
+            # found starts once they have settled, one at a time, as a group of its own with them
+            return self.siblings_reached([response.step], 1)
         if isinstance(response, StepReached):
             plan = response.step
             known = s.step(plan.id)
@@ -1226,23 +1230,39 @@ class _Transition:
 
     # ---- steps declared together (decision 30) ------------------------------------------
 
-    def siblings_reached(self, response: StepsReached) -> None:
-        """A pass reported steps declared together: record each (as a step reported alone would be), and run up
-        to ``max_parallel`` of them at once, the rest in declaration order as those settle."""
+    def beside_live_steps(self, step_id: str) -> bool:
+        """Another step's forward attempt has not settled (a pass that ran beside it: one that repairs a definition
+        blocker, or one queued before an operator started a step again). Looked up among the steps due (queued,
+        in flight, an Unknown's retry) and the Unknowns that block: a few, not every step of the run."""
         s = self.s
-        ids = [plan.id for plan in response.steps]
+        for i in s.steps_due():
+            step = s.steps[i]
+            if step.id != step_id and _live_forward(step):
+                return True
+        return any(
+            b.type is BlockerType.UNKNOWN_OUTCOME and b.phase is Phase.FORWARD and b.step_id != step_id
+            for b in s.blockers
+        )
+
+    def siblings_reached(self, reported: list[StepPlan], max_parallel: int) -> None:
+        """A pass reported steps declared together: record each (as a step reported alone would be), and run up
+        to ``max_parallel`` of them at once, the rest in declaration order as those settle. Every step still in
+        flight joins the group: it counts against ``max_parallel``, and the discovery after the group waits for
+        it (a repair pass may run beside it, and a release may no longer declare it)."""
+        s = self.s
+        ids = [plan.id for plan in reported]
         if len(set(ids)) != len(ids):  # an endpoint's SDK checks this; the engine does not take it on trust
             step_id = next(i for n, i in enumerate(ids) if i in ids[:n])
-            first, second = (plan for plan in response.steps if plan.id == step_id)
+            first, second = (plan for plan in reported if plan.id == step_id)
             duplicate = DuplicateStepConflict(
                 step_id=step_id,
                 first=WireOccurrence(location=first.location, name=first.name),
                 duplicate=WireOccurrence(location=second.location, name=second.name),
             )
             return self.definition_conflict(duplicate)
-        plans = [plan for plan in response.steps if s.step(plan.id) is None or self.restartable(plan.id)]
-        in_flight = [step_id for step_id in ids if self.live(step_id)]
-        for plan in response.steps:
+        plans = [plan for plan in reported if s.step(plan.id) is None or self.restartable(plan.id)]
+        in_flight = [step.id for step in s.steps if _live_forward(step)]  # reported or not
+        for plan in reported:
             known = s.step(plan.id)
             if known is not None and (held := self.held_by(known, Phase.FORWARD, self.build_id)):
                 return self.definition_conflict(held[1], holds=held[0])  # its callback ran: not again (23, 25)
@@ -1277,21 +1297,16 @@ class _Transition:
             step.group = group
         # the group's steps in declaration order: they start in it (a known step reported again may sit before a
         # new one in the run's steps, so the order is kept apart when it is not the steps' own)
-        members = [i for plan in response.steps if (i := s.step_index(plan.id)) is not None]
+        members = [i for plan in reported if (i := s.step_index(plan.id)) is not None]
+        members += [i for step_id in in_flight if (i := s.step_index(step_id)) is not None and i not in members]
         in_order = members == sorted(members)
         s.group, s.group_halted = group, False
         s.group_order = None if in_order else members
         s.group_next = (members[0] if members else tail) if in_order else 0
         s.group_live = sorted(i for i in members if _live_forward(s.steps[i]))
-        s.max_parallel = response.max_parallel
+        s.max_parallel = max_parallel
         self.touch()
         self.start_siblings()
-
-    def live(self, step_id: str) -> bool:
-        """A known step whose forward attempt has not settled (queued, in flight, waiting or Unknown)."""
-        step = self.s.step(step_id)
-        current = step.current(Phase.FORWARD) if step is not None else None
-        return current is not None and current.status in LIVE_ATTEMPT
 
     def restartable(self, step_id: str) -> bool:
         """A known step a pass reports again, that may start: neither settled nor in flight."""
