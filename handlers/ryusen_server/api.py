@@ -388,10 +388,27 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
         body = raw.encode("utf-8", "surrogatepass")
         if is_heartbeat(body):  # decision 33: posted to the same result URL
             return _json(200, engine.submit_heartbeat(body, headers).model_dump(mode="json"))
+        if is_completion(body):  # decision 32: an app completes a step itself, signed with its key
+            return _json(200, completion_answer(engine.submit_completion(body, headers)))
         decision = engine.submit_late_result(body, headers)
         return _json(202, {"accepted": decision.note is None, "note": decision.note})
 
     return api
+
+
+def is_completion(body: bytes) -> bool:
+    """A body posted to the result URL is an app's completion of a step (decision 32): marked so."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("kind") == "completion"
+
+
+def completion_answer(decision: Any) -> dict[str, Any]:
+    """What an app is told of its completion: the run, and where it is now (not the run's whole view)."""
+    state = decision.state
+    return {"taken": True, "run_id": state.id, "phase": state.phase.value, "outcome": state.outcome}
 
 
 def is_heartbeat(body: bytes) -> bool:

@@ -43,8 +43,10 @@ from ryusen._internal.signing import (
     verify,
 )
 from ryusen._internal.wire import (
+    COMPLETION_TOKEN_PREFIX,
     MAX_HEARTBEAT_DETAILS_BYTES,
     MAX_ID_LENGTH,
+    CompletionPost,
     DiscoveryResponse,
     ErrorInfo,
     Heartbeat,
@@ -58,6 +60,8 @@ from ryusen._internal.wire import (
     TaskKind,
     TaskRequest,
     TaskResponse,
+    completion_binding,
+    completion_scope,
     encode_request,
     heartbeat_scope,
     json_value_problem,
@@ -114,7 +118,7 @@ from .ports import (
 
 log = logging.getLogger("ryusen.engine")
 
-_Posted = TypeVar("_Posted", LateResult, Heartbeat)
+_Posted = TypeVar("_Posted", LateResult, Heartbeat, CompletionPost)
 """What an SDK posts to the result URL unasked."""
 
 MAX_RACES = 50
@@ -458,28 +462,11 @@ class Delivered:
     its dispatcher stopped listening)."""
 
 
-COMPLETION_TOKEN_PREFIX = "rc1"  # noqa: S105 - a format's name, not a secret
-
-
 def _completion_token(key: str, run_id: str, step_id: str, phase: Phase, generation: int) -> str:
     binding = json.dumps([run_id, step_id, str(phase), generation], separators=(",", ":")).encode()
     named = base64.urlsafe_b64encode(binding).decode().rstrip("=")
     mac = hmac.new(key.encode(), b"ryusen completion token\n" + binding, hashlib.sha256).digest()
     return f"{COMPLETION_TOKEN_PREFIX}.{named}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
-
-
-def _completion_binding(token: str) -> tuple[str, str, Phase, int] | None:
-    """The attempt a token claims to name (not yet proven), or None for a token of no such form."""
-    parts = token.split(".")
-    if len(token) > 2048 or len(parts) != 3 or parts[0] != COMPLETION_TOKEN_PREFIX:
-        return None
-    try:
-        run_id, step_id, phase, generation = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
-        if not (isinstance(run_id, str) and isinstance(step_id, str) and isinstance(generation, int)):
-            return None
-        return run_id, step_id, Phase(phase), generation
-    except (ValueError, TypeError):
-        return None
 
 
 def _canonical(value: Any) -> str:
@@ -1581,7 +1568,7 @@ class Engine:
 
     def read_completion_token(self, token: str) -> tuple[str, str, Phase, int]:
         """The attempt ``token`` names, if this deployment made it; else NotFoundError."""
-        named = _completion_binding(token)
+        named = completion_binding(token)
         state = self.store.get(named[0]) if named is not None else None
         if named is not None and state is not None:
             keys = [state.secret] if state.secret else (self.master_keys(fresh=True) or [""])
@@ -1609,6 +1596,19 @@ class Engine:
         if decision.note is not None and decision.note.startswith(COMPLETION_REFUSED):
             raise ConflictError(decision.note.split(": ", 1)[-1], code=COMPLETION_REFUSED)  # kept, as stale
         return decision
+
+    def submit_completion(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> Decision:
+        """A step's completion the app posted to the result URL (decision 32), signed with its key and checked as a
+        late result is (:meth:`_verified_post`): the attempt it names must be the one its token names. Then taken
+        as :meth:`complete` takes one from the operator API."""
+        post, _ = self._verified_post(
+            body, headers, CompletionPost, completion_scope, path=path, limit=MAX_LATE_RESULT_BYTES, what="completion"
+        )
+        if completion_binding(post.token) != (post.run_id, post.step_id, post.phase, post.generation):
+            raise NotFoundError("no step waits for this completion token", code="completion_not_found")
+        if post.error is None and (problem := json_value_problem(post.result)) is not None:
+            raise InvalidRequestError(f"the result {problem}", code="invalid_value")
+        return self.complete(post.token, result=post.result, error=post.error, source="app")
 
     def presume_started(self, tasks: Iterable[TaskRef], reason: str) -> None:
         """Each of ``tasks`` was authorized after the state the store holds was kept (``ryusen dev`` killed between

@@ -9,7 +9,14 @@
 
 from ._internal.app import Ryusen
 from ._internal.client import ApiError, AsyncClient, Client, RunFailedError
-from ._internal.errors import ConcurrentStepError, DefinitionError, NonRetryableError, RyusenError, StepFailed
+from ._internal.errors import (
+    CompletionError,
+    ConcurrentStepError,
+    DefinitionError,
+    NonRetryableError,
+    RyusenError,
+    StepFailed,
+)
 from ._internal.heartbeat import StopRequested, heartbeat
 from ._internal.step import AsyncStep, OmittedResult, Operation, RetryPolicy, Step, operation
 
@@ -18,6 +25,7 @@ __all__ = [
     "AsyncClient",
     "AsyncStep",
     "Client",
+    "CompletionError",
     "ConcurrentStepError",
     "DefinitionError",
     "NonRetryableError",

@@ -80,3 +80,32 @@ def test_a_bad_completion_request_changes_nothing(stack: DevStack) -> None:
         assert run.get().view["version"] == version
         client.complete(token, {"approved": True})
         assert run.wait(timeout=60).outcome == "completed"
+
+
+@pytest.mark.rfd("X5")
+def test_the_app_completes_a_step_itself_signed_with_its_own_key(stack: DevStack) -> None:
+    """The app's webhook calls ``app.complete(token, ...)``: posted to the result URL with the app's signature, no
+    operator credentials. An unsigned post of the same completion is refused and changes nothing."""
+    import httpx
+
+    tag = uuid.uuid4().hex[:10]
+    with Client(stack.url) as client:
+        run = client.start("approval", {"tag": tag, "self_complete": True})
+        finished = run.wait(timeout=60)
+        assert finished.outcome == "completed", finished.summary
+        assert finished.step("approve")["result"] == {"approved": True, "by": "the app's webhook"}
+        assert stack.invocations(f"{tag}:completed:True") == 1 and stack.invocations(f"{tag}:pay") == 1
+        # the same completion, posted without the app's signature: refused, and the run is as it was
+        token = token_of(stack, tag)
+        forged = {
+            "kind": "completion",
+            "run_id": run.id,
+            "step_id": "approve",
+            "phase": "forward",
+            "generation": 1,
+            "token": token,
+            "result": {"approved": False},
+        }
+        answer = httpx.post(f"{stack.url}/v1/results", json=forged, timeout=10)
+        assert answer.status_code in (401, 403), answer.text
+        assert client.get(run.id).step("approve")["result"] == {"approved": True, "by": "the app's webhook"}

@@ -27,7 +27,7 @@ from aws_lambda_powertools import Logger, Metrics
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from ..api import error_body, is_heartbeat
+from ..api import completion_answer, error_body, is_completion, is_heartbeat
 from ..engine import MAX_LATE_RESULT_BYTES
 from ..ports import ServerError
 from ..wiring import AwsEngine, AwsResources, aws_engine
@@ -92,6 +92,11 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
             reply = wired.engine.submit_heartbeat(body, headers, path=path)
             _learn_own_url(wired, domain)
             return _answer(200, reply.model_dump(mode="json"))
+        if is_completion(body):  # decision 32: the app completes a step itself
+            metrics.add_metric(name="Completions", unit=MetricUnit.Count, value=1)
+            taken = wired.engine.submit_completion(body, headers, path=path)
+            _learn_own_url(wired, domain)
+            return _answer(200, completion_answer(taken))
         budget_s = max(0.0, context.get_remaining_time_in_millis() / 1000 - RESERVE_S)
         decision = wired.engine.submit_result(body, headers, budget_s=budget_s, path=path)
         _learn_own_url(wired, domain)

@@ -66,6 +66,8 @@ from .wire import (
     SDK_FEATURES,
     CallbackFailed,
     CallbackSucceeded,
+    CompletionPost,
+    ErrorInfo,
     FunctionFailed,
     FunctionManifest,
     FunctionNotFound,
@@ -77,6 +79,8 @@ from .wire import (
     TaskKind,
     TaskRequest,
     TaskResponse,
+    completion_binding,
+    completion_scope,
     heartbeat_scope,
     late_result_scope,
     received_task_scope,
@@ -223,6 +227,8 @@ class Ryusen:
         self.app_id = app_id
         self._signing_keys = [signing_key] if isinstance(signing_key, str) else list(signing_key or [])
         self._server_key_id: str | None = None
+        self._result_url: str | None = None
+        """The result URL the server's requests carry (``complete`` posts there)."""
         """The id of the key the server signed the last request this process verified with: a key the server
         holds, which what this app sends unasked (a late result) is signed with (:func:`choose_key`)."""
         self._master_key = master_key
@@ -649,6 +655,8 @@ class Ryusen:
         if isinstance(admitted, HandlerResponse):
             return admitted
         sent, answering = admitted
+        if sent.result_url is not None:
+            self._result_url = sent.result_url  # where ``complete`` posts: the server's own result URL
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)
@@ -667,6 +675,58 @@ class Ryusen:
             SINK.reset(beating)
         self._submit_late(request, response, window, lambda_context=options.lambda_context if options else None)
         return self._reply(200, encode_response(response), answering)
+
+    def complete(
+        self, token: str, result: Any = None, *, error: dict[str, Any] | None = None, result_url: str | None = None
+    ) -> dict[str, Any]:
+        """Complete a step from inside this app (decision 32): a webhook handler, say, with the token the step's
+        callback handed out. Posted to the server's result URL, signed with this app's key, so no operator
+        credentials are needed. ``error`` (``{"type", "message", "retryable"}``) fails the attempt instead.
+        ``result_url``: where to post; by default the one the server's requests carry (or ``RYUSEN_RESULT_URL``).
+        Raises :class:`CompletionError` when it is not taken (the same completion sent again is taken once)."""
+        from .errors import CompletionError
+
+        named = completion_binding(token) if isinstance(token, str) else None
+        if named is None:
+            raise CompletionError("not a completion token", code="completion_not_found", status=0)
+        url = result_url or self._result_url or os.environ.get("RYUSEN_RESULT_URL")
+        if not url or not url.startswith(("http://", "https://")):
+            raise CompletionError(
+                "no result URL to post the completion to: pass result_url=, or set RYUSEN_RESULT_URL",
+                code="no_result_url",
+                status=0,
+            )
+        run_id, step_id, phase, generation = named
+        post = CompletionPost(
+            run_id=run_id,
+            step_id=step_id,
+            phase=phase,
+            generation=generation,
+            token=token,
+            result=result if error is None else None,
+            error=ErrorInfo.model_validate(error) if error is not None else None,
+        )
+        body = post.model_dump_json(exclude_none=True).encode()
+        headers = {"content-type": "application/json"}
+        key = choose_key(self.signing_keys, [self._server_key_id] if self._server_key_id else [])
+        if key is not None:
+            scope = completion_scope(post, path=url_path(url), app_id=self.app_id)
+            headers[SIGNATURE_HEADER] = sign(key, scope, body, now=self.clock(), nonce=os.urandom(16).hex())
+        req = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - checked http(s)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310
+                answer: dict[str, Any] = json.loads(resp.read() or b"{}")
+                return answer
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()[:2000]
+            try:
+                detail = json.loads(raw).get("error") or {}
+            except (ValueError, AttributeError):
+                detail = {}
+            code = str(detail.get("code") or f"http_{exc.code}")
+            raise CompletionError(str(detail.get("message") or raw[:300]), code=code, status=exc.code) from None
+        except OSError as exc:
+            raise CompletionError(f"the completion was not delivered: {exc}", code="not_delivered", status=0) from exc
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Wait, at most ``timeout_s``, until every attempt this process answered ``accepted`` has ended and its
@@ -858,6 +918,8 @@ class Ryusen:
         if isinstance(admitted, HandlerResponse):
             return admitted
         sent, answering = admitted
+        if sent.result_url is not None:
+            self._result_url = sent.result_url  # where ``complete`` posts: the server's own result URL
         request = self.memo_cache.resolve(sent)
         if request is None:
             return self._reply(200, encode_response(_memo_miss(sent)), answering)

@@ -26,12 +26,11 @@ class NoOperationError(RyusenError):
 class ConcurrentStepError(RyusenError):
     """A ``step.run`` was started while another ``step.run`` of the same run was still open.
 
-    Ryusen runs one step at a time, from the function's own thread: ``asyncio.gather``
-    of two steps, a step started from another thread (a thread pool's, say, even
-    while the function only waits for it), or a step started inside another step's
-    callback is refused, and the run gets a ``concurrent_step`` definition blocker
-    naming both (unless the open step's callback already ran, whose outcome is
-    reported first). Await each ``step.run`` before starting the next.
+    Steps run from the function's own thread (an async function may declare several
+    together: ``asyncio.gather``). A step started from another thread (a thread pool's,
+    say, even while the function only waits for it), or inside another step's callback,
+    is refused, and the run gets a ``concurrent_step`` definition blocker naming both
+    (unless the open step's callback already ran, whose outcome is reported first).
 
     >>> err = ConcurrentStepError("hotel", open_step_id="flight")
     >>> err.code, err.step_id, err.open_step_id
@@ -91,3 +90,14 @@ class NonRetryableError(Exception):
         super().__init__(message)
         self.message = message
         self.data = data
+
+
+class CompletionError(RyusenError):
+    """An app's completion of a step (``Ryusen.complete``) was not taken: ``code`` is the server's
+    (``completion_refused``: the attempt no longer waits; ``completion_not_found``: no step waits for the token;
+    ``late_result_refused``: the signature was refused), ``status`` its HTTP status (0: not delivered)."""
+
+    def __init__(self, message: str, *, code: str, status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status

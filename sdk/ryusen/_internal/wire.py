@@ -16,6 +16,7 @@ A task request asks the endpoint to do one of three things:
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from enum import StrEnum
@@ -521,7 +522,13 @@ def late_result_scope(late: LateResult, *, path: str, app_id: str) -> Scope:
     return _posted_scope(late, path=path, app_id=app_id)
 
 
-def _posted_scope(posted: LateResult | Heartbeat, *, path: str, app_id: str, extra: str = "") -> Scope:
+def completion_scope(post: CompletionPost, *, path: str, app_id: str) -> Scope:
+    """The signature scope of an app's completion posted to ``path`` (the result URL's): the attempt its token
+    names, marked as a completion, so that it stands for no late result or heartbeat."""
+    return _posted_scope(post, path=path, app_id=app_id, extra="completion")
+
+
+def _posted_scope(posted: LateResult | Heartbeat | CompletionPost, *, path: str, app_id: str, extra: str = "") -> Scope:
     """What an SDK's unasked post about one attempt is signed for: the attempt, at ``path``."""
     return Scope(
         direction="request",
@@ -712,6 +719,40 @@ class Heartbeat(_Wire):
     """Counts the attempt's posted heartbeats from 1: the server takes each once, in order, so a heartbeat sent
     again (a retry, or a replay by whoever captured it) extends nothing."""
     details: Any = None
+
+
+class CompletionPost(_Wire):
+    """Decision 32: a step's completion posted by the app itself to the result URL, signed with the app's key (the
+    other way in is ``POST /v1/completions/{token}`` on the operator API). The token's attempt is named again, so
+    that the signature covers it; ``error`` fails the attempt, else ``result`` completes it."""
+
+    kind: Literal["completion"] = "completion"
+    run_id: str
+    step_id: str
+    phase: Phase
+    generation: int
+    token: str = Field(min_length=1, max_length=2048)
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+COMPLETION_TOKEN_PREFIX = "rc1"  # noqa: S105 - a format's name, not a secret
+
+
+def completion_binding(token: str) -> tuple[str, str, Phase, int] | None:
+    """The attempt a completion token claims to name (not proven: only the server can check its MAC), or None for
+    a string of no such form."""
+    parts = token.split(".")
+    if len(token) > 2048 or len(parts) != 3 or parts[0] != COMPLETION_TOKEN_PREFIX:
+        return None
+    try:
+        named = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        run_id, step_id, phase, generation = named
+        if not (isinstance(run_id, str) and isinstance(step_id, str) and isinstance(generation, int)):
+            return None
+        return run_id, step_id, Phase(phase), generation
+    except (ValueError, TypeError):
+        return None
 
 
 class HeartbeatReply(_Wire):
