@@ -5,6 +5,8 @@ hands out a new token; a stop fences a waiting step."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -234,3 +236,43 @@ def test_the_same_completion_sent_again_is_taken_once_and_answered_as_taken() ->
     assert env.wait(run_id).output == {"paid": 40} and calls["pay"] == 1
     with pytest.raises(ConflictError):
         env.complete(tokens[0], {"approved": False})  # another result for it is still refused
+
+
+@pytest.mark.rfd("X2")
+def test_an_apps_signed_completion_is_taken_only_for_the_attempt_its_token_names() -> None:
+    """``app.complete`` posts to the result URL signed with the app's key (here handed to the engine as the result
+    function would). The attempt the post names must be the token's; an unsigned post is refused; either way
+    nothing changes."""
+    from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign
+    from ryusen._internal.wire import CompletionPost, completion_scope
+    from ryusen_server.ports import ServerError
+
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    app = approvals(tokens, calls)
+    env = WorkflowEnvironment(app)
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    state = env.store.get(run_id)
+    assert state is not None
+    key = app_key(env.engine.master_keys()[0], state.app_id)
+    path = "/v1/results"
+
+    def post(generation: int, *, signed: bool = True) -> Any:
+        body_model = CompletionPost(run_id=run_id, step_id="approval", phase="forward", generation=generation,
+                                    token=tokens[0], result={"approved": True, "by": "webhook"})  # fmt: skip
+        body = body_model.model_dump_json(exclude_none=True).encode()
+        headers = {"content-type": "application/json"}
+        if signed:
+            scope = completion_scope(body_model, path=path, app_id=state.app_id)
+            headers[SIGNATURE_HEADER] = sign(key, scope, body, now=time.time(), nonce=os.urandom(16).hex())
+        return env.engine.submit_completion(body, headers, path=path)
+
+    with pytest.raises(ServerError):
+        post(1, signed=False)
+    with pytest.raises(NotFoundError):
+        post(2)  # signed, but it names another attempt than its token does
+    assert waiting(env, run_id) and calls["pay"] == 0
+    post(1)
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.step("approval")["result"] == {"approved": True, "by": "webhook"}

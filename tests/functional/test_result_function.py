@@ -35,6 +35,10 @@ class FakeEngine:
         self.posted.append(("result", body, budget_s))
         return SimpleNamespace(note=None)
 
+    def submit_completion(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> Any:
+        self.posted.append(("completion", body, None))
+        return SimpleNamespace(state=SimpleNamespace(id="r", phase=SimpleNamespace(value="running"), outcome=None))
+
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
@@ -59,6 +63,18 @@ def test_an_outcome_is_handed_on_with_the_time_left_and_the_url_is_the_functions
     [(kind, body, budget)] = fake.posted
     assert kind == "result" and body == b'{"run_id": "r"}' and budget is not None and 50 < budget <= 57
     assert fake.settings.result_url == "https://abc.lambda-url.us-east-1.on.aws/"  # what it hands SDKs on
+
+
+def test_an_apps_completion_is_taken_as_a_completion(fake: FakeEngine) -> None:
+    post = b'{"kind": "completion", "run_id": "r", "step_id": "s", "phase": "forward", "generation": 1, "token": "t"}'
+    answer = results.handler(event(post, encoded=False), LambdaContext(60))
+    assert answer["statusCode"] == 200 and json.loads(answer["body"]) == {
+        "taken": True,
+        "run_id": "r",
+        "phase": "running",
+        "outcome": None,
+    }
+    assert [k for k, _, _ in fake.posted] == ["completion"]
 
 
 def test_a_heartbeat_gets_its_reply(fake: FakeEngine) -> None:
