@@ -16,6 +16,7 @@ transitions. Requires the server extra (``pip install 'ryusen[server]'``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from typing import Any
 from ryusen._internal.app import DiscoveryDivergence, HandlerResponse, Ryusen, ServeOptions, features
 from ryusen._internal.signing import SIGNATURE_HEADER, app_key, sign, url_path
 from ryusen._internal.wire import (
+    CompletionPost,
     Heartbeat,
     HeartbeatReply,
     LateResult,
@@ -33,6 +35,7 @@ from ryusen._internal.wire import (
     Phase,
     TaskKind,
     TaskRequest,
+    completion_scope,
     late_result_scope,
 )
 
@@ -346,6 +349,7 @@ class WorkflowEnvironment:
             previous.kept_passes.clear()  # the endpoint is replaced: what the old code kept running ends
         self._apps[url] = app
         self.invoker.apps[url] = self.endpoint(app)
+        app.complete_via = functools.partial(self._app_completion, app.app_id)  # app.complete, taken in-process
         manifest = app.manifest()
         if release_id is not None:
             manifest = Manifest.model_validate({**manifest.model_dump(), "release_id": release_id})
@@ -378,6 +382,25 @@ class WorkflowEnvironment:
                 keys[0], scope, late.model_dump_json().encode(), now=time.time(), nonce=secrets.token_hex(16)
             )
         }
+
+    def _app_completion(self, app_id: str, post: CompletionPost) -> dict[str, Any]:
+        """``app.complete`` in this environment: signed with the app's key and handed to the engine as the result
+        endpoint would; a refusal is the ``CompletionError`` the app would get."""
+        from ryusen._internal.errors import CompletionError
+        from ryusen_server.api import completion_answer
+
+        app = next(a for a in self._apps.values() if a.app_id == app_id)
+        keys = app.signing_keys or self._keys.get(app_id, [])
+        path = url_path(self.engine.settings.result_url or "/v1/results")
+        body = post.model_dump_json(exclude_none=True).encode()
+        headers = {"content-type": "application/json"}
+        if keys:
+            scope = completion_scope(post, path=path, app_id=app_id)
+            headers[SIGNATURE_HEADER] = sign(keys[0], scope, body, now=time.time(), nonce=secrets.token_hex(16))
+        try:
+            return completion_answer(self.engine.submit_completion(body, headers, path=path))
+        except ServerError as exc:
+            raise CompletionError(exc.message, code=str(exc.details.get("code", exc.code)), status=exc.status) from None
 
     def _heartbeat(self, beat: Heartbeat, headers: dict[str, str]) -> HeartbeatReply | None:
         """A callback's heartbeat, handed to the engine as its result endpoint would (on the virtual clock)."""

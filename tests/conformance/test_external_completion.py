@@ -276,3 +276,25 @@ def test_an_apps_signed_completion_is_taken_only_for_the_attempt_its_token_names
     post(1)
     run = env.wait(run_id)
     assert run.outcome == "completed" and run.step("approval")["result"] == {"approved": True, "by": "webhook"}
+
+
+@pytest.mark.rfd("X5")
+def test_the_app_completes_a_step_itself_in_the_testing_kit() -> None:
+    """``app.complete`` (a webhook the app serves) works in ``ryusen.testing`` as on a server: signed with the app's
+    key and taken by the engine; a second, different completion is refused with ``CompletionError``."""
+    tokens: list[str] = []
+    calls: Counter[str] = Counter()
+    app = approvals(tokens, calls)
+    env = WorkflowEnvironment(app)
+    run_id = env.start("expense", {"amount": 40})
+    env.drive(until=lambda: waiting(env, run_id))
+    answer = app.complete(tokens[0], {"approved": True, "by": "webhook"})
+    assert answer["taken"] is True and answer["run_id"] == run_id
+    run = env.wait(run_id)
+    assert run.outcome == "completed" and run.step("approval")["result"] == {"approved": True, "by": "webhook"}
+    with pytest.raises(ryusen.CompletionError) as refused:
+        app.complete(tokens[0], error={"type": "Rejected", "message": "too late", "retryable": False})
+    assert refused.value.code == "completion_refused" and refused.value.status == 409
+    with pytest.raises(ryusen.CompletionError) as bogus:
+        app.complete("not-a-token", {"approved": True})
+    assert bogus.value.code == "completion_not_found"

@@ -229,6 +229,8 @@ class Ryusen:
         self._server_key_id: str | None = None
         self._result_url: str | None = None
         """The result URL the server's requests carry (``complete`` posts there)."""
+        self.complete_via: Callable[[CompletionPost], dict[str, Any]] | None = None
+        """Where ``complete`` hands a completion instead of posting it (``ryusen.testing`` takes it in-process)."""
         """The id of the key the server signed the last request this process verified with: a key the server
         holds, which what this app sends unasked (a late result) is signed with (:func:`choose_key`)."""
         self._master_key = master_key
@@ -689,13 +691,6 @@ class Ryusen:
         named = completion_binding(token) if isinstance(token, str) else None
         if named is None:
             raise CompletionError("not a completion token", code="completion_not_found", status=0)
-        url = result_url or self._result_url or os.environ.get("RYUSEN_RESULT_URL")
-        if not url or not url.startswith(("http://", "https://")):
-            raise CompletionError(
-                "no result URL to post the completion to: pass result_url=, or set RYUSEN_RESULT_URL",
-                code="no_result_url",
-                status=0,
-            )
         run_id, step_id, phase, generation = named
         post = CompletionPost(
             run_id=run_id,
@@ -706,6 +701,15 @@ class Ryusen:
             result=result if error is None else None,
             error=ErrorInfo.model_validate(error) if error is not None else None,
         )
+        if self.complete_via is not None:
+            return self.complete_via(post)
+        url = result_url or self._result_url or os.environ.get("RYUSEN_RESULT_URL")
+        if not url or not url.startswith(("http://", "https://")):
+            raise CompletionError(
+                "no result URL to post the completion to: pass result_url=, or set RYUSEN_RESULT_URL",
+                code="no_result_url",
+                status=0,
+            )
         body = post.model_dump_json(exclude_none=True).encode()
         headers = {"content-type": "application/json"}
         key = choose_key(self.signing_keys, [self._server_key_id] if self._server_key_id else [])
