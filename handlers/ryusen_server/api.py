@@ -31,7 +31,7 @@ from ryusen._internal.wire import (
 from .core.events import Resolve
 from .core.model import Outcome, Recovery, RunPhase, RunState
 from .core.view import run_summary_view, run_view
-from .engine import MAX_HEARTBEAT_BYTES, Engine
+from .engine import MAX_HEARTBEAT_BYTES, MAX_LATE_RESULT_BYTES, Engine
 from .ports import InvalidRequestError, PayloadTooLargeError, ServerError
 
 logger = logging.getLogger("ryusen.api")
@@ -397,7 +397,10 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
 
 
 def is_completion(body: bytes) -> bool:
-    """A body posted to the result URL is an app's completion of a step (decision 32): marked so."""
+    """A body posted to the result URL is an app's completion of a step (decision 32): marked so. (Past the size
+    any post may have, it is not parsed here: the late result's own checks refuse it.)"""
+    if len(body) > MAX_LATE_RESULT_BYTES:
+        return False
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):

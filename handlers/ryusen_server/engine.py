@@ -46,6 +46,7 @@ from ryusen._internal.wire import (
     COMPLETION_TOKEN_PREFIX,
     MAX_HEARTBEAT_DETAILS_BYTES,
     MAX_ID_LENGTH,
+    NESTED_STEP_ERROR,
     CompletionPost,
     DiscoveryResponse,
     ErrorInfo,
@@ -469,6 +470,18 @@ def _completion_token(key: str, run_id: str, step_id: str, phase: Phase, generat
     return f"{COMPLETION_TOKEN_PREFIX}.{named}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
 
 
+def _refuse_reserved_error(error: ErrorInfo | None) -> None:
+    """An error a person or a system outside states (a completion, an operator's fail) cannot be of the type the
+    SDK reports a callback that opened a step with (decisions 23): that holds the run and spends no retry, which
+    only the endpoint that ran the callback may say."""
+    if error is not None and error.type == NESTED_STEP_ERROR:
+        raise InvalidRequestError(
+            f"error type {NESTED_STEP_ERROR!r} is reserved: it is what the SDK reports for a callback that opened a"
+            " step; give the failure a type of its own",
+            code="reserved_error_type",
+        )
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -811,6 +824,7 @@ class Engine:
         return decision
 
     def resolve(self, run_id: str, event: Resolve) -> Decision:
+        _refuse_reserved_error(event.error)
         limit = self.settings.engine.max_value_bytes
         if event.action == "succeed" and (size := value_size(event.result)) > limit:
             raise PayloadTooLargeError(f"result is {size} bytes serialized; the limit is {limit}", limit=limit)
@@ -1580,6 +1594,7 @@ class Engine:
         """A step's completion from outside: the result (or the error) for the attempt ``token`` names.
         ConflictError ``completion_refused`` for a token whose attempt is no longer waiting (the completion is
         kept on it, as stale)."""
+        _refuse_reserved_error(error)
         run_id, step_id, phase, generation = self.read_completion_token(token)
         limit = self.settings.engine.max_value_bytes
         if error is None and (size := value_size(result)) > limit:
@@ -1606,8 +1621,9 @@ class Engine:
         )
         if completion_binding(post.token) != (post.run_id, post.step_id, post.phase, post.generation):
             raise NotFoundError("no step waits for this completion token", code="completion_not_found")
-        if post.error is None and (problem := json_value_problem(post.result)) is not None:
-            raise InvalidRequestError(f"the result {problem}", code="invalid_value")
+        what, value = ("the error's data", post.error.data) if post.error is not None else ("the result", post.result)
+        if (problem := json_value_problem(value)) is not None:
+            raise InvalidRequestError(f"{what} {problem}", code="invalid_value")
         return self.complete(post.token, result=post.result, error=post.error, source="app")
 
     def presume_started(self, tasks: Iterable[TaskRef], reason: str) -> None:

@@ -609,7 +609,7 @@ class _Transition:
             self.s.discovery = None
             self.touch()
             return self.ignore("discovery fenced by the stop intent")
-        if self.s.group is not None and not self.s.blocked_by_definition and self.group_census()[0] > 0:
+        if not self.s.blocked_by_definition and self.beside_live_steps(""):
             # decision 30: the function goes on once its siblings have settled; the group's end queues the pass. (A
             # pass that repairs a definition blocker runs at once: siblings in flight are reported again and stay
             # in their group, so it cannot go past them.)
@@ -1208,6 +1208,10 @@ class _Transition:
                 return self.ignore(f"step {plan.id} already has a live attempt")
             self.take_plan(step, plan)
             self.queue_attempt(step, Phase.FORWARD, self.wait_s(step, plan))
+        elif isinstance(response, FunctionCompleted | FunctionFailed) and self.beside_live_steps(""):
+            # a pass beside steps in flight (a repair) found the function's end: it is taken once they have settled
+            # (the discovery after them), never while one may still succeed and need undoing
+            return self.ignore("the function's end waits for the steps in flight")
         elif isinstance(response, FunctionCompleted) and (size := value_size(response.output)) > (
             limit := self.settings.max_value_bytes
         ):
@@ -1912,7 +1916,8 @@ class _Transition:
                 return self.discovered(self.next)
             return self.queue_discovery()
         if isinstance(response, CallbackFailed):
-            if (conflict := nested_step_conflict(response.error)) is not None:
+            conflict = nested_step_conflict(response.error)
+            if conflict is not None and not self.external_completion:  # only the endpoint that ran it says so (23)
                 return self.callback_opened_a_step(step, attempt, response.error, conflict)
             return self.attempt_failed(step, attempt, response.error)
         if isinstance(response, TargetNotFound | ReplayFailed):
@@ -2372,8 +2377,10 @@ class _Transition:
         group's again, so the discovery after the group waits for it (the group starts nothing else)."""
         s = self.s
         i = s.step_index(step.id)
-        if step.group is None or i is None or (s.group is not None and s.group != step.group):
+        if step.group is None or i is None:
             return
+        if s.group is not None and s.group != step.group:
+            step.group = s.group  # an older group's: it counts in the group that runs now, and is waited for
         if s.group is None:
             s.group, s.max_parallel, s.group_order, s.group_next = step.group, None, None, len(s.steps)
             s.group_live, s.group_halted = [], True

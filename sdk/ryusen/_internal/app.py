@@ -691,6 +691,13 @@ class Ryusen:
         named = completion_binding(token) if isinstance(token, str) else None
         if named is None:
             raise CompletionError("not a completion token", code="completion_not_found", status=0)
+        from .step import check_value
+
+        checked, problem = check_value(result if error is None else (error or {}).get("data"), "result")
+        if problem is not None:  # refused here, as the server would: never sent as some other value
+            raise CompletionError(problem.message, code="invalid_value", status=0)
+        if error is None:
+            result = checked
         run_id, step_id, phase, generation = named
         post = CompletionPost(
             run_id=run_id,
