@@ -290,7 +290,7 @@ def test_a_completion_for_a_step_not_completed_from_outside_is_refused() -> None
     ids=["nan", "inf", "datetime", "bytes", "set"],
 )
 def test_app_complete_refuses_a_result_that_is_not_json_instead_of_recording_another_value(value: Any) -> None:
-    """DEFECT. ``app.complete(token, float("nan"))`` (or a datetime, bytes, a set) is serialized by pydantic's
+    """Found in review, fixed. ``app.complete(token, float("nan"))`` (or a datetime, bytes, a set) is serialized by pydantic's
     ``model_dump_json`` in ``Ryusen.complete`` / ``WorkflowEnvironment._app_completion`` before the server's
     ``json_value_problem`` check sees it: NaN/Infinity become ``null``, a datetime or bytes a string, a set a list.
     The step then completes with a value the app never passed (an approval recorded as ``None``).
@@ -304,7 +304,7 @@ def test_app_complete_refuses_a_result_that_is_not_json_instead_of_recording_ano
 
 
 def test_a_signed_completions_error_data_that_is_not_json_is_refused() -> None:
-    """DEFECT. ``Engine.submit_completion`` checks ``json_value_problem`` on the result only; an ``error`` whose
+    """Found in review, fixed. ``Engine.submit_completion`` checks ``json_value_problem`` on the result only; an ``error`` whose
     ``data`` holds NaN (the JSON parser takes ``NaN``) is recorded on the run. The late-result path
     (``_values_problem``) checks an error's data too.
 
@@ -320,7 +320,7 @@ def test_a_signed_completions_error_data_that_is_not_json_is_refused() -> None:
 
 
 def test_a_completion_cannot_forge_the_engines_nested_step_conflict() -> None:
-    """DEFECT. Whoever holds a completion token (an approver's link, a webhook caller) may fail the attempt; but an
+    """Found in review, fixed. Whoever holds a completion token (an approver's link, a webhook caller) may fail the attempt; but an
     error of the engine's reserved type ``NESTED_STEP_ERROR`` (``concurrent_step``) carrying a
     ``ConcurrentStepConflict`` and a build id in its data is taken through ``completion_reported`` ->
     ``attempt_reported`` -> ``forward_outcome`` -> ``nested_step_conflict`` exactly like an SDK's report of a callback
@@ -347,7 +347,7 @@ def test_a_completion_cannot_forge_the_engines_nested_step_conflict() -> None:
 
 
 def test_a_forged_nested_step_error_from_another_build_reruns_the_callback_without_spending_a_retry() -> None:
-    """DEFECT (same root as above). With a build id other than the current one, the forged ``concurrent_step``
+    """Found in review (same root as above), fixed. With a build id other than the current one, the forged ``concurrent_step``
     error makes the engine run the callback again at once (a new generation, a new token, another approval email)
     although the completer said ``retryable: False`` and the step allows one attempt: no retry is spent, so a token
     holder can make the callback run again and again.
@@ -438,7 +438,7 @@ def test_external_siblings_completed_from_outside_settle_the_group_and_queue_its
 
 
 def test_a_repair_pass_that_completes_the_function_does_not_finish_the_run_under_a_sibling_in_flight() -> None:
-    """DEFECT. A sibling (a) meets a definition conflict while b is in flight; a wake's repair pass runs at once
+    """Found in review, fixed. A sibling (a) meets a definition conflict while b is in flight; a wake's repair pass runs at once
     beside b (the fence lets a repair through). The new release no longer calls these steps and the pass returns
     ``FunctionCompleted``: ``discovered`` finishes the run (``finish`` clears the group) with b's attempt still
     authorized. b's effect then runs for a run that is already completed: its success is never compensated should
@@ -488,7 +488,7 @@ def test_max_parallel_holds_when_a_repair_pass_declares_fewer_slots_than_steps_i
 
 
 def test_an_operators_retry_of_a_held_sibling_from_an_older_group_runs_inside_a_group() -> None:
-    """DEFECT (suspected). Sibling a (group 1) is held (its callback opened a step); b is in flight. A repair pass
+    """Found in review, fixed. Sibling a (group 1) is held (its callback opened a step); b is in flight. A repair pass
     with a new release reports only ``c`` (a renamed): c joins b in a new group (group 2, max_parallel 1). An
     operator then retries a's held attempt. ``rejoin_group`` returns early (``s.group != step.group``), so a's retry
     runs outside any group: beside b while the group allows one at a time, and uncounted by the discovery fence,
