@@ -30,10 +30,18 @@ instead of an ordinary failure (decisions 23). A callback result over the
 limit is reported as a success with what was omitted (decisions 25).
 
 The step at which the pass stopped stays *open*: another ``step.run`` from a
-different thread or asyncio task, or from inside the running callback, is two
-steps at once and is refused with :class:`ConcurrentStepError` (decisions 18).
-The same code re-entering ``step.run`` after swallowing the suspension just
-gets the suspension again: nothing else runs in that pass.
+different thread, or from inside the running callback, is two steps at once and
+is refused with :class:`ConcurrentStepError` (decisions 18). The same code
+re-entering ``step.run`` after swallowing the suspension just gets the
+suspension again: nothing else runs in that pass.
+
+Steps declared together (decision 30). In an async function ``step.run``
+records its step when it is called (``_Declared``); the steps called before
+the function awaits any of them are declared together. A discovery lets the
+function's tasks settle, then reports every declared step with no recorded
+outcome (``StepsReached``); an attempt's pass starts its target's callback
+where it is called and stops there, and the other unrecorded steps it meets
+wait for it. ``step.parallel`` does the same for a sync function.
 
 Code outside ``step.run`` runs again on every pass; that is repeatable
 orchestration, not deterministic replay (RFD 1). A kept pass runs it once for
@@ -1420,8 +1428,9 @@ class Step:
         ``completion="external"``: the callback hands out
         ``ryusen.operation().completion_token`` and the step's result comes from
         outside with it, within ``timeout`` (what the callback returns is not it).
-        One step runs at a time: a ``step.run`` started while another is open
-        raises :class:`ConcurrentStepError`.
+        A ``step.run`` from another thread, or inside another step's callback,
+        raises :class:`ConcurrentStepError`; run steps together with
+        :meth:`parallel`.
         """
         wait = Wait.of("step.run", not_before, sleep=False) if not_before is not None else None
         return self._run(step_id, fn, args, kwargs, _caller_location(1), compensate, name, retry, timeout,  # type: ignore[no-any-return]
@@ -1529,8 +1538,9 @@ class AsyncStep:
 
     Accepts sync and async callbacks alike: a plain (not ``async def``) callback
     runs on a worker thread, with the context it was called in, so that it does not
-    hold the event loop. Await each step before starting the next: ``asyncio.gather``
-    of two steps is refused (:class:`ConcurrentStepError`).
+    hold the event loop. Steps whose awaitables exist before the function awaits any
+    of them (``asyncio.gather``, a task group, a comprehension) run together, at most
+    the function's ``max_parallel`` at once (decision 30).
     """
 
     def __init__(self, replay: _Replay) -> None:
