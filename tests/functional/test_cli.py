@@ -863,9 +863,6 @@ def test_render_run_of_a_view_the_engine_made() -> None:
 
 
 def test_render_run_shows_the_blockers_of_decisions_17_and_18_with_their_remedies() -> None:
-    import asyncio
-
-    from ryusen import AsyncStep
 
     app = Ryusen("blocked")
     failed: list[str] = []
@@ -881,8 +878,11 @@ def test_render_run_shows_the_blockers_of_decisions_17_and_18_with_their_remedie
         raise RuntimeError("fraud check failed")
 
     @app.function("parallel")
-    async def parallel(data: Any, step: AsyncStep) -> Any:
-        return await asyncio.gather(step.run("flight", lambda: 1), step.run("hotel", lambda: 2))
+    def parallel(data: Any, step: Step) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:  # a step from a thread that is not the function's: refused (18)
+            return pool.submit(step.run, "hotel", lambda: 2).result()
 
     env = WorkflowEnvironment(app)
     text = rendered(env.run("unwind").raw)
@@ -893,8 +893,9 @@ def test_render_run_shows_the_blockers_of_decisions_17_and_18_with_their_remedie
     assert "ryusen resolve run_000001 book --phase compensation --generation 1" in text
     text = rendered(env.run("parallel").raw)
     assert "concurrent_step: step 'hotel'" in text
-    assert "open step flight at test_cli.py:" in text and "then started hotel at test_cli.py:" in text
-    assert "await each step.run" in text and "ryusen rediscover run_000002" in text
+    assert "the workflow function's own thread" in text and "then started hotel at" in text
+    assert "own thread, never from another thread" in " ".join(text.split())
+    assert "ryusen rediscover run_000002" in text
 
 
 def test_the_run_view_fits_an_80_column_terminal_too() -> None:

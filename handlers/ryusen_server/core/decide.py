@@ -1604,12 +1604,12 @@ class _Transition:
             first, second = conflict.first, conflict.second
             message = (
                 f"step {second.step_id!r} (at {second.location}) was started while step {first.step_id!r}"
-                f" (at {first.location}) was still open; Ryusen runs one step at a time"
+                f" (at {first.location}) was still open, outside what runs together (decision 18)"
             )
             if first.step_id is None:  # decisions 18: a step from a thread that is not the function's own
                 message = (
                     f"step {second.step_id!r} (at {second.location}) was started from a thread other than the"
-                    " workflow function's own; Ryusen runs one step at a time, from the function's thread"
+                    " workflow function's own; steps run from the function's thread"
                 )
             if holds is not None:  # decisions 23: opened inside the callback of the step it holds up
                 message = (

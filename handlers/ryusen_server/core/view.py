@@ -41,8 +41,9 @@ REMEDIES = {
         " step id and sync the app: the new release wakes the run; or rediscover once fixed."
     ),
     BlockerType.CONCURRENT_STEP: (
-        "Ryusen runs one step at a time: await each step.run before starting the next (no asyncio.gather,"
-        " threads, or step.run inside a callback), then sync the app: the new release wakes the run."
+        "Call step.run from the workflow function's own thread, never from another thread or inside a step's"
+        " callback (to run steps together, declare them together: asyncio.gather, or step.parallel), then sync"
+        " the app: the new release wakes the run."
     ),
     BlockerType.NEW_STEP_BEFORE_TARGET: (
         "Current code reaches a step with no recorded outcome before the step whose compensation is due,"

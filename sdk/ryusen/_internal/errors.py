@@ -46,12 +46,13 @@ class ConcurrentStepError(RyusenError):
         if from_another_thread:
             super().__init__(
                 f"step {step_id!r} was started from a thread that is not the workflow function's own;"
-                " Ryusen runs one step at a time, from the function's thread: call each step.run there"
+                " steps run from the function's thread: call each step.run there (asyncio.gather or step.parallel"
+                " runs several together)"
             )
         else:
             super().__init__(
                 f"step {step_id!r} was started while step {open_step_id!r} is still open;"
-                " Ryusen runs one step at a time: await each step.run before starting the next"
+                " a step cannot be opened inside another step's callback: open it in the workflow function"
             )
         self.step_id = step_id
         self.open_step_id = open_step_id
