@@ -117,10 +117,24 @@ def sqs_batch(messages: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "body": m["Body"],
             # the event source passes the message's group (a fair queue's tenant) among its attributes
             "attributes": {**template["attributes"], **_group(m)},
+            "messageAttributes": _message_attributes(m),
         }
         for m in messages
     ]
     return batch
+
+
+def _message_attributes(message: dict[str, Any]) -> dict[str, Any]:
+    """A received message's attributes in the event source's form (receive asked for them: ``["All"]``)."""
+    return {
+        name: {
+            "stringValue": value.get("StringValue"),
+            "stringListValues": [],
+            "binaryListValues": [],
+            "dataType": value["DataType"],
+        }
+        for name, value in message.get("MessageAttributes", {}).items()
+    }
 
 
 def _group(message: dict[str, Any]) -> dict[str, str]:

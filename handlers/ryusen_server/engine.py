@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -96,7 +97,16 @@ from .core.events import (
     TaskDelivered,
     WakeRequested,
 )
-from .core.model import AttemptStatus, DeadlineSource, RunPhase, RunState, TaskRef, TimerKind, TimerRef
+from .core.model import (
+    AttemptStatus,
+    DeadlineSource,
+    RunPhase,
+    RunState,
+    TaskRef,
+    TimerKind,
+    TimerRef,
+    delivery_id_for,
+)
 from .core.view import memo
 from .deferred import DeferredAnswer, DeferredEvent, WakeOrder
 from .ports import (
@@ -155,11 +165,20 @@ STORE_RETRY_MAX_TRIES = 12
 """At most this many tries of one write (with the backoff, about 15 s at most)."""
 STORE_RETRY_RESERVE_S = 3.0
 """What a dispatcher keeps of its time budget, after retrying a write, to defer the answer to the queue."""
+MESSAGE_HOLD_MARGIN_S = 30.0
+"""Beyond the retries of an answer's write and the time kept to defer it, how long the message in hand is kept
+away: it comes back only after this dispatcher has recorded the answer, deferred it, or died."""
 STORE_UNAVAILABLE_RETRY_S = 5.0
 """When a message whose work the store refused (nothing was sent) comes back."""
-DEFERRAL_COVER_S = 900.0
-"""How long the lease timer of an attempt whose answer is deferred stays away at least: the deferred answer is
-received and recorded first, so the lease's expiry does not turn an answered attempt Unknown."""
+_CARRIER: ContextVar[str | None] = ContextVar("ryusen_carrier", default=None)
+"""The identity of the dispatch message the current thread is delivering (``Engine.deliver``'s ``carrier``)."""
+
+
+def new_delivery_id() -> str:
+    """A fresh delivery id, tagged with the message being delivered, if any (``core.model.delivery_id_for``)."""
+    return delivery_id_for(_CARRIER.get(), uuid.uuid4().hex[:20])
+
+
 FRONT_END_THROTTLED = 429
 """What a Lambda Function URL (or API Gateway) answers, unsigned, when it throttles a request before any
 code runs: nothing was sent to the app, so it is sent again with backoff (never Unknown)."""
@@ -372,6 +391,22 @@ class _MessageLease:
             return
         self._change(lease_s)
         self._covered_until = now + lease_s
+
+    def hold(self, seconds: float) -> None:
+        """Keep the message away for at least ``seconds`` more: while this dispatcher retries the write of an
+        answer it has, the message (the attempt's carrier) must not come back to another dispatcher, which
+        would take the attempt as Unknown at its lease before this one records or defers the answer."""
+        if self._change is None:
+            return
+        now = time.monotonic()
+        if self._covered_until is not None and self._covered_until - now >= seconds:
+            return
+        try:
+            self._change(seconds)
+        except Exception:  # the queue failing too: the retries go on regardless
+            log.warning("could not keep the message away while retrying a write", exc_info=True)
+            return
+        self._covered_until = now + seconds
 
 
 class SentMemos:
@@ -612,7 +647,15 @@ class Engine:
             return decision
         raise ServerError(f"run {run_id!r} is too contended; try again")
 
-    def _apply_retrying(self, run_id: str, event: Event, *, known: RunState | None, deadline: float | None) -> Decision:
+    def _apply_retrying(
+        self,
+        run_id: str,
+        event: Event,
+        *,
+        known: RunState | None,
+        deadline: float | None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> Decision:
         """:meth:`apply`, tried again with backoff while the store is unavailable (throttled past botocore's
         retries, a 5xx, a lost answer) and time is left: for ``store_retry_s``, and never past
         ``STORE_RETRY_RESERVE_S`` before ``deadline`` (a Lambda's remaining time). A try
@@ -634,19 +677,39 @@ class Engine:
                     )
                     raise
                 self._emit("store_retry", (run_id, tries, exc.message))
+                if on_retry is not None and tries == 1:
+                    on_retry()
                 known = None  # read again: the refused write may have committed
                 self.sleep(pause)
 
     def _record_answer(
-        self, run_id: str, event: DeferredEvent, *, known: RunState, deadline: float | None
+        self,
+        run_id: str,
+        event: DeferredEvent,
+        *,
+        known: RunState,
+        deadline: float | None,
+        lease: _MessageLease | None = None,
     ) -> Decision | None:
-        """Record what an endpoint answered. While the store will not take it, retry within the time left;
-        then defer the answer to the queue (``deferred.py``) and return None: the answer is recorded when the deferred
-        message is received, never lost to a throttle (its attempt would end Unknown at the lease's expiry)."""
+        """Record what an endpoint answered. While the store will not take it, retry within the time left
+        (keeping the message in hand away meanwhile: ``lease``); then defer the answer to the queue
+        (``deferred.py``) and return None: the answer is recorded when the deferred message is received, never
+        lost to a throttle (its attempt would end Unknown at the lease's expiry)."""
         self._emit("answer", (run_id, event))
+        hold_s = self.settings.store_retry_s + STORE_RETRY_RESERVE_S + MESSAGE_HOLD_MARGIN_S
         try:
-            decision = self._apply_retrying(run_id, event, known=known, deadline=deadline)
+            decision = self._apply_retrying(
+                run_id,
+                event,
+                known=known,
+                deadline=deadline,
+                on_retry=(lambda: lease.hold(hold_s)) if lease is not None else None,
+            )
         except StoreUnavailableError as exc:
+            if lease is not None:
+                # Away for as long as other messages wait past a lease: should the message's deletion fail too,
+                # it comes back (as the attempt's carrier) only once the deferred answer has had that long.
+                lease.hold(self.settings.engine.lease_watch_grace_s)
             if not self._defer(run_id, event, exc):
                 raise
             return None
@@ -672,11 +735,24 @@ class Engine:
         *,
         budget_s: float | None = None,
         on_authorized: Callable[[float], None] | None = None,
+        carrier: str | None = None,
     ) -> Delivered:
         """Record an answer a dispatcher deferred while the store would not take it (a deferred message). Still
         unavailable: the answer goes back on the queue, a little later each time (the message in hand is then
         done). A next task the deferring dispatcher authorized in a write whose answer was lost is invoked
-        here, as that dispatcher would have."""
+        here, as that dispatcher would have. ``carrier``: the message's identity, as for :meth:`deliver`."""
+        token = _CARRIER.set(carrier)
+        try:
+            return self._apply_deferred(deferred, budget_s, on_authorized)
+        finally:
+            _CARRIER.reset(token)
+
+    def _apply_deferred(
+        self,
+        deferred: DeferredAnswer,
+        budget_s: float | None,
+        on_authorized: Callable[[float], None] | None,
+    ) -> Delivered:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         seal_key = self.store.seal_key()
         if not deferred.verify(seal_key):
@@ -686,7 +762,7 @@ class Engine:
         again = deferred
         if isinstance(event, AttemptReported | DiscoveryReported) and event.delivery_id is not None:
             # this receiver authorizes under its own delivery id, and claims what the deferring ones authorized
-            event = replace(event, delivery_id=uuid.uuid4().hex, claims=(event.delivery_id, *event.claims))
+            event = replace(event, delivery_id=new_delivery_id(), claims=(event.delivery_id, *event.claims))
             # deferred again, it names this receiver too: a claim of its that committed unseen is claimed next
             again = DeferredAnswer.of(deferred.run_id, event, seal_key).model_copy(update={"tries": deferred.tries})
         try:
@@ -919,6 +995,7 @@ class Engine:
         *,
         budget_s: float | None = None,
         on_authorized: Callable[[float], None] | None = None,
+        carrier: str | None = None,
     ) -> Delivered:
         """Handle one dispatch message: authorize, invoke, and record what came back.
 
@@ -930,12 +1007,25 @@ class Engine:
 
         Everything that can fail for want of a resource (the signing key) happens before the
         authorization write: after it, only the invocation, so an authorized task is never left unsent.
+
+        ``carrier`` is the message's identity (an SQS message id, the same at every receive): the delivery ids of
+        this delivery's authorizations start with its tag, so that the message is known as the carrier of the
+        attempts it authorized (``core.model.carrier_of``) when it comes back as their lease timer.
         """
+        token = _CARRIER.set(carrier)
+        try:
+            return self._deliver(task, budget_s, on_authorized)
+        finally:
+            _CARRIER.reset(token)
+
+    def _deliver(
+        self, task: TaskRef, budget_s: float | None, on_authorized: Callable[[float], None] | None
+    ) -> Delivered:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         if budget_s is not None and budget_s < MIN_DISPATCH_BUDGET_S:
             return Delivered(done=False)  # too little time left to hear an answer: the message comes back
         self.master_keys()  # read now (a cold start's secret): a failure leaves nothing authorized and unsent
-        delivery_id = uuid.uuid4().hex
+        delivery_id = new_delivery_id()
         try:
             self.store.seal_key()  # read now too (once per process): deferring an answer must not need a read
             state = self.store.get(task.run_id)
@@ -989,7 +1079,7 @@ class Engine:
             invoke = next((c for c in decision.commands if isinstance(c, InvokeTask)), None)
             if invoke is None or release is None:
                 return Delivered(done=True)
-            outcome = self._invoke(decision.state, invoke.task, release, deadline, lease.cover, chain_until)
+            outcome = self._invoke(decision.state, invoke.task, release, deadline, lease, chain_until)
             if isinstance(outcome, Delivered):
                 return outcome
             decision, release = outcome
@@ -1013,19 +1103,16 @@ class Engine:
         task: TaskRef,
         release: Release,
         deadline: float | None,
-        on_authorized: Callable[[float], None] | None,
+        lease: _MessageLease,
         chain_until: float | None = None,
     ) -> Delivered | tuple[Decision, Release | None]:
         now = self.clock()
         window = _window(state, task, self.settings.engine)
         lease_at, respond_by = window.lease_at, window.respond_by
-        if on_authorized is not None:
-            try:
-                on_authorized(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
-            except Exception:
-                log.warning(
-                    "could not make the message of %s its lease; invoking anyway", task.describe(), exc_info=True
-                )
+        try:
+            lease.cover(max(1.0, (lease_at - now).total_seconds()))  # the message is now the lease timer
+        except Exception:
+            log.warning("could not make the message of %s its lease; invoking anyway", task.describe(), exc_info=True)
         listen_until, cut = respond_by, False
         if deadline is not None:  # what is left of the budget now, after the reads and the write
             left = deadline - time.monotonic() - DISPATCH_MARGIN_S - window.grace_s
@@ -1098,7 +1185,7 @@ class Engine:
             task,
             result,
             chain=ref,
-            delivery_id=uuid.uuid4().hex if ref else None,
+            delivery_id=new_delivery_id() if ref else None,
             trust_next=same_code,
             sent=sent,
         )
@@ -1106,10 +1193,12 @@ class Engine:
             # about the task as this delivery authorized it, and only then: the same generation may be sent
             # again (after "unreachable") by another delivery before a deferred copy of this is received
             event = replace(event, delivery_id=_authorizing_delivery(state, task))
-        recorded = self._record_answer(task.run_id, event, known=state, deadline=deadline)
-        if recorded is None:  # deferred on the queue: this message, the lease timer, stays away until it is recorded
-            lease_left = (lease_at - self.clock()).total_seconds()
-            return Delivered(done=False, redeliver_after_s=max(DEFERRAL_COVER_S, lease_left))
+        recorded = self._record_answer(task.run_id, event, known=state, deadline=deadline, lease=lease)
+        if recorded is None:
+            # Deferred on the queue: the deferred answer now carries the attempt, and is received until it is
+            # recorded. This message is done, so that it cannot come back as the lease timer and take the attempt
+            # as Unknown before its answer is recorded; other messages wait lease_watch_grace_s past the lease.
+            return Delivered(done=True)
         try:
             self._wake_if_release_moved(recorded, state, release)
         except StoreUnavailableError:
@@ -1405,7 +1494,7 @@ class Engine:
             source="late_submission",
             next=self._trusted_next(late, state),
             chain=ref,
-            delivery_id=uuid.uuid4().hex if ref is not None else None,
+            delivery_id=new_delivery_id() if ref is not None else None,
         )
         decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
         if decision.rejection is not None:

@@ -58,7 +58,10 @@ def handle_message(engine: Engine, queue: ReceivingQueue, message: ReceivedMessa
     """Deliver one message; delete it when handled, or keep it as the lease timer."""
     try:
         done, redeliver_after_s = process_message(
-            engine, message.task, on_authorized=lambda lease_s: queue.change_visibility(message_id, lease_s)
+            engine,
+            message.task,
+            on_authorized=lambda lease_s: queue.change_visibility(message_id, lease_s),
+            carrier=message_id,
         )
     except Exception:
         log.exception("delivering %s failed; the message will be redelivered", _describe(message.task))
@@ -116,12 +119,13 @@ def process_message(
     *,
     budget_s: float | None = None,
     on_authorized: Callable[[float], None] | None = None,
+    carrier: str | None = None,
 ) -> tuple[bool, float]:
     """One parsed dispatch-queue message, as the dispatch Lambda and ``ryusen dev`` both handle it.
 
     Returns (done, redeliver_after_s): a task message that is not done stays on
-    the queue as the lease timer of an attempt in flight. ``budget_s`` and
-    ``on_authorized`` are :meth:`Engine.deliver`'s.
+    the queue as the lease timer of an attempt in flight. ``budget_s``,
+    ``on_authorized`` and ``carrier`` (the message's identity) are :meth:`Engine.deliver`'s.
     """
     if isinstance(message, TimerMessage):
         try:
@@ -131,7 +135,9 @@ def process_message(
             return False, STORE_UNAVAILABLE_RETRY_S
         return True, 0.0
     if isinstance(message, DeferredMessage):
-        delivered = engine.apply_deferred(message.deferred, budget_s=budget_s, on_authorized=on_authorized)
+        delivered = engine.apply_deferred(
+            message.deferred, budget_s=budget_s, on_authorized=on_authorized, carrier=carrier
+        )
         return delivered.done, delivered.redeliver_after_s
     if isinstance(message, WakeMessage):
         try:
@@ -140,12 +146,16 @@ def process_message(
             log.warning("%s: the store is unavailable (%s); the message comes back", message.wake.describe(), exc)
             return False, STORE_UNAVAILABLE_RETRY_S
         return True, 0.0
-    delivered = engine.deliver(message, budget_s=budget_s, on_authorized=on_authorized)
+    delivered = engine.deliver(message, budget_s=budget_s, on_authorized=on_authorized, carrier=carrier)
     return delivered.done, delivered.redeliver_after_s
 
 
 def process_body(
-    engine: Engine, body: str, *, on_authorized: Callable[[float], None] | None = None
+    engine: Engine,
+    body: str,
+    *,
+    on_authorized: Callable[[float], None] | None = None,
+    carrier: str | None = None,
 ) -> tuple[bool, float]:
     """:func:`process_message` for a raw message body (the local dispatch loop)."""
-    return process_message(engine, parse_dispatch_body(body), on_authorized=on_authorized)
+    return process_message(engine, parse_dispatch_body(body), on_authorized=on_authorized, carrier=carrier)

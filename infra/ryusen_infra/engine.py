@@ -81,8 +81,9 @@ class RyusenSettings:
     attempt_timeout: cdk.Duration = cdk.Duration.minutes(5)
     """A step attempt's timeout when the step declares none."""
     max_attempt_timeout: cdk.Duration = cdk.Duration.minutes(15)
-    """The longest attempt timeout a step may declare (``invalid_step`` beyond it). Up to 12 hours minus a
-    minute; past the dispatcher's 15 minutes the SDK delivers the answer to the result route."""
+    """The longest attempt timeout a step may declare (``invalid_step`` beyond it). At most 42,840 s (SQS's 12-hour
+    visibility, less the lease grace and a margin: ``check``); past what the dispatcher listens for, the SDK posts
+    the answer to the result function."""
     forward_max_attempts: int = 4
     forward_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
     compensate_max_attempts: int = 10
@@ -91,8 +92,9 @@ class RyusenSettings:
     """How long a finished run is kept (DynamoDB TTL); None keeps runs forever."""
     dispatch_concurrency: int = 4
     """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000). Each
-    waits on one request to an app, which on Lambda is one more execution: the default, 4, leaves room in a
-    fresh account's quota of 10 for 4 app requests, the API and the sweeper. Raise it with the quota."""
+    waits on one request to an app, which on Lambda is one more execution: the default, 4, fills a fresh account's
+    quota of 10 with 4 app requests, the API and the sweeper, leaving the result function no headroom (its
+    throttled posts are retried). Raise it with the quota (docs/deploy.md, "Concurrency")."""
     fair_queue: bool = True
     """Send each task with its run's app as its message group, which makes the dispatch queue an SQS fair
     queue: when one app's messages take a disproportionate share of those in flight, or of the dispatchers'

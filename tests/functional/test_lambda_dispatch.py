@@ -21,7 +21,7 @@ from moto import mock_aws
 from werkzeug.serving import make_server
 
 from ryusen import Ryusen, Step
-from ryusen_server.aws.queue import create_queues
+from ryusen_server.aws.queue import CARRIER_ATTRIBUTE, SqsQueue, create_queues
 from ryusen_server.aws.store import create_table
 from ryusen_server.aws.timers import create_schedule_group
 from ryusen_server.lambdas import api as api_lambda
@@ -101,6 +101,7 @@ def receive(aws: dict[str, str], wait_s: int = 0) -> list[dict[str, Any]]:
         MaxNumberOfMessages=10,
         WaitTimeSeconds=wait_s,
         MessageSystemAttributeNames=["MessageGroupId"],
+        MessageAttributeNames=["All"],
     ).get("Messages", [])
     return messages
 
@@ -367,6 +368,35 @@ def test_a_message_the_engine_keeps_is_replaced_before_the_dead_letter_queue_tak
         QueueUrl=aws["RYUSEN_QUEUE_URL"], AttributeNames=["ApproximateNumberOfMessagesDelayed"]
     )["Attributes"]
     assert attributes["ApproximateNumberOfMessagesDelayed"] == "1"  # the fresh copy, due when the lease is
+
+
+def test_a_fresh_copy_of_a_kept_message_still_carries_the_attempt_it_authorized(
+    aws: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: only the message whose delivery authorized an attempt (its carrier) takes it as Unknown at its
+    lease; any other waits ``lease_watch_grace_s`` longer (the carrier is deleted when the attempt's answer is
+    deferred). The fresh copy a kept message is replaced by names the message it replaces, so a carrier kept
+    past 7 receives (a long step's lease timer) still decides at the lease."""
+    resend = SqsQueue.resend
+    # the copy is due when the lease ends (10 minutes): here at once, to look at it
+    monkeypatch.setattr(SqsQueue, "resend", lambda self, body, _delay, **kw: resend(self, body, 0, **kw))
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    call(aws, "POST", "/v1/functions/slow/runs", {"input": {}})
+    dispatch(aws, receive(aws))
+    [message] = receive(aws)
+    batch = sqs_batch([message])
+    batch["Records"][0]["attributes"]["ApproximateReceiveCount"] = "8"
+    result = dispatch_lambda.handler(batch, LambdaContext(16))  # authorizes the attempt; gives up listening
+    assert result["batchItemFailures"] == []  # replaced by a fresh copy
+    boto3.client("sqs").delete_message(QueueUrl=aws["RYUSEN_QUEUE_URL"], ReceiptHandle=message["ReceiptHandle"])
+    [copy] = wait_for(lambda: receive(aws, 1), what="the fresh copy", timeout=40)
+    assert copy["MessageId"] != message["MessageId"]
+    assert copy["MessageAttributes"][CARRIER_ATTRIBUTE]["StringValue"] == message["MessageId"]
+    record = dispatch_lambda.DispatchRecord.model_validate(sqs_batch([copy])["Records"][0])
+    assert dispatch_lambda._carrier(record) == message["MessageId"]
+    run = call(aws, "GET", "/v1/runs?function_id=slow")["runs"][0]
+    attempt = call(aws, "GET", f"/v1/runs/{run['id']}")["steps"][0]["attempts"][0]
+    assert attempt["status"] == "authorized"
 
 
 def test_every_task_message_carries_its_runs_app_as_its_message_group(aws: dict[str, str]) -> None:

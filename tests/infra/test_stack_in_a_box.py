@@ -111,6 +111,7 @@ class EventSource:
                 MaxNumberOfMessages=self.batch_size,
                 WaitTimeSeconds=1,
                 MessageSystemAttributeNames=["All"],  # as the event source asks, the message group among them
+                MessageAttributeNames=["All"],  # and a kept message's copy names the message it replaces
             ).get("Messages", [])
             if not messages:
                 continue

@@ -406,8 +406,11 @@ class Simulation:
         self.answers: dict[str, set[tuple[Any, ...]]] = {}
         """Answers each dispatcher had in hand and has not yet recorded, deferred or given up on (by actor)."""
         self.deferred_answers: set[tuple[Any, ...]] = set()
-        self.unknown_deferred: set[tuple[Any, ...]] = set()
         """Answers on the queue, deferred while the store would not take them, not yet recorded."""
+        self.unknown_deferred: set[tuple[Any, ...]] = set()
+        """Deferred answers whose attempt was found Unknown (each looked at once)."""
+        self.late_answers: set[tuple[Any, ...]] = set()
+        """Answers a dispatcher came to hold for an attempt that was no longer in flight (already Unknown)."""
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.run_locks = None  # the scheduler interleaves the activities itself (a lock would deadlock it)
@@ -470,11 +473,14 @@ class Simulation:
                 attempt = step.attempt(Phase(waiting[3]), waiting[4]) if step is not None else None
                 if attempt is not None and attempt.status is AttemptStatus.UNKNOWN:
                     self.unknown_deferred.add(waiting)
-                    self.note(f"  {waiting} went Unknown while its answer was deferred")
-                    self.cases["an attempt went Unknown while its answer was deferred"] += 1
-                    # a figure, not a violation: a store outage, or a delivery delayed, for longer than the
-                    # attempt's lease (here 35 s) lets its expiry come first; the deferred answer then settles
-                    # the Unknown as a late result does
+                    if waiting in self.late_answers:
+                        # it was Unknown before the answer reached a dispatcher: a late result, and it settles it
+                        self.cases["an answer deferred for an attempt already Unknown (a late result)"] += 1
+                        continue
+                    # issue 24: no Unknown where the engine had the answer. Only the carrier of an attempt takes
+                    # it as Unknown at its lease, and a dispatcher deferring the answer deletes its carrier; any
+                    # other message waits lease_watch_grace_s (longer than the simulator's outages) past the lease
+                    self.violation(f"{waiting} went Unknown while its answer, in hand before, was deferred")
             return
         if kind == "acknowledged":
             task = payload
@@ -491,6 +497,11 @@ class Simulation:
             return
         if kind == "answer":
             self.answers.setdefault(holder, set()).add(key)
+            state = self.store.inner.peek(run_id)
+            step = state.step(key[2]) if state is not None and key[1] == "attempt" else None
+            attempt = step.attempt(Phase(key[3]), key[4]) if step is not None else None
+            if attempt is not None and attempt.status is not AttemptStatus.AUTHORIZED:
+                self.late_answers.add(key)  # the engine had no answer when the attempt was settled or went Unknown
             return
         self.answers.get(holder, set()).discard(key)
         if kind == "answer_deferred":
@@ -809,7 +820,7 @@ class Simulation:
 
         keep = lease_keeper(change_visibility, VISIBILITY_S)
         try:
-            done, after = process_message(engine, message.body, on_authorized=keep)
+            done, after = process_message(engine, message.body, on_authorized=keep, carrier=message.id)
         except (InjectedError, ServerError) as exc:
             self.note(f"dispatch of {message.id} failed ({type(exc).__name__}: {exc}); it comes back")
             return

@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
@@ -64,6 +64,8 @@ MAX_VISIBILITY_S = 43_200
 MAX_MESSAGE_BYTES = 262_144
 """SQS's limit on a message's body (256 KiB)."""
 MAX_RECEIVE_COUNT = 10
+CARRIER_ATTRIBUTE = "RyusenCarrier"
+"""The message attribute of a kept message's fresh copy naming the message it replaces (its carrier identity)."""
 VISIBILITY_TIMEOUT_S = 360
 """The queue's default visibility: the default attempt timeout (300 s) plus the lease grace (60 s)."""
 RETENTION_S = 1_209_600
@@ -179,20 +181,21 @@ class SqsQueue:
             return
         self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))))
 
-    def resend(self, body: str, delay_s: float, *, group: str | None = None) -> None:
+    def resend(self, body: str, delay_s: float, *, group: str | None = None, carrier: str | None = None) -> None:
         """Send a received message's body again as a new message (its receive count starts again), due in
         ``delay_s`` at most 15 minutes (if it was wanted later, it comes back early and is kept again), in the
-        message group it was received in."""
-        self._send_message(body, max(0, min(MAX_DELAY_S, math.ceil(delay_s))), group if self._fair else None)
+        message group it was received in. ``carrier``: the identity the copy keeps (``CARRIER_ATTRIBUTE``)."""
+        delay = max(0, min(MAX_DELAY_S, math.ceil(delay_s)))
+        self._send_message(body, delay, group if self._fair else None, carrier=carrier)
 
-    def _send_message(self, body: str, delay: int, group: str | None = None) -> None:
+    def _send_message(self, body: str, delay: int, group: str | None = None, *, carrier: str | None = None) -> None:
         self.counter.add("sqs.send", len(body))
-        if group is None:
-            self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay)
-        else:
-            self._client.send_message(
-                QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay, MessageGroupId=group
-            )
+        extra: dict[str, Any] = {}
+        if group is not None:
+            extra["MessageGroupId"] = group
+        if carrier is not None:
+            extra["MessageAttributes"] = {CARRIER_ATTRIBUTE: {"DataType": "String", "StringValue": carrier}}
+        self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay, **extra)
 
     @staticmethod
     def _delayed_name(task: TaskRef, body: str, at: datetime) -> str:

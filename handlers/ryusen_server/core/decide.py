@@ -114,6 +114,7 @@ from .model import (
     TimerKind,
     TimerRef,
     UnwindEntry,
+    carrier_of,
 )
 
 
@@ -291,6 +292,8 @@ class _Transition:
         self.rejection: Rejection | None = None
         self.note: str | None = None
         self.delivery_id: str | None = None
+        self.exact_leases = False
+        """Every lease is judged at its end, whoever watches it (a sweep after every message was lost)."""
         self.claims: tuple[str, ...] = ()
         self.chain: ReleaseRef | None = None
         """The next task may be authorized and invoked at once, with this release (the dispatcher has time)."""
@@ -642,9 +645,10 @@ class _Transition:
                 # this delivery's authorization committed but a lost race hid it: invoke, as decided then
                 self.commands.append(InvokeTask(task=task))
                 return self.ignore(f"{task.describe()} was authorized by this delivery")
-            if self.now < attempt.lease_expires_at:
-                self.commands.append(RedeliverLater(delay_s=(attempt.lease_expires_at - self.now).total_seconds()))
-                return self.ignore(f"{task.describe()} is in flight")
+            lost_at = self.lease_lost_at(attempt.delivery_id, attempt.lease_expires_at)
+            if self.now < lost_at:
+                self.commands.append(RedeliverLater(delay_s=(lost_at - self.now).total_seconds()))
+                return self.ignore(f"{task.describe()} is in flight" + self.watching(attempt.lease_expires_at))
             return self.outcome_lost(step, attempt, lease_expired(step, attempt))
         if attempt.status is not AttemptStatus.QUEUED:
             self.reemit_stalled()
@@ -760,6 +764,25 @@ class _Transition:
         self.touch()
         self.commands.append(InvokeTask(task=task))
 
+    def lease_lost_at(self, authorized_by: str | None, lease_expires_at: datetime) -> datetime:
+        """When the message in hand takes an attempt in flight (authorized by the delivery ``authorized_by``) as
+        lost: at the end of its lease if it is the attempt's carrier (:func:`carrier_of`), or if either names no
+        carrier; otherwise ``lease_watch_grace_s`` later. The carrier is deleted when the attempt's answer is
+        deferred to the queue (the store would not take it): the deferred answer is recorded first, so a store
+        outage shorter than the grace never turns an answered attempt Unknown."""
+        theirs = carrier_of(authorized_by)
+        if theirs is None or self.exact_leases:
+            return lease_expires_at
+        if self.delivery_id is not None and carrier_of(self.delivery_id) in (None, theirs):
+            return lease_expires_at
+        return lease_expires_at + timedelta(seconds=self.settings.lease_watch_grace_s)
+
+    def watching(self, lease_expires_at: datetime) -> str:
+        """What an ignore says of an attempt whose lease ended and whose carrier is another message."""
+        if self.now < lease_expires_at:
+            return ""
+        return " (its lease has ended: the message that carries it decides; this one only watches)"
+
     def lease_timer_delivered(self, task: TaskRef, phase: Phase) -> None:
         """An attempt's own lease timer: while the attempt is in flight it comes back when the lease ends (later, if
         heartbeats extended it), and then the attempt is Unknown; once the attempt is settled or replaced it is
@@ -850,13 +873,14 @@ class _Transition:
                     task = TaskRef(run_id=s.id, kind=kind, step_id=step.id, generation=a.generation + 1)
                     queued.append((task, a.retry_at + grace))
                 elif a is not None and a.status is AttemptStatus.AUTHORIZED and a.lease_expires_at is not None:
-                    if self.now >= a.lease_expires_at:
+                    lost_at = self.lease_lost_at(a.delivery_id, a.lease_expires_at)
+                    if self.now >= lost_at:
                         step = self.edit(step)
                         lost = step.current(phase)
                         assert lost is not None
                         self.outcome_lost(step, lost, lease_expired(step, lost))
                     else:
-                        leases.append(a.lease_expires_at)
+                        leases.append(lost_at)
         overdue = [task for task, at in queued if at <= self.now]
         self.commands.extend(EnqueueTask(task=task) for task in overdue)
         pending = [at for _, at in queued if at > self.now] if not overdue else []
@@ -875,6 +899,7 @@ class _Transition:
             self.stop(StopRequested(kind="timeout"))
         elif s.probe_due_at is not None and self.now >= s.probe_due_at:
             self.wake(WakeRequested(source="probe"))
+        self.exact_leases = event.messages_lost  # no message of the run survives: no carrier may come back
         self.reemit_stalled()
         if event.messages_lost:
             self.reemit_queued()

@@ -45,6 +45,13 @@ class EngineSettings:
     probe_initial_s: float = 60.0
     probe_max_s: float = 3600.0
     stalled_task_s: float = 60.0
+    lease_watch_grace_s: float = 900.0
+    """How long past an attempt's lease a message that does not carry the attempt (a stale message, a duplicate
+    of its task, the sweeper) waits before it takes the attempt's outcome as lost. The message that carries it
+    (:func:`carrier_of`: the one whose delivery authorized it, kept as its lease timer) acts at the lease. A
+    dispatcher that defers an answer while the store will not take it deletes its message: the deferred answer
+    is then the attempt's only carrier, and this grace is how long a store outage may last before another
+    message could take that attempt as Unknown while its answer waits on the queue."""
     """A task still queued this long past its due time has probably lost its message (see reemit_stalled)."""
     redelivery_initial_s: float = 1.0
     redelivery_max_s: float = 60.0

@@ -14,6 +14,7 @@ and step 10,000, and a new state shares every unchanged step with the old one.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import weakref
@@ -650,6 +651,35 @@ class RunState(_State):
         if self.probe_due_at is not None:
             due.append(self.probe_due_at)
         return min(due) if due else None
+
+
+CARRIER_SEPARATOR = "."
+"""Between a delivery id's carrier tag and the part that makes the delivery unique."""
+
+
+def carrier_tag(message_id: str) -> str:
+    """The short tag of a dispatch message's identity (an SQS message id, kept across receives), which the
+    delivery ids of its deliveries start with: 12 hex digits of its digest (a clash only makes another message
+    act at a lease as its carrier would, as every message did before carriers were told apart)."""
+    return hashlib.sha256(message_id.encode()).hexdigest()[:12]
+
+
+def delivery_id_for(carrier: str | None, unique: str) -> str:
+    """A delivery id: ``unique`` (random, drawn by the engine), prefixed with the tag of the message that carries
+    the delivery, if it has one (``carrier``: its message id)."""
+    return unique if carrier is None else f"{carrier_tag(carrier)}{CARRIER_SEPARATOR}{unique}"
+
+
+def carrier_of(delivery_id: str | None) -> str | None:
+    """The tag of the message that carried the delivery ``delivery_id`` names (None: it names none).
+
+    The message whose delivery authorized an attempt is the attempt's carrier: it is kept on the queue as the
+    attempt's lease timer, and it is the one that takes the attempt as Unknown when the lease ends. Any other
+    message (a stale one, a duplicate, the sweeper) waits ``lease_watch_grace_s`` longer: the carrier may have
+    been deleted because the attempt's answer was deferred to the queue while the store would not take it."""
+    if delivery_id is None or CARRIER_SEPARATOR not in delivery_id:
+        return None
+    return delivery_id.split(CARRIER_SEPARATOR, 1)[0]
 
 
 class TaskRef(BaseModel):

@@ -24,7 +24,7 @@ from aws_lambda_powertools.utilities.parser.models import SqsRecordModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
-from ..aws.queue import MAX_RECEIVE_COUNT, MAX_VISIBILITY_S, SqsQueue
+from ..aws.queue import CARRIER_ATTRIBUTE, MAX_RECEIVE_COUNT, MAX_VISIBILITY_S, SqsQueue
 from ..core.events import WakeRequested
 from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
@@ -87,7 +87,9 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
     keep = lease_keeper(change_visibility, _queue_visibility_s())
     metrics.add_metric(name="MessagesReceived", unit=MetricUnit.Count, value=1)
     try:
-        done, redeliver_after_s = process_message(wired.engine, record.body, budget_s=budget_s, on_authorized=keep)
+        done, redeliver_after_s = process_message(
+            wired.engine, record.body, budget_s=budget_s, on_authorized=keep, carrier=_carrier(record)
+        )
     except Exception:
         # reported as a batch item failure: the message comes back (and goes to the DLQ after maxReceiveCount);
         # Lambda's own Errors metric never sees it, so this metric is what the dispatch-errors alarm watches
@@ -100,7 +102,12 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
             # Kept on purpose (a lease timer, the watch over a run's chained tasks), yet every receive counts
             # towards the dead-letter queue: past a few, a fresh copy takes over and this one is deleted, so a
             # message the engine keeps never reaches the DLQ and raises its alarm.
-            queue.resend(record.body.model_dump_json(), redeliver_after_s, group=record.attributes.MessageGroupId)
+            queue.resend(
+                record.body.model_dump_json(),
+                redeliver_after_s,
+                group=record.attributes.MessageGroupId,
+                carrier=_carrier(record),
+            )
             return
         change_visibility(redeliver_after_s)
         raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")
@@ -108,6 +115,15 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
 
 REFRESH_AFTER_RECEIVES = MAX_RECEIVE_COUNT - 3
 """A message the engine keeps is replaced by a fresh copy at this many receives (the DLQ takes it at 10)."""
+
+
+def _carrier(record: DispatchRecord) -> str:
+    """The message's identity as the carrier of what it authorized: its id, or the id of the message it is a fresh
+    copy of (``CARRIER_ATTRIBUTE``), so that the copy still carries its attempts' leases."""
+    kept = record.messageAttributes.get(CARRIER_ATTRIBUTE)
+    if kept is not None and kept.stringValue:
+        return kept.stringValue
+    return record.messageId
 
 
 def _receives(record: DispatchRecord) -> int:

@@ -526,7 +526,9 @@ class DevStack:
 
         try:
             keep = lease_keeper(change_visibility, self._visibility_s if visible_for_s is None else visible_for_s)
-            done, later = process_body(self.wired.engine, message["Body"], on_authorized=keep)
+            done, later = process_body(
+                self.wired.engine, message["Body"], on_authorized=keep, carrier=message.get("MessageId")
+            )
         except Exception:
             log.exception("dispatch of a message failed; it will be redelivered")
             return
