@@ -51,11 +51,13 @@ def settings_from(app: cdk.App) -> RyusenSettings:
     defaults = RyusenSettings()
     retention_days = number(app, "retention_days")
     dispatch_concurrency = number(app, "dispatch_concurrency", whole=True)
+    dispatch_memory_mb = number(app, "dispatch_memory_mb", whole=True)
     return RyusenSettings(
         default_run_timeout=seconds("default_run_timeout_s"),
         max_run_timeout=seconds("max_run_timeout_s"),
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
         dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
+        dispatch_memory_mb=int(dispatch_memory_mb) if dispatch_memory_mb else defaults.dispatch_memory_mb,
         retention=cdk.Duration.days(retention_days) if retention_days else defaults.retention,
         fair_queue=flag(app, "fair_queue", default=True),
         api_access_logs=flag(app, "api_access_logs"),

@@ -95,6 +95,11 @@ class RyusenSettings:
     waits on one request to an app, which on Lambda is one more execution: the default, 4, fills a fresh account's
     quota of 10 with 4 app requests, the API and the sweeper, leaving the result function no headroom (its
     throttled posts are retried). Raise it with the quota (docs/deploy.md, "Concurrency")."""
+    dispatch_memory_mb: int = 512
+    """The dispatch function's memory (128-10,240 MB), which sets its CPU share. ``bench/dispatcher_size.py`` measured
+    about 4.7 ms of CPU per step and a peak of 124 MB: 512 MB adds about 16 ms a step; 256 MB adds about 33 ms and
+    halves what a second of waiting costs ($3.33 per million steps instead of $6.67), which is what a Lambda
+    endpoint's long steps cost, since the dispatcher waits for them (docs/deploy.md, "What it costs")."""
     fair_queue: bool = True
     """Send each task with its run's app as its message group, which makes the dispatch queue an SQS fair
     queue: when one app's messages take a disproportionate share of those in flight, or of the dispatchers'
@@ -137,6 +142,8 @@ class RyusenSettings:
     def check(self) -> None:
         if not 2 <= self.dispatch_concurrency <= 1000:
             raise ValueError(f"dispatch_concurrency must be 2-1000, not {self.dispatch_concurrency}")
+        if not 128 <= self.dispatch_memory_mb <= 10_240:
+            raise ValueError(f"dispatch_memory_mb must be 128-10240 (Lambda's range), not {self.dispatch_memory_mb}")
         longest = MAX_VISIBILITY.to_seconds() - LEASE_GRACE.to_seconds() - 300
         if self.max_attempt_timeout.to_seconds() > longest:
             raise ValueError(
@@ -377,6 +384,7 @@ class RyusenEngine(Construct):
             {**common, "RYUSEN_RESULT_URL": self.result_url.url},
             settings.dispatch_timeout,
             "dispatch",
+            memory_mb=settings.dispatch_memory_mb,
         )
         self.dispatch_function.add_event_source(
             event_sources.SqsEventSource(

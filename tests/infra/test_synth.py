@@ -80,6 +80,8 @@ def test_the_dispatch_concurrency_context_reaches_the_settings_and_defaults_to_t
 
     assert settings_from_context({}).dispatch_concurrency == RyusenSettings().dispatch_concurrency  # type: ignore[attr-defined]
     assert settings_from_context({"ryusen:dispatch_concurrency": "40"}).dispatch_concurrency == 40  # type: ignore[attr-defined]
+    assert settings_from_context({}).dispatch_memory_mb == 512  # type: ignore[attr-defined]
+    assert settings_from_context({"ryusen:dispatch_memory_mb": "256"}).dispatch_memory_mb == 256  # type: ignore[attr-defined]
 
 
 def test_the_lambda_dependencies_are_pinned_whole_and_installed_without_upgrade(
@@ -134,6 +136,7 @@ def test_the_alarm_notification_context_reaches_the_settings() -> None:
     [
         ("dispatch_concurrency", "lots"),
         ("dispatch_concurrency", "0"),
+        ("dispatch_memory_mb", "half"),
         ("retention_days", "-3"),
         ("max_run_timeout_s", "nan"),
     ],

@@ -342,6 +342,7 @@ def test_settings_reach_the_functions_and_impossible_ones_are_refused(tmp_path: 
         default_run_timeout=cdk.Duration.hours(1),
         max_run_timeout=cdk.Duration.days(2),
         dispatch_concurrency=10,
+        dispatch_memory_mb=256,
         retention=None,
         fair_queue=False,
     )
@@ -355,12 +356,15 @@ def test_settings_reach_the_functions_and_impossible_ones_are_refused(tmp_path: 
     custom.assertions.has_resource_properties(
         "AWS::Lambda::EventSourceMapping", {"ScalingConfig": {"MaximumConcurrency": 10}}
     )
+    assert custom.function("ryusen_server.lambdas.dispatch.handler")[1]["Properties"]["MemorySize"] == 256
     from ryusen_infra import RyusenSettings
 
     with pytest.raises(ValueError, match="max_attempt_timeout"):
         RyusenSettings(max_attempt_timeout=cdk.Duration.hours(13)).check()
     with pytest.raises(ValueError, match="dispatch_concurrency"):
         RyusenSettings(dispatch_concurrency=1).check()
+    with pytest.raises(ValueError, match="dispatch_memory_mb"):
+        RyusenSettings(dispatch_memory_mb=64).check()
 
 
 def test_cdk_nag_finds_nothing_unexplained(synthesized: Synthesized) -> None:

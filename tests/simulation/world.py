@@ -411,6 +411,8 @@ class Simulation:
         """Deferred answers whose attempt was found Unknown (each looked at once)."""
         self.late_answers: set[tuple[Any, ...]] = set()
         """Answers a dispatcher came to hold for an attempt that was no longer in flight (already Unknown)."""
+        self.deferred_at: dict[tuple[Any, ...], datetime] = {}
+        """When each answer was first deferred to the queue."""
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.run_locks = None  # the scheduler interleaves the activities itself (a lock would deadlock it)
@@ -477,6 +479,12 @@ class Simulation:
                         # it was Unknown before the answer reached a dispatcher: a late result, and it settles it
                         self.cases["an answer deferred for an attempt already Unknown (a late result)"] += 1
                         continue
+                    waited = (self.now - self.deferred_at[waiting]).total_seconds()
+                    if waited > self.engines[0].settings.engine.lease_watch_grace_s:
+                        # the stated limit (docs/deploy.md): an answer that waits on the queue longer than the grace
+                        # (here the clock jumped: everything stalled) may find its attempt taken by another message
+                        self.cases["Unknown after its answer waited on the queue past lease_watch_grace_s"] += 1
+                        continue
                     # issue 24: no Unknown where the engine had the answer. Only the carrier of an attempt takes
                     # it as Unknown at its lease, and a dispatcher deferring the answer deletes its carrier; any
                     # other message waits lease_watch_grace_s (longer than the simulator's outages) past the lease
@@ -506,6 +514,7 @@ class Simulation:
         self.answers.get(holder, set()).discard(key)
         if kind == "answer_deferred":
             self.deferred_answers.add(key)
+            self.deferred_at.setdefault(key, self.now)
             self.cases["answer deferred to the queue (store unavailable)"] += 1
         else:
             self.note(f"{holder}: an answer could be neither recorded nor deferred: {payload[2]}")
