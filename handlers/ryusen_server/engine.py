@@ -498,6 +498,19 @@ class Delivered:
     its dispatcher stopped listening)."""
 
 
+def _awaits(state: RunState, event: DeferredEvent) -> bool:
+    """Whether ``state`` still waits for the answer ``event`` carries (its attempt in flight or Unknown, its
+    discovery pass in flight): the answer is news, not one recorded before."""
+    if isinstance(event, InvocationFailed):
+        return True
+    if isinstance(event, DiscoveryReported):
+        d = state.discovery
+        return d is not None and d.seq == event.seq and d.status is AttemptStatus.AUTHORIZED
+    step = state.step(event.step_id)
+    attempt = step.attempt(event.phase, event.generation) if step is not None else None
+    return attempt is not None and attempt.status in (AttemptStatus.AUTHORIZED, AttemptStatus.UNKNOWN)
+
+
 def _completion_token(key: str, run_id: str, step_id: str, phase: Phase, generation: int) -> str:
     binding = json.dumps([run_id, step_id, str(phase), generation], separators=(",", ":")).encode()
     named = base64.urlsafe_b64encode(binding).decode().rstrip("=")
@@ -766,13 +779,21 @@ class Engine:
             # deferred again, it names this receiver too: a claim of its that committed unseen is claimed next
             again = DeferredAnswer.of(deferred.run_id, event, seal_key).model_copy(update={"tries": deferred.tries})
         try:
-            decision = self._apply_retrying(deferred.run_id, event, known=None, deadline=deadline)
+            before = self.store.get(deferred.run_id)
+            decision = self._apply_retrying(deferred.run_id, event, known=before, deadline=deadline)
         except NotFoundError:
             return Delivered(done=True)  # the run is gone (retention): nothing to record
         except StoreUnavailableError:
             self.queue.defer(again.again(seal_key), min(MAX_DEFERRAL_DELAY_S, 2.0 ** min(deferred.tries + 1, 10)))
             return Delivered(done=True)
+        if before is None:
+            return Delivered(done=True)  # the run is gone (retention): nothing to record
         self._emit("answer_recorded", (deferred.run_id, event))
+        if not _awaits(before, event) and not any(isinstance(c, InvokeTask) for c in decision.commands):
+            # The answer was recorded before: this message came back as the lease timer of what its receiver
+            # carried on (a next task it authorized, tagged with this message), or it is a duplicate. It watches
+            # the run's leases as a stale task message does, as the carrier of what it authorized.
+            return self._watch(deferred.run_id, event, deadline)
         chain = getattr(event, "chain", None)
         if chain is None or not any(isinstance(c, InvokeTask) for c in decision.commands):
             return Delivered(done=True)
@@ -780,6 +801,26 @@ class Engine:
         if release is None or (release.release_id, release.build_id) != (chain.release_id, chain.build_id):
             return Delivered(done=True)  # not the code it was authorized for: its lease decides
         return self._carry_on(decision, release, deadline, on_authorized)
+
+    def _watch(self, run_id: str, event: DeferredEvent, deadline: float | None) -> Delivered:
+        """A deferred message whose answer is recorded: delivered as its attempt's (now stale) task would be, so that
+        it looks at the run's leases (``reemit_stalled``), and kept while one it carries has not ended."""
+        if isinstance(event, InvocationFailed):
+            return Delivered(done=True)
+        if isinstance(event, DiscoveryReported):
+            task = TaskRef(run_id=run_id, kind=TaskKind.DISCOVER, seq=event.seq)
+        else:
+            kind = TaskKind.FORWARD if event.phase is Phase.FORWARD else TaskKind.COMPENSATE
+            task = TaskRef(run_id=run_id, kind=kind, step_id=event.step_id, generation=event.generation)
+        watched = TaskDelivered(task=task, release=None, delivery_id=new_delivery_id())
+        try:
+            decision = self._apply_retrying(run_id, watched, known=None, deadline=deadline)
+        except StoreUnavailableError:
+            return Delivered(done=False, redeliver_after_s=STORE_UNAVAILABLE_RETRY_S)
+        for command in decision.commands:
+            if isinstance(command, RedeliverLater):
+                return Delivered(done=False, redeliver_after_s=command.delay_s)
+        return Delivered(done=True)
 
     def _send(self, decision: Decision) -> None:
         for command in decision.commands:
@@ -1478,6 +1519,16 @@ class Engine:
         (``budget_s``: what the invocation has left). A store that refuses the write raises
         :class:`StoreUnavailableError`: the SDK holds the outcome and posts it again."""
         late, state = self._verified_late_result(body, headers, path=path)
+        # No message carries what this invocation authorizes: its own carrier, which no message is, makes every
+        # message of the run, and the sweeper, wait lease_watch_grace_s past the lease of an attempt it authorized
+        # (its answer may be deferred to the queue); an attempt left in flight gets a lease timer of its own below.
+        token = _CARRIER.set(f"result function {uuid.uuid4().hex}")
+        try:
+            return self._submit_result(late, state, budget_s)
+        finally:
+            _CARRIER.reset(token)
+
+    def _submit_result(self, late: LateResult, state: RunState | None, budget_s: float | None) -> Decision:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         carry_until = time.monotonic() + RESULT_CARRY_ON_S
         if deadline is not None:

@@ -3,15 +3,18 @@ against the reviewed commit."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.core.model import AttemptStatus, TaskRef
+from ryusen_server.core.model import AttemptStatus
 from tests.functional.test_store_outages import FlakyStore, pending_deferred
 
 
@@ -42,7 +45,7 @@ def two_steps(
 def flaky_env(app: Ryusen, *, chain_steps: bool = True) -> tuple[WorkflowEnvironment, FlakyStore]:
     env = WorkflowEnvironment(app, chain_steps=chain_steps)
     flaky = FlakyStore(env.store)
-    env.engine.store = flaky  # type: ignore[assignment]
+    env.engine.store = flaky
     env.engine.sleep = lambda _s: None
     env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
     return env, flaky
@@ -63,15 +66,19 @@ def attempt(env: WorkflowEnvironment, run_id: str, step_id: str, index: int = 0)
 
 
 def test_the_deferred_answer_that_carries_a_chained_attempt_takes_it_as_unknown_at_its_lease() -> None:
-    """Medium. A deferred answer's receiver records it and, with the chain it carries, authorizes the next step
-    under its own delivery id (tagged with the deferred message: it is the new attempt's carrier), keeps the
-    message as the lease timer (``on_authorized``) and invokes. The dispatcher dies during that invocation. The
-    deferred message comes back at the lease, but ``apply_deferred`` only re-applies the old answer (stale: a
-    stale submission, no ``reemit_stalled``, ``invoke_own_authorization`` no longer owns/claims it) and returns
-    done: the carrier is deleted without looking at the lease. Every other watcher now waits
-    ``lease_watch_grace_s`` past it (the sweeper: 15-20 minutes instead of 5; the kit: never). Fix: a deferred
-    message whose answer is already recorded acts as a stale task message does (``reemit_stalled``, as the
-    carrier), or ``_apply_deferred`` stays on the queue as the lease timer of what it authorized."""
+    """Medium. A deferred answer's receiver records it and carries the run on (``_apply_deferred`` ->
+    ``_carry_on``): the next pass, then the next step, authorized under delivery ids tagged with the deferred
+    message (``_CARRIER``), which is kept as their lease timer (``on_authorized``). The dispatcher dies invoking
+    ship. The deferred message, ship's carrier, comes back at ship's lease, but ``apply_deferred`` only
+    re-applies the old answer: stale (``record_stale``, no ``reemit_stalled``), and ``invoke_own_authorization``
+    neither owns nor claims ship; it returns done and the carrier is deleted without looking at the lease. Every
+    other watcher waits ``lease_watch_grace_s`` past it: the sweeper says Unknown 15-20 minutes past the lease
+    (5 before this change, when ship's id named no carrier), the kit never. The same holds for a carried-on
+    attempt answered "accepted" (the deferred message is kept until its lease, then deleted the same way) and for
+    the release-mismatch return of ``_apply_deferred`` (an authorization tagged with the message, never sent, and
+    the message done). Fix: a deferred message whose answer is already recorded watches the run as a stale task
+    message does (``reemit_stalled``, judged as the carrier of what its tag authorized), and ``_apply_deferred``
+    never returns done while something it authorized is in flight."""
     calls: Counter[str] = Counter()
     holder: dict[str, FlakyStore] = {}
 
@@ -199,14 +206,21 @@ def test_ryusen_dev_keeps_the_carrier_of_an_attempt_past_ten_receives(monkeypatc
         stack.resources = SimpleNamespace(queue_url=queue_url)  # type: ignore[assignment]
         stack._visibility_s = 360.0
         for _ in range(12):
-            got = sqs.receive_message(
-                QueueUrl=queue_url, MaxNumberOfMessages=1, VisibilityTimeout=360, MessageSystemAttributeNames=["All"]
+            got = sqs.receive_message(  # as ryusen dev's loop receives
+                QueueUrl=queue_url,
+                MaxNumberOfMessages=1,
+                VisibilityTimeout=360,
+                MessageSystemAttributeNames=["All"],
+                MessageAttributeNames=["All"],
             ).get("Messages", [])
             if not got:
                 break
-            stack._handle(got[0], visible_for_s=360.0)
-            # its lease comes (the virtual part: the message is visible again)
-            sqs.change_message_visibility(QueueUrl=queue_url, ReceiptHandle=got[0]["ReceiptHandle"], VisibilityTimeout=0)
+            stack._handle(dict(got[0]), visible_for_s=360.0)
+            # its lease comes (the virtual part: the message is visible again; a replaced one is gone)
+            with contextlib.suppress(sqs.exceptions.ClientError):
+                sqs.change_message_visibility(
+                    QueueUrl=queue_url, ReceiptHandle=got[0]["ReceiptHandle"], VisibilityTimeout=0
+                )
     assert len(carriers) == 12 and len(set(carriers)) == 1, (
         f"the attempt's carrier came back {len(carriers)} times, then it was in the dead-letter queue"
     )
@@ -251,10 +265,8 @@ class Receipts:
         if done:
             self._delete(mid, handle)
         else:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._change(mid, handle, max(1.0, later))
-            except RuntimeError:
-                pass
         return True
 
     def settle_due(self) -> None:
@@ -262,6 +274,12 @@ class Receipts:
             pass
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limit (docs/deploy.md): a step that heartbeats while its dispatcher waits for it inline (a Lambda"
+    " endpoint) has its message come back to another dispatcher as its heartbeat watchdog; the first one's receipt"
+    " handle is then stale, so its deletion after deferring the answer may not take",
+)
 def test_a_heartbeating_step_whose_answer_is_deferred_is_not_unknown_after_a_short_outage() -> None:
     """Medium. A step that heartbeats has a lease of one interval and the grace (here 30 s + 60 s), and its
     dispatcher, waiting for the answer, does not extend its message's visibility as heartbeats come: the message
@@ -323,14 +341,15 @@ def test_each_engine_setting_keeps_its_own_docstring() -> None:
     ``lease_watch_grace_s`` (with its docstring) after ``stalled_task_s``'s docstring."""
     import ast
     import inspect
+    import itertools
 
     from ryusen_server.core import events
 
     tree = ast.parse(inspect.getsource(events.EngineSettings))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                docs[node.target.id] = str(after.value.value)
+    for node, after in itertools.pairwise(body):
+        named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = str(after.value.value)
     assert "queued this long past its due time" in docs.get("stalled_task_s", ""), docs.get("stalled_task_s")

@@ -64,6 +64,8 @@ MAX_VISIBILITY_S = 43_200
 MAX_MESSAGE_BYTES = 262_144
 """SQS's limit on a message's body (256 KiB)."""
 MAX_RECEIVE_COUNT = 10
+REFRESH_AFTER_RECEIVES = MAX_RECEIVE_COUNT - 3
+"""A message the engine keeps is replaced by a fresh copy at this many receives (the DLQ takes it at 10)."""
 CARRIER_ATTRIBUTE = "RyusenCarrier"
 """The message attribute of a kept message's fresh copy naming the message it replaces (its carrier identity)."""
 VISIBILITY_TIMEOUT_S = 360

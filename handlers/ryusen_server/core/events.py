@@ -45,6 +45,7 @@ class EngineSettings:
     probe_initial_s: float = 60.0
     probe_max_s: float = 3600.0
     stalled_task_s: float = 60.0
+    """A task still queued this long past its due time has probably lost its message (see reemit_stalled)."""
     lease_watch_grace_s: float = 900.0
     """How long past an attempt's lease a message that does not carry the attempt (a stale message, a duplicate
     of its task, the sweeper) waits before it takes the attempt's outcome as lost. The message that carries it
@@ -52,7 +53,6 @@ class EngineSettings:
     dispatcher that defers an answer while the store will not take it deletes its message: the deferred answer
     is then the attempt's only carrier, and this grace is how long a store outage may last before another
     message could take that attempt as Unknown while its answer waits on the queue."""
-    """A task still queued this long past its due time has probably lost its message (see reemit_stalled)."""
     redelivery_initial_s: float = 1.0
     redelivery_max_s: float = 60.0
     max_value_bytes: int = MAX_VALUE_BYTES

@@ -24,7 +24,7 @@ from aws_lambda_powertools.utilities.parser.models import SqsRecordModel
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import Json
 
-from ..aws.queue import CARRIER_ATTRIBUTE, MAX_RECEIVE_COUNT, MAX_VISIBILITY_S, SqsQueue
+from ..aws.queue import CARRIER_ATTRIBUTE, MAX_VISIBILITY_S, REFRESH_AFTER_RECEIVES, SqsQueue
 from ..core.events import WakeRequested
 from ..runtime import DispatchMessage, lease_keeper, process_message
 from ..wiring import AwsEngine, AwsResources, aws_engine
@@ -111,10 +111,6 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
             return
         change_visibility(redeliver_after_s)
         raise KeepMessageError(f"in flight; back in {redeliver_after_s:.0f}s")
-
-
-REFRESH_AFTER_RECEIVES = MAX_RECEIVE_COUNT - 3
-"""A message the engine keeps is replaced by a fresh copy at this many receives (the DLQ takes it at 10)."""
 
 
 def _carrier(record: DispatchRecord) -> str:

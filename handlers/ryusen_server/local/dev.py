@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.typing import LambdaContext
 from ryusen._internal.wire import TaskKind
 
-from ..aws.queue import create_queues
+from ..aws.queue import CARRIER_ATTRIBUTE, MAX_DELAY_S, REFRESH_AFTER_RECEIVES, create_queues
 from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
 from ..core.events import InvokeTask
@@ -497,7 +497,8 @@ class DevStack:
                         MaxNumberOfMessages=ask,
                         WaitTimeSeconds=1,
                         VisibilityTimeout=visibility,
-                        MessageSystemAttributeNames=["MessageGroupId"],
+                        MessageSystemAttributeNames=["MessageGroupId", "ApproximateReceiveCount"],
+                        MessageAttributeNames=[CARRIER_ATTRIBUTE],
                     ).get("Messages", [])
                 except Exception:
                     if self._stop.is_set():
@@ -524,15 +525,29 @@ class DevStack:
                 QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=_whole_s(seconds)
             )
 
+        kept_as = message.get("MessageAttributes", {}).get(CARRIER_ATTRIBUTE, {}).get("StringValue")
+        carrier = kept_as or message.get("MessageId")
         try:
             keep = lease_keeper(change_visibility, self._visibility_s if visible_for_s is None else visible_for_s)
-            done, later = process_body(
-                self.wired.engine, message["Body"], on_authorized=keep, carrier=message.get("MessageId")
-            )
+            done, later = process_body(self.wired.engine, message["Body"], on_authorized=keep, carrier=carrier)
         except Exception:
             log.exception("dispatch of a message failed; it will be redelivered")
             return
         if done:
+            self.counter.add("sqs.delete")
+            sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
+        elif int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1")) >= REFRESH_AFTER_RECEIVES:
+            # Kept on purpose, yet every receive counts towards the dead-letter queue (10): past a few, a fresh copy
+            # takes over, naming the message it replaces (the carrier of what it authorized), as on AWS.
+            group = message.get("Attributes", {}).get("MessageGroupId")
+            self.counter.add("sqs.send")
+            sqs.send_message(
+                QueueUrl=queue_url,
+                MessageBody=message["Body"],
+                DelaySeconds=max(0, min(MAX_DELAY_S, math.ceil(later))),
+                MessageAttributes={CARRIER_ATTRIBUTE: {"DataType": "String", "StringValue": carrier}},
+                **({"MessageGroupId": group} if group else {}),
+            )
             self.counter.add("sqs.delete")
             sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
         else:
