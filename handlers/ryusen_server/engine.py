@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -172,6 +172,16 @@ STORE_UNAVAILABLE_RETRY_S = 5.0
 """When a message whose work the store refused (nothing was sent) comes back."""
 _CARRIER: ContextVar[str | None] = ContextVar("ryusen_carrier", default=None)
 """The identity of the dispatch message the current thread is delivering (``Engine.deliver``'s ``carrier``)."""
+
+
+@contextlib.contextmanager
+def carried_by(carrier: str | None) -> Iterator[None]:
+    """Deliveries made within are carried by ``carrier`` (a message's identity): their ids carry its tag."""
+    token = _CARRIER.set(carrier)
+    try:
+        yield
+    finally:
+        _CARRIER.reset(token)
 
 
 def new_delivery_id() -> str:
@@ -754,11 +764,8 @@ class Engine:
         unavailable: the answer goes back on the queue, a little later each time (the message in hand is then
         done). A next task the deferring dispatcher authorized in a write whose answer was lost is invoked
         here, as that dispatcher would have. ``carrier``: the message's identity, as for :meth:`deliver`."""
-        token = _CARRIER.set(carrier)
-        try:
+        with carried_by(carrier):
             return self._apply_deferred(deferred, budget_s, on_authorized)
-        finally:
-            _CARRIER.reset(token)
 
     def _apply_deferred(
         self,
@@ -1053,11 +1060,8 @@ class Engine:
         this delivery's authorizations start with its tag, so that the message is known as the carrier of the
         attempts it authorized (``core.model.carrier_of``) when it comes back as their lease timer.
         """
-        token = _CARRIER.set(carrier)
-        try:
+        with carried_by(carrier):
             return self._deliver(task, budget_s, on_authorized)
-        finally:
-            _CARRIER.reset(token)
 
     def _deliver(
         self, task: TaskRef, budget_s: float | None, on_authorized: Callable[[float], None] | None
@@ -1522,11 +1526,8 @@ class Engine:
         # No message carries what this invocation authorizes: its own carrier, which no message is, makes every
         # message of the run, and the sweeper, wait lease_watch_grace_s past the lease of an attempt it authorized
         # (its answer may be deferred to the queue); an attempt left in flight gets a lease timer of its own below.
-        token = _CARRIER.set(f"result function {uuid.uuid4().hex}")
-        try:
+        with carried_by(f"result function {uuid.uuid4().hex}"):
             return self._submit_result(late, state, budget_s)
-        finally:
-            _CARRIER.reset(token)
 
     def _submit_result(self, late: LateResult, state: RunState | None, budget_s: float | None) -> Decision:
         deadline = time.monotonic() + budget_s if budget_s is not None else None

@@ -15,7 +15,7 @@ import pytest
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.model import AttemptStatus
-from tests.functional.test_store_outages import FlakyStore, pending_deferred
+from tests.functional.test_store_outages import FlakyStore, _flaky_env, pending_deferred
 
 
 def two_steps(
@@ -42,13 +42,9 @@ def two_steps(
     return app
 
 
-def flaky_env(app: Ryusen, *, chain_steps: bool = True) -> tuple[WorkflowEnvironment, FlakyStore]:
-    env = WorkflowEnvironment(app, chain_steps=chain_steps)
-    flaky = FlakyStore(env.store)
-    env.engine.store = flaky
-    env.engine.sleep = lambda _s: None
-    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
-    return env, flaky
+def flaky_env(app: Ryusen) -> tuple[WorkflowEnvironment, FlakyStore]:
+    """The store-outage environment of test_store_outages.py, chaining steps as a deployment does."""
+    return _flaky_env(app, chain_steps=True)
 
 
 def settle_due(env: WorkflowEnvironment) -> None:

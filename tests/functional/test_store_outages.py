@@ -78,8 +78,8 @@ def charge_app(calls: Counter[str], on_charge: Any = None) -> Ryusen:
     return app
 
 
-def _flaky_env(app: Ryusen) -> tuple[WorkflowEnvironment, FlakyStore]:
-    env = WorkflowEnvironment(app, chain_steps=False)
+def _flaky_env(app: Ryusen, *, chain_steps: bool = False) -> tuple[WorkflowEnvironment, FlakyStore]:
+    env = WorkflowEnvironment(app, chain_steps=chain_steps)
     flaky = FlakyStore(env.store)
     env.engine.store = flaky  # type: ignore[assignment]
     env.engine.sleep = lambda _s: None
