@@ -97,7 +97,7 @@ class RyusenSettings:
     throttled posts are retried). Raise it with the quota (docs/deploy.md, "Concurrency")."""
     dispatch_memory_mb: int = 512
     """The dispatch function's memory (128-10,240 MB), which sets its CPU share. ``bench/dispatcher_size.py`` measured
-    about 4.7 ms of CPU per step and a peak of 124 MB: 512 MB adds about 16 ms a step; 256 MB adds about 33 ms and
+    about 5 ms of CPU per step and a peak of 125 MB: 512 MB adds about 17 ms a step; 256 MB adds about 34 ms and
     halves what a second of waiting costs ($3.33 per million steps instead of $6.67), which is what a Lambda
     endpoint's long steps cost, since the dispatcher waits for them (docs/deploy.md, "What it costs")."""
     fair_queue: bool = True
