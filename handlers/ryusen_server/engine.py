@@ -332,10 +332,10 @@ RELEASE_RECHECK_S = 1.0
 ACKNOWLEDGE_AFTER_S = 0.1
 """The default of ``ServerSettings.acknowledge_after_s`` (``RYUSEN_ACKNOWLEDGE_AFTER_S``)."""
 RESULT_CARRY_ON_S = 10.0
-LEASE_TIMER_MAX_DELAY_S = 900.0
-"""SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
+LEASE_TIMER_MAX_DELAY_S = 900.0
+"""SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -785,28 +785,40 @@ class Engine:
             event = replace(event, delivery_id=new_delivery_id(), claims=(event.delivery_id, *event.claims))
             # deferred again, it names this receiver too: a claim of its that committed unseen is claimed next
             again = DeferredAnswer.of(deferred.run_id, event, seal_key).model_copy(update={"tries": deferred.tries})
+        before: RunState | None = None
         try:
             before = self.store.get(deferred.run_id)
             decision = self._apply_retrying(deferred.run_id, event, known=before, deadline=deadline)
         except NotFoundError:
             return Delivered(done=True)  # the run is gone (retention): nothing to record
         except StoreUnavailableError:
+            # deferred again, naming this receiver too: a claim of its that committed unseen is claimed next
             self.queue.defer(again.again(seal_key), min(MAX_DEFERRAL_DELAY_S, 2.0 ** min(deferred.tries + 1, 10)))
             return Delivered(done=True)
         if before is None:
             return Delivered(done=True)  # the run is gone (retention): nothing to record
         self._emit("answer_recorded", (deferred.run_id, event))
-        if not _awaits(before, event) and not any(isinstance(c, InvokeTask) for c in decision.commands):
-            # The answer was recorded before: this message came back as the lease timer of what its receiver
-            # carried on (a next task it authorized, tagged with this message), or it is a duplicate. It watches
-            # the run's leases as a stale task message does, as the carrier of what it authorized.
-            return self._watch(deferred.run_id, event, deadline)
         chain = getattr(event, "chain", None)
-        if chain is None or not any(isinstance(c, InvokeTask) for c in decision.commands):
-            return Delivered(done=True)
+        if not any(isinstance(c, InvokeTask) for c in decision.commands):
+            if _awaits(before, event):
+                return Delivered(done=True)  # news, recorded: its next task went to the queue
+            # Recorded before: this message is back as the lease timer of what its receiver carried on (a next
+            # task tagged with this message), or it is a duplicate. It watches the run's leases as a stale task
+            # message does, as the carrier of what it authorized.
+            return self._watch(deferred.run_id, event, deadline)
         release = self._read_release(decision.state.function_id)
-        if release is None or (release.release_id, release.build_id) != (chain.release_id, chain.build_id):
-            return Delivered(done=True)  # not the code it was authorized for: its lease decides
+        if (
+            chain is None
+            or release is None
+            or (release.release_id, release.build_id)
+            != (
+                chain.release_id,
+                chain.build_id,
+            )
+        ):
+            # Not the code it was authorized for: it is not invoked here, and this message, its carrier, comes back
+            # at its lease to take it as Unknown (it was never sent: a retry runs it once).
+            return self._watch(deferred.run_id, event, deadline)
         return self._carry_on(decision, release, deadline, on_authorized)
 
     def _watch(self, run_id: str, event: DeferredEvent, deadline: float | None) -> Delivered:
@@ -1548,7 +1560,15 @@ class Engine:
             chain=ref,
             delivery_id=new_delivery_id() if ref is not None else None,
         )
-        decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
+        try:
+            decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
+        except StoreUnavailableError as exc:
+            # The store will not take it: the outcome is kept on the queue (deferred.py), as a dispatcher keeps an
+            # answer it has, and the post is answered as taken, so the outcome no longer lives only in the SDK's
+            # process. Its receiver records it, and claims a next task this write may have authorized unseen.
+            if state is None or not self._defer(late.run_id, event, exc):
+                raise
+            return Decision(state=state)
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
         delivered = self._carry_on(decision, release, deadline, None, chain_until=carry_until)

@@ -411,8 +411,8 @@ class Simulation:
         """Deferred answers whose attempt was found Unknown (each looked at once)."""
         self.late_answers: set[tuple[Any, ...]] = set()
         """Answers a dispatcher came to hold for an attempt that was no longer in flight (already Unknown)."""
-        self.deferred_at: dict[tuple[Any, ...], datetime] = {}
-        """When each answer was first deferred to the queue."""
+        self.answered_at: dict[tuple[Any, ...], datetime] = {}
+        """When each answer first came into a dispatcher's hand."""
         for engine in self.engines:
             engine.sleep = lambda seconds: None  # a retry's backoff: the simulation's time is its own
             engine.run_locks = None  # the scheduler interleaves the activities itself (a lock would deadlock it)
@@ -476,14 +476,15 @@ class Simulation:
                 if attempt is not None and attempt.status is AttemptStatus.UNKNOWN:
                     self.unknown_deferred.add(waiting)
                     if waiting in self.late_answers:
-                        # it was Unknown before the answer reached a dispatcher: a late result, and it settles it
-                        self.cases["an answer deferred for an attempt already Unknown (a late result)"] += 1
+                        # it reached a dispatcher after the attempt's lease ended: a late result, and it settles it
+                        self.cases["an answer deferred that came after its attempt's lease (a late result)"] += 1
                         continue
-                    waited = (self.now - self.deferred_at[waiting]).total_seconds()
+                    waited = (self.now - self.answered_at[waiting]).total_seconds()
                     if waited > self.engines[0].settings.engine.lease_watch_grace_s:
-                        # the stated limit (docs/deploy.md): an answer that waits on the queue longer than the grace
-                        # (here the clock jumped: everything stalled) may find its attempt taken by another message
-                        self.cases["Unknown after its answer waited on the queue past lease_watch_grace_s"] += 1
+                        # the stated limit (docs/deploy.md): an answer held (by its dispatcher, or on the queue) for
+                        # longer than the grace (here the clock jumped: everything stalled) may find its attempt
+                        # taken by another message
+                        self.cases["Unknown after its answer was held past lease_watch_grace_s"] += 1
                         continue
                     # issue 24: no Unknown where the engine had the answer. Only the carrier of an attempt takes
                     # it as Unknown at its lease, and a dispatcher deferring the answer deletes its carrier; any
@@ -505,16 +506,21 @@ class Simulation:
             return
         if kind == "answer":
             self.answers.setdefault(holder, set()).add(key)
+            self.answered_at.setdefault(key, self.now)
             state = self.store.inner.peek(run_id)
             step = state.step(key[2]) if state is not None and key[1] == "attempt" else None
             attempt = step.attempt(Phase(key[3]), key[4]) if step is not None else None
-            if attempt is not None and attempt.status is not AttemptStatus.AUTHORIZED:
-                self.late_answers.add(key)  # the engine had no answer when the attempt was settled or went Unknown
+            lease = attempt.lease_expires_at if attempt is not None else None
+            if attempt is not None and (
+                attempt.status is not AttemptStatus.AUTHORIZED or (lease is not None and self.now >= lease)
+            ):
+                # the engine had no answer when its lease ended (the carrier may take the attempt as Unknown then,
+                # and the answer settles it as a late result): what is promised covers answers in hand before
+                self.late_answers.add(key)
             return
         self.answers.get(holder, set()).discard(key)
         if kind == "answer_deferred":
             self.deferred_answers.add(key)
-            self.deferred_at.setdefault(key, self.now)
             self.cases["answer deferred to the queue (store unavailable)"] += 1
         else:
             self.note(f"{holder}: an answer could be neither recorded nor deferred: {payload[2]}")

@@ -903,10 +903,25 @@ class _Transition:
         self.reemit_stalled()
         if event.messages_lost:
             self.reemit_queued()
+            self.resend_lease_timers()
             self.commands = _without_repeats(self.commands)
         # nothing carries a "redeliver later" here (there is no message): the sweeper comes back by the index
         self.commands = [c for c in self.commands if not isinstance(c, RedeliverLater)]
         return None
+
+    def resend_lease_timers(self) -> None:
+        """Every message of the run was lost (``ryusen dev`` restarted without its queue): each attempt still in flight
+        gets a lease timer of its own, which takes it as Unknown when its lease ends (later, if heartbeats extend it),
+        as its lost carrier would have; a later sweep would wait ``lease_watch_grace_s`` past the lease."""
+        for step in self.s.steps:
+            for phase, kind in ((Phase.FORWARD, TaskKind.FORWARD), (Phase.COMPENSATION, TaskKind.COMPENSATE)):
+                a = step.current(phase)
+                if a is None or a.status is not AttemptStatus.AUTHORIZED or a.lease_expires_at is None:
+                    continue
+                if a.lease_expires_at <= self.now:
+                    continue  # judged by this sweep already (reemit_stalled, exact)
+                timer = TaskRef(run_id=self.s.id, kind=kind, step_id=step.id, generation=a.generation, lease_timer=True)
+                self.commands.append(EnqueueTask(task=timer, delay_s=(a.lease_expires_at - self.now).total_seconds()))
 
     def reemit_queued(self) -> None:
         """Send every queued task of the run again (an API request retried after its first try's sends
