@@ -15,7 +15,7 @@ import pytest
 from ryusen import RetryPolicy, Ryusen, Step
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.model import AttemptStatus
-from tests.functional.test_store_outages import FlakyStore, _flaky_env, pending_deferred
+from tests.functional.test_store_outages import FlakyStore, _flaky_env, pending_deferred, until_deferred
 
 
 def two_steps(
@@ -85,11 +85,7 @@ def test_the_deferred_answer_that_carries_a_chained_attempt_takes_it_as_unknown_
     env, flaky = flaky_env(app)
     holder["store"] = flaky
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if pending_deferred(env):
-            break
-    assert pending_deferred(env)
+    until_deferred(env)
     flaky.down = False
     env.faults.crash_before_invoke("ship")  # the receiver of the deferred answer dies invoking ship
     env.clock.advance(timedelta(seconds=1))

@@ -23,18 +23,13 @@ from tests.conformance.test_review_carriers import (
     post_result,
     two_steps,
 )
-from tests.functional.test_store_outages import FlakyStore, pending_deferred
+from tests.functional.test_store_outages import FlakyStore, _flaky_env, until_deferred
 
 
 def kept_flaky_env(app: Ryusen) -> tuple[WorkflowEnvironment, FlakyStore]:
     """``flaky_env`` served as a warm endpoint process is (kept passes): a callback's answer carries the next step
     (``next``), so the write that records it authorizes that step itself, as on a deployment."""
-    env = WorkflowEnvironment(app, chain_steps=True, kept_passes=True)
-    flaky = FlakyStore(env.store)
-    env.engine.store = flaky  # type: ignore[assignment]
-    env.engine.sleep = lambda _s: None
-    env.engine.settings = replace(env.engine.settings, store_retry_s=0.5)
-    return env, flaky
+    return _flaky_env(app, chain_steps=True, kept_passes=True)
 
 
 def _sweep_every_minute(env: WorkflowEnvironment, until: Any) -> None:
@@ -65,11 +60,7 @@ def _charge_deferred(
     env, flaky = kept_flaky_env(app)
     holder["store"] = flaky
     run_id = env.start("order")
-    for _ in range(20):
-        env.step_once()
-        if pending_deferred(env):
-            break
-    assert pending_deferred(env)
+    until_deferred(env)
     return env, flaky, run_id, app
 
 

@@ -67,6 +67,29 @@ def test_the_dispatcher_that_defers_an_answer_deletes_its_message() -> None:
     assert _charge(env, run_id).status is AttemptStatus.AUTHORIZED
 
 
+def test_a_message_whose_deletion_fails_after_a_deferral_stays_away_for_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deletion of the deferring dispatcher's message fails too (the queue failing as well): the message was
+    already kept away for ``lease_watch_grace_s``, so it cannot come back as the carrier before the deferred answer
+    has had that long."""
+    calls: Counter[str] = Counter()
+    holder: dict[str, FlakyStore] = {}
+
+    def throttle_from_now() -> None:
+        holder["store"].down = True
+
+    env, flaky = _flaky_env(charge_app(calls, throttle_from_now))
+    holder["store"] = flaky
+    monkeypatch.setattr(env.queue, "delete", lambda _message_id: None)  # every deletion is lost
+    run_id = env.start("order")
+    until_deferred(env)
+    [kept] = [m for m in env.queue.pending() if isinstance(m.task, TaskRef) and m.task.step_id == "charge"]
+    grace = timedelta(seconds=env.engine.settings.engine.lease_watch_grace_s)
+    assert kept.visible_at >= env.clock.now + grace
+    assert _charge(env, run_id).status is AttemptStatus.AUTHORIZED
+
+
 def test_a_duplicate_of_the_task_received_after_the_lease_leaves_a_deferred_success_alone() -> None:
     """SQS delivers at least once, and the sweeper re-sends a task it thinks lost: a second copy of the charge's
     task is received after the attempt's lease, once the store is back, before the deferred answer (which a

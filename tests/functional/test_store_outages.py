@@ -78,8 +78,10 @@ def charge_app(calls: Counter[str], on_charge: Any = None) -> Ryusen:
     return app
 
 
-def _flaky_env(app: Ryusen, *, chain_steps: bool = False) -> tuple[WorkflowEnvironment, FlakyStore]:
-    env = WorkflowEnvironment(app, chain_steps=chain_steps)
+def _flaky_env(
+    app: Ryusen, *, chain_steps: bool = False, kept_passes: bool = False
+) -> tuple[WorkflowEnvironment, FlakyStore]:
+    env = WorkflowEnvironment(app, chain_steps=chain_steps, kept_passes=kept_passes)
     flaky = FlakyStore(env.store)
     env.engine.store = flaky  # type: ignore[assignment]
     env.engine.sleep = lambda _s: None
