@@ -1,6 +1,6 @@
 """What Ryusen bills on AWS per million steps, by step duration, counted from outside the stack in a box.
 
-    PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py            # 20-step runs, both endpoint kinds
+    PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py            # 20-step runs, every endpoint kind
     PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py --quick    # 6-step runs
     PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py --kinds http --durations 1,600
 
@@ -13,9 +13,14 @@ takes a duration D, for D = 0.1 s, 1 s, 10 s and 10 minutes. Two kinds of user e
 * ``http``: the app served over WSGI on loopback, as ``ryusen dev`` or any long-lived server does. Its SDK
   acknowledges an attempt that runs past ``acknowledge_after_s``: it answers ``accepted`` and posts the
   outcome to the result URL later.
-* ``lambda``: the app's ``lambda_handler`` behind a loopback Function URL, as examples/shop.py is deployed.
-  On Lambda the SDK answers inline (Lambda freezes the process once it answers), so the dispatcher waits
-  for the whole callback.
+* ``lambda``: the app's ``lambda_handler`` behind a loopback Function URL, with a replay memory of its own
+  container's. On Lambda the SDK answers inline (Lambda freezes the process once it answers), so the
+  dispatcher waits for the whole callback.
+* ``event``: the same Lambda app, whose containers share a replay table (as examples/shop.py's do), so it
+  announces ``lambda_event``: each attempt is sent to the function as an asynchronous event (``Invoke`` with
+  ``InvocationType=Event``, which the box answers 202 and runs on a thread of its own: moto needs Docker to run a
+  function), and the handler posts the outcome to the result function before it returns. The ``Invoke`` request
+  bills the user's function, not Ryusen; the replay table's writes are the user's too.
 
 **Simulated time.** A step's cost to Ryusen depends on D in only two ways. The first is which path the
 attempt takes. If the callback ends within ``acknowledge_after_s`` (0.1 s), it is answered inline and the
@@ -98,11 +103,16 @@ def work(index: int, sleep_s: float, simulated_s: float) -> dict[str, Any]:
     return {"i": index}
 
 
-def make_app(app_id: str, function_id: str, key: str) -> Any:
+def make_app(app_id: str, function_id: str, key: str, *, shared_replay: bool = False) -> Any:
+    """The bench's app. ``shared_replay``: its replay memory stands for a table every container shares (the
+    replay table's writes are the user's, not counted), which lets it announce ``lambda_event`` on Lambda."""
     from ryusen import Ryusen, Step
     from ryusen._internal.signing import SeenRequests
 
-    app = Ryusen(app_id, signing_key=key, seen_requests=SeenRequests())
+    class SharedSeenRequests(SeenRequests):
+        shared = True
+
+    app = Ryusen(app_id, signing_key=key, seen_requests=SharedSeenRequests() if shared_replay else SeenRequests())
 
     @app.function(function_id)
     def steps(data: dict[str, Any], step: Step) -> dict[str, Any]:
@@ -422,7 +432,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="6-step runs")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 20)")
     parser.add_argument("--durations", default=None, help="step durations in seconds (default 0.1,1,10,600)")
-    parser.add_argument("--kinds", default="http,lambda", help="endpoint kinds: http, lambda")
+    parser.add_argument("--kinds", default="http,lambda,event", help="endpoint kinds: http, lambda, event")
     parser.add_argument("--real-up-to", type=float, default=1.0, help="longer steps run on a compressed clock")
     args = parser.parse_args()
     steps = args.steps or (6 if args.quick else 20)
@@ -476,10 +486,16 @@ def measure(
     for kind in kinds:
         app_id = f"bench-{kind}"
         endpoint = Endpoint(kind, f"steps-{kind}")
-        app = make_app(app_id, endpoint.function_id, app_key(master.strip(), app_id))
+        app = make_app(app_id, endpoint.function_id, app_key(master.strip(), app_id), shared_replay=kind == "event")
         if kind == "http":
             url, server = serve_http(app, endpoint)
             deployed.box.servers.append(server)
+        elif kind == "event":
+            # a Lambda whose containers share a replay table: attempts are sent to it as asynchronous events
+            arn = f"arn:aws:lambda:{REGION}:123456789012:function:{app_id}"
+            handler = lambda_endpoint(app, endpoint)
+            url = deployed.box.function_url(handler, arn=arn)
+            deployed.box.event_handlers[arn] = (handler, "shop")
         else:
             url = deployed.box.function_url(lambda_endpoint(app, endpoint))
         response = deployed.api("PUT", f"/v1/apps/{app_id}", {"url": url})
@@ -490,7 +506,7 @@ def measure(
     for endpoint in endpoints:
         for duration in durations:
             scenario = bench.run(endpoint, duration)
-            if endpoint.kind == "http" and duration > real_up_to_s:
+            if endpoint.kind in ("http", "event") and duration > real_up_to_s:
                 # the compressed clock is honest only if no dispatcher waited for a compressed callback
                 assert scenario.settled == 0, f"a dispatcher waited for a callback of {duration} s"
                 assert scenario.answers.get(202, 0) >= steps, f"attempts of {duration} s were not acknowledged"
@@ -521,6 +537,8 @@ def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str
     notes = {
         "http": "the app served over HTTP (WSGI, threaded): it acknowledges attempts past 0.1 s",
         "lambda": "the app as a Lambda behind a Function URL: it answers inline, the dispatcher waits",
+        "event": "the app as a Lambda whose containers share a replay table: attempts are sent as asynchronous"
+        " events, and its outcomes posted to the result function",
     }
     print(f"Ryusen cost per million steps: {steps}-step runs, us-east-1 prices, {datetime.now(UTC):%Y-%m-%d}")
     for kind, scenarios in results.items():

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import random
+import re
 import secrets
 import threading
 import time
@@ -45,6 +46,9 @@ from ryusen._internal.signing import (
 )
 from ryusen._internal.wire import (
     COMPLETION_TOKEN_PREFIX,
+    LAMBDA_EVENT,
+    LAMBDA_EVENT_MARKER,
+    LAMBDA_FUNCTION_ARN,
     MAX_HEARTBEAT_DETAILS_BYTES,
     MAX_ID_LENGTH,
     NESTED_STEP_ERROR,
@@ -112,6 +116,7 @@ from .deferred import DeferredAnswer, DeferredEvent, WakeOrder
 from .ports import (
     CHECK_HORIZON_S,
     ConflictError,
+    EventInvoker,
     InvalidRequestError,
     Invoker,
     InvokeResult,
@@ -572,6 +577,48 @@ def _check_same_input(existing: RunState, input: Any) -> None:
         )
 
 
+MAX_EVENT_BYTES = 256 * 1024
+"""The largest asynchronous Lambda event a task is sent as (Lambda's limit for ``InvocationType=Event``); a larger
+request goes to the release's URL and is waited for."""
+_LAMBDA_FUNCTION_ARN = re.compile(LAMBDA_FUNCTION_ARN)
+
+
+def _lambda_event(features: frozenset[str]) -> tuple[frozenset[str], str | None]:
+    """The features an SDK announced, with ``lambda_event=<ARN>`` (its Lambda function takes attempts as events)
+    taken apart: the features with ``lambda_event`` alone, and the ARN. A malformed ARN is refused, and nothing
+    is recorded."""
+    kept, arn = set(), None
+    for feature in features:
+        name, _, value = feature.partition("=")
+        if name != LAMBDA_EVENT:
+            kept.add(feature)
+            continue
+        if not _LAMBDA_FUNCTION_ARN.fullmatch(value):
+            raise InvalidRequestError(
+                "the endpoint announced lambda_event with something that is not a Lambda function's ARN"
+                f" ({value[:200]!r})",
+                code="invalid_lambda_function_arn",
+            )
+        kept.add(LAMBDA_EVENT)
+        arn = value
+    return frozenset(kept), arn
+
+
+def _task_event(path: str, headers: dict[str, str], body: bytes) -> bytes:
+    """A task request as the asynchronous event a Lambda endpoint's ``lambda_handler`` takes: the Function URL
+    event it would have been sent (payload 2.0), marked as an event nobody waits on."""
+    event = {
+        LAMBDA_EVENT_MARKER: 1,
+        "version": "2.0",
+        "rawPath": path,
+        "headers": {k.lower(): v for k, v in headers.items()},
+        "requestContext": {"http": {"method": "POST", "path": path}},
+        "body": body.decode(),
+        "isBase64Encoded": False,
+    }
+    return json.dumps(event, separators=(",", ":")).encode()
+
+
 class Engine:
     def __init__(
         self,
@@ -583,11 +630,15 @@ class Engine:
         settings: ServerSettings | None = None,
         clock: Callable[[], datetime] | None = None,
         new_id: Callable[[], str] | None = None,
+        event_invoker: EventInvoker | None = None,
     ) -> None:
         self.store = store
         self.queue = queue
         self.timers = timers
         self.invoker = invoker
+        self.event_invoker = event_invoker
+        """Sends attempts to a Lambda endpoint that announced ``lambda_event`` as asynchronous events (way C of
+        docs/design/dispatch.md); None: every attempt goes to the release's URL."""
         self.settings = settings or ServerSettings()
         self.clock = clock or (lambda: datetime.now(UTC))
         self.new_id = new_id or (lambda: "run_" + uuid.uuid4().hex)
@@ -983,6 +1034,7 @@ class Engine:
         functions, ``MAX_MANIFEST_BYTES`` in all, and every id (app, release, build, function) 1 to
         ``MAX_ID_LENGTH`` printable characters: a release is stored, and served to every client."""
         _check_manifest_bounds(manifest)
+        features, lambda_function_arn = _lambda_event(features)
         if manifest.app_id != app_id:
             raise InvalidRequestError(
                 f"the endpoint serves app {manifest.app_id!r}, not {app_id!r}", code="app_id_mismatch"
@@ -1011,6 +1063,7 @@ class Engine:
             synced_at=self.clock(),
             signed=manifest.signed,
             features=features,
+            lambda_function_arn=lambda_function_arn,
         )
         self.store.put_release(release)
         for fn in manifest.functions:
@@ -1177,7 +1230,8 @@ class Engine:
             if latest < respond_by:
                 listen_until, cut = latest, True
         whole = memo(state)
-        cached = "memo_cache" in release.features
+        by_event = self._by_event(release, task)
+        cached = "memo_cache" in release.features and not by_event  # an event cannot be answered "memo_miss"
         token, base, changed = self.sent_memos.prepare(state.id, whole) if cached else (None, None, whole)
         request = self._task_request(
             state, task, changed, respond_by=listen_until, features=release.features, token=token, base=base
@@ -1192,7 +1246,7 @@ class Engine:
             result: Any = InvokeResult(kind="unreachable", detail=detail)
             sent = None
         else:
-            result, sent = self._post(release, request, keys, listen_until, window.grace_s)
+            result, sent = self._post(release, request, keys, listen_until, window.grace_s, by_event=by_event)
         if base is not None and sent is not None and self._memo_missed(result, request, sent):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
@@ -1278,8 +1332,23 @@ class Engine:
             and "acknowledge" in release.features
         )
 
+    def _by_event(self, release: Release, task: TaskRef) -> bool:
+        """Whether this task goes to the release's Lambda function as an asynchronous event: an attempt (a
+        discovery pass is quick and answered inline), of a release that announced ``lambda_event``, from an engine
+        that can send events and has a result URL for the outcome."""
+        return (
+            self.event_invoker is not None
+            and release.lambda_function_arn is not None
+            and LAMBDA_EVENT in release.features
+            and self.settings.result_url is not None
+            and task.kind is not TaskKind.DISCOVER
+        )
+
     def _accepted(self, task: TaskRef, result: Any, sent: Sent | None) -> bool:
-        """The endpoint answered ``accepted`` for this attempt, signed as the answer to the request ``sent``."""
+        """The endpoint answered ``accepted`` for this attempt, signed as the answer to the request ``sent``; or
+        Lambda queued the attempt's event (its own answer, over the AWS API: nothing the app could forge)."""
+        if result.kind == "queued":
+            return task.kind is not TaskKind.DISCOVER
         if task.kind is TaskKind.DISCOVER or result.kind != "response" or result.status != 202:
             return False
         if self._signature_problem(result, sent) is not None:
@@ -1291,10 +1360,21 @@ class Engine:
         return response.accepted and response.run_id == task.run_id and response.kind is task.kind
 
     def _post(
-        self, release: Release, request: TaskRequest, keys: list[str], listen_until: datetime, grace_s: float
+        self,
+        release: Release,
+        request: TaskRequest,
+        keys: list[str],
+        listen_until: datetime,
+        grace_s: float,
+        *,
+        by_event: bool = False,
     ) -> tuple[Any, Sent | None]:
         """POST one request, signed with the app's key for its scope, and listen until ``listen_until`` and
-        ``grace_s`` more for the answer: it, and what the answer must be signed for (None: nothing is signed)."""
+        ``grace_s`` more for the answer: it, and what the answer must be signed for (None: nothing is signed).
+
+        ``by_event``: the same signed request goes to the release's Lambda function as an asynchronous event
+        instead, unless it is too large for one or Lambda refuses it as configured (no permission, no such
+        function): then it goes to the URL, as before, and is waited for."""
         body = encode_request(request)  # a field the release's SDK did not announce is left out
         headers = {"content-type": "application/json"}
         sent: Sent | None = None
@@ -1303,6 +1383,18 @@ class Engine:
             header = sign(keys[0], scope, body, now=time.time(), nonce=secrets.token_hex(16))
             headers[SIGNATURE_HEADER] = header
             sent = Sent(scope=scope, header=header, signature=parse(header), body=body, keys=tuple(keys))
+        if by_event and self.event_invoker is not None and release.lambda_function_arn is not None:
+            payload = _task_event(url_path(release.url), headers, body)
+            if len(payload) <= MAX_EVENT_BYTES:
+                result = self.event_invoker.invoke_event(release.lambda_function_arn, payload)
+                if result.kind != "refused":
+                    return result, sent
+                log.warning(
+                    "run %s: Lambda refused the task event for %s (%s); sending it to the URL and waiting for it",
+                    request.run_id,
+                    release.lambda_function_arn,
+                    result.detail,
+                )
         timeout_s = max(0.0, (listen_until - self.clock()).total_seconds()) + grace_s
         result = self.invoker.invoke(release.url, body, headers, timeout_s=timeout_s)
         return result, sent

@@ -91,6 +91,9 @@ class Release:
     features: frozenset[str] = frozenset()
     """What the release's SDK announced it understands (``X-Ryusen-Features``); a request field it did not
     announce is never sent to it."""
+    lambda_function_arn: str | None = None
+    """The Lambda function that serves the release, when its SDK announced ``lambda_event=<ARN>``: attempts may be
+    sent to it as asynchronous events (:class:`EventInvoker`) rather than waited on at ``url``."""
 
     def function(self, function_id: str) -> FunctionManifest | None:
         for f in self.functions:
@@ -240,7 +243,7 @@ class InvokeResult:
 
     kind: str
     """``response``; ``unreachable`` (nothing was sent); ``timed_out`` (sent, no answer in time); ``lost``
-    (sent, then the connection dropped)."""
+    (sent, then the connection dropped); from an :class:`EventInvoker`, also ``queued`` and ``refused``."""
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
@@ -249,3 +252,12 @@ class InvokeResult:
 
 class Invoker(Protocol):
     def invoke(self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float) -> InvokeResult: ...
+
+
+class EventInvoker(Protocol):
+    """Sends a task to a Lambda endpoint as an asynchronous event (``InvocationType=Event``): Lambda queues it and
+    answers at once. Its result's ``kind`` is ``queued`` (Lambda took the event), ``unreachable`` (it provably did
+    not: a throttle, a refusal), ``lost`` (sent, and whether it was queued is not known) or ``refused`` (it never
+    will be as configured: no permission, no such function, too large; the engine then uses the URL)."""
+
+    def invoke_event(self, function_arn: str, payload: bytes) -> InvokeResult: ...

@@ -36,6 +36,7 @@ from ryusen._internal.signing import (
 )
 from ryusen._internal.wire import FEATURES_HEADER, Manifest
 
+from .aws.lambda_events import LambdaEventInvoker
 from .aws.queue import DelayHold, SqsQueue
 from .aws.store import DynamoStore
 from .aws.timers import SchedulerTimers
@@ -65,6 +66,9 @@ class AwsResources:
     fair_queue: bool = True
     """Send each task with its app's message group, making the dispatch queue an SQS fair queue
     (``RYUSEN_FAIR_QUEUE``, ``aws/queue.py``)."""
+    lambda_events: bool = True
+    """Send attempts to a Lambda endpoint that announces ``lambda_event`` as asynchronous events, waiting for none
+    of them (``RYUSEN_LAMBDA_EVENTS``; ``aws/lambda_events.py``). False: every attempt goes to the app's URL."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AwsResources:
@@ -81,6 +85,7 @@ class AwsResources:
             endpoint_url=env.get("RYUSEN_AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
             fair_queue=flag_setting(env, "RYUSEN_FAIR_QUEUE", True),
+            lambda_events=flag_setting(env, "RYUSEN_LAMBDA_EVENTS", True),
         )
 
 
@@ -91,6 +96,19 @@ def client(service: str, resources: AwsResources) -> Any:
         endpoint_url=resources.endpoint_url,
         config=Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=32),
     )
+
+
+def event_invoker(resources: AwsResources, counter: RequestCounter) -> LambdaEventInvoker:
+    """What sends attempts to Lambda endpoints as events: Lambda's API, with a short read timeout (``Invoke`` with
+    ``InvocationType=Event`` answers once the event is queued) and botocore's standard retries (a copy queued
+    twice is refused by the endpoint's shared replay memory)."""
+    lambda_client = boto3.client(
+        "lambda",
+        region_name=resources.region,
+        endpoint_url=resources.endpoint_url,
+        config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=3, read_timeout=10),
+    )
+    return LambdaEventInvoker(lambda_client, counter)
 
 
 @dataclass(slots=True)
@@ -170,6 +188,7 @@ def aws_engine(
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),
         settings=settings,
+        event_invoker=event_invoker(resources, counter) if signs and resources.lambda_events else None,
     )
     return AwsEngine(engine=engine, sqs=sqs, counter=counter, policy=policy)
 

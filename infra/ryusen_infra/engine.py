@@ -430,6 +430,22 @@ class RyusenEngine(Construct):
 
     # ---- pieces -------------------------------------------------------------------------------
 
+    def allow_lambda_endpoint(self, function: aws_lambda.IFunction) -> None:
+        """Let the engine send ``function``'s attempts as asynchronous events (way C of docs/design/dispatch.md):
+        the dispatch and result functions may invoke it, and nothing else. Without this grant, Lambda refuses the
+        event and the engine sends each attempt to the app's URL and waits for it.
+
+        The app must also refuse a copy of an event Lambda delivers twice: its SDK announces ``lambda_event`` only
+        with a replay table its containers share (``RYUSEN_REPLAY_TABLE``). Set the function's
+        ``retry_attempts`` to 0 as well: a retry is refused there anyway, but need not be sent. The grant is for the
+        unqualified function, which its Function URL invokes; an app served from an alias announces the alias's
+        ARN, which needs a grant of its own."""
+        for engine_function in (self.dispatch_function, self.result_function):
+            # the function as its Function URL invokes it (unqualified): no version or alias wildcard
+            engine_function.add_to_role_policy(
+                iam.PolicyStatement(actions=["lambda:InvokeFunction"], resources=[function.function_arn])
+            )
+
     def _access_logs(self, settings: RyusenSettings) -> dict[str, Any]:
         """The stage's access-log options: none unless asked (they need the account's API Gateway logs role)."""
         if not settings.api_access_logs:

@@ -64,6 +64,7 @@ class ShopExample(Construct):
             code=code,
             timeout=cdk.Duration.minutes(15),
             memory_size=256,
+            retry_attempts=0,  # an attempt sent as an event is never run again by Lambda (its replay table refuses)
             environment={
                 "RYUSEN_SIGNING_KEY_SECRET_ARN": self.app_key.secret_arn,
                 "RYUSEN_REPLAY_TABLE": self.replay_table.table_name,
@@ -78,6 +79,7 @@ class ShopExample(Construct):
             iam.PolicyStatement(actions=["dynamodb:PutItem"], resources=[self.replay_table.table_arn])
         )
         self.url = self.function.add_function_url(auth_type=aws_lambda.FunctionUrlAuthType.NONE)
+        engine.allow_lambda_endpoint(self.function)  # attempts as asynchronous events: no dispatcher waits on them
         period = cdk.Duration.minutes(5)
         self.throttles_alarm = cloudwatch.Alarm(
             self,

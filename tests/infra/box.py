@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -64,6 +65,10 @@ class Box:
     urls: dict[str, str] = field(default_factory=dict)
     """A Lambda Function URL resource's logical id -> the loopback URL serving its function."""
     servers: list[Any] = field(default_factory=list)
+    event_handlers: dict[str, tuple[Callable[[dict[str, Any], Any], dict[str, Any]], str]] = field(default_factory=dict)
+    """A Lambda function's ARN -> (its handler, the caller it runs as): what an asynchronous ``Invoke`` runs."""
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """Every asynchronous event the box's Lambda queued: (the function's ARN, the event)."""
 
     # ---- resources -------------------------------------------------------------------------
 
@@ -279,8 +284,55 @@ class Box:
         self.urls[url_id] = self.function_url(handler, who=who)
         return self.urls[url_id]
 
-    def function_url(self, handler: Callable[[dict[str, Any], Any], dict[str, Any]], *, who: str = "shop") -> str:
-        """A loopback Lambda Function URL (payload 2.0 events) for ``handler``, called as ``who``."""
+    def function_arn(self, handler_name: str) -> str:
+        """The ARN of the template's function whose handler is ``handler_name``."""
+        [name] = [
+            n for n, f in self.resources("AWS::Lambda::Function").items() if f["Properties"]["Handler"] == handler_name
+        ]
+        return self.arns[name]
+
+    def invoke_event(self, params: dict[str, Any], **_: Any) -> tuple[Any, dict[str, Any]] | None:
+        """Lambda's ``Invoke`` with ``InvocationType=Event`` (a ``before-call`` hook: moto would need Docker to run
+        a function): the event is queued, which here means its handler starts on a thread of its own, as the
+        caller it was registered with, and 202 is answered at once. A function the box serves no events for is
+        Lambda's ResourceNotFoundException. A synchronous ``Invoke`` is not something the engine makes."""
+        from urllib.parse import unquote
+
+        headers = params.get("headers") or {}
+        assert headers.get("X-Amz-Invocation-Type") == "Event", "the box's Lambda runs asynchronous events only"
+        arn = unquote(params["url_path"].split("/functions/", 1)[1].split("/invocations", 1)[0])
+        served = self.event_handlers.get(arn)
+        if served is None:
+            body = {"Type": "User", "message": f"Function not found: {arn}"}
+            http = SimpleNamespace(status_code=404, headers={}, content=b"")
+            error = {"Error": {"Code": "ResourceNotFoundException", "Message": body["message"]}}
+            return http, {**error, "ResponseMetadata": {"HTTPStatusCode": 404}}
+        handler, who = served
+        event = json.loads(params["body"])
+        self.events.append((arn, event))
+
+        def run() -> None:
+            token = caller.set(who)
+            try:
+                context = LambdaContext()
+                context.invoked_function_arn = arn
+                handler(event, context)
+            finally:
+                caller.reset(token)
+
+        threading.Thread(target=run, daemon=True).start()
+        http = SimpleNamespace(status_code=202, headers={}, content=b"")
+        return http, {"StatusCode": 202, "ResponseMetadata": {"HTTPStatusCode": 202}}
+
+    def function_url(
+        self,
+        handler: Callable[[dict[str, Any], Any], dict[str, Any]],
+        *,
+        who: str = "shop",
+        arn: str | None = None,
+    ) -> str:
+        """A loopback Lambda Function URL (payload 2.0 events) for ``handler``, called as ``who`` (as the function
+        ``arn``, when given: what its context names)."""
 
         def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
             request = Request(environ)
@@ -298,8 +350,11 @@ class Box:
                 "isBase64Encoded": True,
             }
             token = caller.set(who)
+            context = LambdaContext()
+            if arn is not None:
+                context.invoked_function_arn = arn
             try:
-                result = handler(event, LambdaContext())
+                result = handler(event, context)
             finally:
                 caller.reset(token)
             return Response(result["body"], status=result["statusCode"], headers=result.get("headers"))(

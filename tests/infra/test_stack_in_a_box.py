@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -156,6 +157,9 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         session.get_component("event_emitter").register(
             "before-parameter-build", lambda **kw: box.record(caller.get())(**kw)
         )
+        session.get_component("event_emitter").register(
+            "before-call.lambda.Invoke", lambda **kw: box.invoke_event(**kw)
+        )
         box.run_custom_resources()  # the example app's key, derived at deploy
 
         from ryusen_server.lambdas import api as api_lambda
@@ -221,7 +225,9 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         os.environ.update(saved_env)
         shop = load_example()
         front_end = FrontEnd(shop.lambda_handler)
-        shop_url = box.function_url(front_end)
+        shop_arn = box.function_arn("shop.lambda_handler")
+        shop_url = box.function_url(front_end, arn=shop_arn)
+        box.event_handlers[shop_arn] = (shop.lambda_handler, "shop")  # attempts sent as events (way C)
         deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env, front_end=front_end)
         source = EventSource(deployed, dispatch_lambda.handler)
         source.start()
@@ -404,6 +410,7 @@ KEPT = {
     "api": ENGINE_RUNTIME,
     "dispatch": ENGINE_RUNTIME
     | {
+        "lambda:InvokeFunction",  # the example app's attempts, sent as events (way C): that function only
         "sqs:ChangeMessageVisibility",
         # what the SQS event source does on the function's behalf
         "sqs:ReceiveMessage",
@@ -411,7 +418,8 @@ KEPT = {
         "sqs:GetQueueAttributes",
         "sqs:GetQueueUrl",
     },
-    "results": ENGINE_RUNTIME,  # records outcomes and carries runs on as a dispatcher does, without a message
+    # records outcomes and carries runs on as a dispatcher does, without a message (the next attempt as an event)
+    "results": ENGINE_RUNTIME | {"lambda:InvokeFunction"},
     "shop": {"secretsmanager:GetSecretValue", "dynamodb:PutItem", "logs:CreateLogStream", "logs:PutLogEvents"},
     "sweep": ENGINE_RUNTIME - {"secretsmanager:GetSecretValue"},  # it signs and verifies nothing: no key
     # the custom resource that derives the example app's key at deploy: reads the master, writes the app's secret
@@ -483,6 +491,8 @@ def needed(box: Box, call: Call) -> list[tuple[str, str]]:
         return pairs
     if call.service == "secretsmanager":
         return [(f"secretsmanager:{call.operation}", params["SecretId"])]
+    if call.service == "lambda" and call.operation == "Invoke":
+        return [("lambda:InvokeFunction", params["FunctionName"])]
     raise AssertionError(f"an AWS call the IAM check does not know: {call.service}.{call.operation}")
 
 
@@ -507,9 +517,10 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
     for expected in [
         ("api", "TransactWriteItems"),
         ("api", "CreateSchedule"),
-        ("dispatch", "DeleteSchedule"),
+        ("results", "DeleteSchedule"),  # the run's deadline, by the write that finished it (an event's outcome)
         ("dispatch", "ChangeMessageVisibility"),
         ("dispatch", "PutItem"),
+        ("dispatch", "Invoke"),  # an attempt of the example app, sent as an event
         ("results", "PutItem"),  # the late result it accepted
         ("api", "GetSecretValue"),
         ("dispatch", "GetSecretValue"),
@@ -535,19 +546,21 @@ def test_every_aws_call_each_function_made_is_allowed_by_its_role_and_nothing_mo
 
 
 def test_a_checkout_completes_through_throttled_writes_and_a_throttled_function_url(deployed: Deployed) -> None:
-    """Issue 24 in the stack as deployed: the dispatcher's DynamoDB writes are throttled past botocore's
-    retries (and a transaction is cancelled for throttling), and the shop's Function URL answers 429 twice
+    """Issue 24 in the stack as deployed: the DynamoDB writes of the dispatcher and of the result function (which
+    records the outcomes of attempts sent as events, and authorizes the next) are throttled past botocore's
+    retries (and transactions are cancelled for throttling), and the shop's Function URL answers 429 twice
     before running anything. Every step still runs once, and no attempt is ever Unknown."""
     assert deployed.front_end is not None
     faults = AwsFaults(caller=caller)
     with faults.installed():
-        faults.add("dynamodb", "PutItem", kind="throttled", times=3, caller="dispatch")
-        faults.add("dynamodb", "TransactWriteItems", kind="transaction_throttled", times=2, caller="dispatch")
+        for who in ("dispatch", "results"):
+            faults.add("dynamodb", "PutItem", kind="throttled", times=3, caller=who)
+            faults.add("dynamodb", "TransactWriteItems", kind="transaction_throttled", times=2, caller=who)
         deployed.front_end.throttle(2)
         run = deployed.finished(deployed.start({"sku": "lamp", "qty": 1, "card": "4242", "amount": 30}), timeout=90)
     assert run["outcome"] == "completed", run["summary"]
     assert deployed.front_end.throttled == 2
-    assert faults.count("throttled") == 3 and faults.count("transaction_throttled") == 2
+    assert faults.count("throttled") == 6 and faults.count("transaction_throttled") >= 2
     attempts = [a for step in run["steps"] for a in step["attempts"]]
     assert [step["id"] for step in run["steps"]] == ["reserve-stock", "charge-card", "ship"]
     assert [a["status"] for a in attempts] == ["succeeded"] * 3  # each step ran once, and only once
@@ -682,6 +695,183 @@ def test_a_long_steps_cost_does_not_grow_with_its_duration(deployed: Deployed, m
         server.shutdown()
     assert made[0.5] == made[3.0], (made[0.5] - made[3.0], made[3.0] - made[0.5])
     assert made[3.0][("results", "PutItem")] + made[3.0][("results", "TransactWriteItems")] >= 1
+
+
+@pytest.mark.rfd("H4")
+def test_a_lambda_endpoints_long_step_is_sent_as_an_event_and_no_dispatcher_waits_for_it(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Way C (docs/design/dispatch.md): the example app, a Lambda, announces ``lambda_event`` with its ARN (its
+    containers share a replay table). Its 3 s shipment is sent to it as an asynchronous event: no dispatch
+    invocation lasts through the callback, the outcome is posted to the result function, which records it and
+    sends the next attempt as an event itself. The same requests are made for a 0.5 s shipment."""
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    spans: list[tuple[str, float, float]] = []
+    handle = dispatch_lambda.record_handler
+
+    def timed(record: Any, lambda_context: Any = None) -> None:
+        began = time.monotonic()
+        try:
+            handle(record, lambda_context)
+        finally:
+            spans.append((json.dumps(record.body.model_dump(mode="json")), began, time.monotonic()))
+
+    monkeypatch.setattr(dispatch_lambda, "record_handler", timed)
+    shop_arn = deployed.box.function_arn("shop.lambda_handler")
+    made: dict[float, Counter[tuple[str, str]]] = {}
+    for seconds in (0.5, 0.5, 3.0):
+        before, spans_before, events_before = len(deployed.box.calls), len(spans), len(deployed.box.events)
+        started = time.monotonic()
+        order = {"sku": "lamp", "qty": 1, "card": "4242", "amount": 30, "slow_ship_s": seconds}
+        run = deployed.finished(deployed.start(order))
+        assert run["outcome"] == "completed", run["summary"]
+        ship = next(s for s in run["steps"] if s["id"] == "ship")["attempts"]
+        assert [a["status"] for a in ship] == ["succeeded"] and ship[0]["unknown"] is None
+        callback_ended = (
+            started
+            + (
+                datetime.fromisoformat(ship[0]["settled_at"]) - datetime.fromisoformat(run["created_at"])
+            ).total_seconds()
+        )
+        ours = [(b, e) for body, b, e in spans[spans_before:] if run["id"] in body]
+        during = [(b, e) for b, e in ours if b < callback_ended - 0.5]
+        assert during and all(e < callback_ended for _, e in during)  # none waited for the callback
+        events = [e for arn, e in deployed.box.events[events_before:] if arn == shop_arn and run["id"] in e["body"]]
+        assert len(events) == 3  # each step's attempt (reserve, charge, ship) went as an event; discovery did not
+        calls = deployed.box.calls[before:]
+        assert {c.function for c in calls if c.operation == "Invoke"} <= {"dispatch", "results"}
+        assert [c for c in calls if c.function == "results" and c.operation == "Invoke"]  # it sent the next itself
+        made[seconds] = Counter(
+            (c.function, c.operation)
+            for c in calls
+            if c.function not in ("test", "api") and c.operation in BILLED_PER_STEP | {"Invoke"}
+        )
+        made[seconds][("dispatch", "handled")] = len(ours)
+    assert made[0.5] == made[3.0], (made[0.5] - made[3.0], made[3.0] - made[0.5])
+
+
+def _event_app(deployed: Deployed, name: str) -> tuple[str, list[str]]:
+    """A Lambda app (its containers sharing a replay memory) served at a Function URL and for events, synced:
+    its function's ARN, and what its callbacks ran (a step's id, each time it ran)."""
+    from datetime import timedelta
+
+    from ryusen import Ryusen, Step
+    from ryusen._internal.signing import SeenRequests, app_key
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    class Shared(SeenRequests):
+        shared = True
+
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
+    ran: list[str] = []
+
+    def effect(step_id: str, size: int) -> dict[str, Any]:
+        ran.append(step_id)
+        return {"step": step_id, "padding": "x" * size}
+
+    @app.function(f"{name}-flow")
+    def flow(data: dict[str, Any], step: Step) -> Any:
+        first = step.run("first", effect, "first", data.get("size", 0), timeout=timedelta(seconds=5))
+        second = step.run("second", effect, "second", 0, timeout=timedelta(seconds=5))
+        return {"first": len(first["padding"]), "second": second["step"]}
+
+    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
+    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
+    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
+    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
+    assert synced.status_code == 200, synced.text
+    return arn, ran
+
+
+def _start(deployed: Deployed, function: str, data: dict[str, Any]) -> str:
+    response = deployed.api("POST", f"/v1/functions/{function}/runs", {"input": data})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def test_a_copy_of_an_attempts_event_that_lambda_delivers_again_runs_nothing(deployed: Deployed) -> None:
+    """Lambda's async queue delivers each event twice here. The copy carries the same signed request, which the
+    app's shared replay memory refuses before any user code: each effect ran once, and no attempt is Unknown."""
+    arn, ran = _event_app(deployed, "twice")
+    handler, who = deployed.box.event_handlers[arn]
+    answers: list[int] = []
+
+    def twice(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        for _ in range(2):
+            answers.append(int(handler(json.loads(json.dumps(event)), context)["statusCode"]))
+        return {"statusCode": 202}
+
+    deployed.box.event_handlers[arn] = (twice, who)
+    run = deployed.finished(_start(deployed, "twice-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == ["first", "second"], "an effect ran twice"
+    assert answers == [202, 401, 202, 401]  # each copy refused as replayed
+    attempts = [a for s in run["steps"] for a in s["attempts"]]
+    assert [a["status"] for a in attempts] == ["succeeded", "succeeded"] and not [a for a in attempts if a["unknown"]]
+
+
+def test_an_event_lambda_refuses_goes_to_the_url_and_is_waited_for(deployed: Deployed) -> None:
+    """No grant (or no such function): Lambda refuses the event, and the engine sends the same attempt to the
+    app's URL, as before events, and waits for it. The run completes; nothing ran twice."""
+    arn, ran = _event_app(deployed, "refused")
+    del deployed.box.event_handlers[arn]  # Lambda answers ResourceNotFoundException
+    before = len(deployed.box.events)
+    run = deployed.finished(_start(deployed, "refused-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == ["first", "second"]
+    assert len(deployed.box.events) == before  # nothing was queued
+    assert [c for c in deployed.box.calls if c.operation == "Invoke" and c.params["FunctionName"] == arn]
+
+
+def test_an_attempt_too_large_for_an_event_goes_to_the_url(deployed: Deployed) -> None:
+    """An event is at most 256 KB: the second step's request carries the first's 200 KB result in its memo, with
+    the run's input, so it goes to the URL and is waited for; the first, small, went as an event."""
+    arn, ran = _event_app(deployed, "large")
+    before = len(deployed.box.events)
+    run_id = _start(deployed, "large-flow", {"size": 200_000, "ballast": "y" * 80_000})
+    run = deployed.finished(run_id)
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == ["first", "second"]
+    sent = [json.loads(e["body"]) for a, e in deployed.box.events[before:] if a == arn]
+    assert [r.get("step_id") for r in sent] == ["first"]
+
+
+def test_an_event_whose_invoke_answer_is_lost_is_unknown_and_never_run_again(
+    deployed: Deployed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lambda's API fails with a 5xx after the request went (the event may or may not be queued): the engine
+    cannot know whether the attempt runs. It is Unknown, and the run blocks for an operator (on_unknown's default);
+    it is not sent again. Here the event was in fact queued and ran: its late result settles the Unknown."""
+    arn, ran = _event_app(deployed, "lost")
+    box = deployed.box
+    handler, who = box.event_handlers[arn]
+
+    def later(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        time.sleep(1.0)  # Lambda's queue: the event runs after the engine has taken the failed Invoke's answer
+        return handler(event, context)
+
+    box.event_handlers[arn] = (later, who)
+    original = box.invoke_event
+    calls: list[int] = []
+
+    def lost(params: dict[str, Any], **kw: Any) -> Any:
+        answer = original(params, **kw)  # queued, and it runs (a copy queued by botocore's retry is refused)
+        calls.append(1)
+        if len(calls) <= 3:  # every try of the first Invoke (botocore's standard retries: 3 in all)
+            http = SimpleNamespace(status_code=500, headers={}, content=b"")
+            return http, {"Error": {"Code": "ServiceException"}, "ResponseMetadata": {"HTTPStatusCode": 500}}
+        return answer
+
+    monkeypatch.setattr(box, "invoke_event", lost)
+    run_id = _start(deployed, "lost-flow", {})
+    run = deployed.finished(run_id)
+    first = next(s for s in run["steps"] if s["id"] == "first")["attempts"]
+    assert ran.count("first") == 1, "the attempt ran again"
+    assert len(first) == 1 and first[0]["status"] == "succeeded"
+    assert first[0]["unknown"] is not None  # taken as Unknown when the answer was lost, then settled late
+    assert run["outcome"] == "completed", run["summary"]
 
 
 BILLED_PER_STEP = {

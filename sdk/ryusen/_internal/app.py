@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -60,6 +61,8 @@ from .step import AsyncStep, CallbackInterruptedError, OmittedResult, Step, _fre
 from .wire import (
     DEFAULT_MAX_PARALLEL,
     FEATURES_HEADER,
+    LAMBDA_EVENT,
+    LAMBDA_FUNCTION_ARN,
     MAX_ID_LENGTH,
     MAX_PARALLEL_LIMIT,
     MAX_RUN_TIMEOUT_S,
@@ -897,9 +900,12 @@ class Ryusen:
         log.warning("a heartbeat of run %s step %s was not delivered (%s)", beat.run_id, beat.step_id, problem)
         return None
 
-    def _deliver_acknowledged(self, request: TaskRequest, outcome: TaskResponse | CallbackInterruptedError) -> None:
-        """The outcome of an attempt answered ``accepted``, posted to the result URL with what the replay found
-        next (the server takes that only from the build it would run next)."""
+    def _deliver_acknowledged(
+        self, request: TaskRequest, outcome: TaskResponse | CallbackInterruptedError, *, lambda_context: Any = None
+    ) -> None:
+        """The outcome of an attempt answered ``accepted`` (or taken as an asynchronous event), posted to the
+        result URL with what the replay found next (the server takes that only from the build it would run next).
+        With the Lambda invocation's ``lambda_context``, the tries end while the handler can still return."""
         what = _describe(request)
         if isinstance(outcome, CallbackInterruptedError) or outcome.attempt is None:
             log.error(
@@ -919,7 +925,59 @@ class Ryusen:
             build_id=self.build_id if outcome.next is not None else None,
         )
         delays = (0.0, *ACKNOWLEDGED_DELAYS_S)
-        self._post_result(request.result_url, result, what, delays, near=False, lambda_context=None, noun="result")
+        self._post_result(
+            request.result_url, result, what, delays, near=False, lambda_context=lambda_context, noun="result"
+        )
+
+    def serve_event(self, headers: dict[str, str], body: bytes, path: str, context: Any) -> HandlerResponse:
+        """A task request the server sent as an asynchronous Lambda event (``InvocationType=Event``): nobody waits
+        for an answer, so the attempt runs here, on the handler's thread, and its outcome goes to the result URL
+        (with what the replay found next) before the handler returns, as an acknowledged attempt's does.
+
+        The request is admitted exactly as on the URL: signed for this path, fresh, and never seen before by any
+        container (the shared replay memory that announcing ``lambda_event`` requires). A copy Lambda delivers
+        again is refused there and runs nothing; so is a request that waited in Lambda's queue past the skew
+        window. Nothing is posted for a refused request: the attempt becomes Unknown when its lease ends, as
+        for any silence. The returned answer goes nowhere (Lambda drops an event's result); it is what was
+        decided, for the log and for tests."""
+        options = ServeOptions(on_lambda=True, lambda_context=context)
+        arrived, wall = time.monotonic(), self.clock()
+        admitted = self._admit("POST", headers, body, path, self.signing_keys, options=options)
+        if isinstance(admitted, HandlerResponse):
+            log.error(
+                "a task event was refused before it ran (HTTP %s: %s); if it was an attempt, it becomes Unknown"
+                " when its lease ends",
+                admitted.status,
+                admitted.body[:300].decode(errors="replace"),
+            )
+            return admitted
+        sent, answering = admitted
+        if sent.result_url is not None:
+            self._result_url = sent.result_url
+        request = self.memo_cache.resolve(sent)
+        if (
+            request is None
+            or request.kind is TaskKind.DISCOVER
+            or request.operation is None
+            or request.step_id is None
+            or request.result_url is None
+        ):
+            # the server sends only attempts this way, with their whole memo and a result URL: anything else has
+            # nowhere to put its answer, so it runs nothing
+            log.error("a task event that is not an attempt with a result URL was ignored (run %s)", sent.run_id)
+            return self._error(400, "not_an_attempt_event", "only an attempt is taken as an event", answering)
+        window = ResponseWindow.of(request, arrived=arrived, wall=wall)
+        beating = SINK.set(self._heartbeat_sink(request, options, self.signing_keys))  # decision 33
+        outcome: TaskResponse | CallbackInterruptedError
+        try:
+            outcome = self.execute(request, sent, options=options, window=window)
+        except CallbackInterruptedError as exc:
+            outcome = exc
+        finally:
+            SINK.reset(beating)
+        self._deliver_acknowledged(request, outcome, lambda_context=context)
+        accepted = TaskResponse(kind=request.kind, run_id=request.run_id, accepted=True)
+        return self._reply(202, encode_response(accepted), answering)
 
     async def handle_async(
         self, method: str, headers: dict[str, str], body: bytes, *, path: str = "/"
@@ -967,7 +1025,9 @@ class Ryusen:
             lowered = {k.lower(): v for k, v in headers.items()}
             held = choose_key(keys, parse_key_ids(lowered.get(KEY_IDS_HEADER.lower())))  # mid-rotation: the server's
             challenge = lowered.get(CHALLENGE_HEADER.lower())
-            return self._manifest_reply(path, [held] if held else keys, insecure, challenge, features(options))
+            shared = bool(getattr(self.seen_requests, "shared", False))
+            announced = features(options, shared_replay=shared)
+            return self._manifest_reply(path, [held] if held else keys, insecure, challenge, announced)
         if method != "POST":
             return self._error(405, "method_not_allowed", f"{method} is not supported")
         if len(body) > MAX_REQUEST_BYTES:
@@ -1253,13 +1313,29 @@ def _previous_key_window_s() -> float:
         return PREVIOUS_KEY_WINDOW_S
 
 
-def features(options: ServeOptions | None) -> tuple[str, ...]:
+def features(options: ServeOptions | None, *, shared_replay: bool = False) -> tuple[str, ...]:
     """The features this SDK announces where it is served so: all of them, except ``acknowledge`` on Lambda,
-    which freezes the process once the handler returns, so an attempt there is always answered inline (the
-    server then keeps the late-result grace of an attempt it waits for)."""
-    if _on_lambda(options):
-        return tuple(f for f in SDK_FEATURES if f != "acknowledge")
-    return SDK_FEATURES
+    which freezes the process once the handler returns, so an attempt there is never answered ``accepted`` (the
+    server then keeps the late-result grace of an attempt it waits for).
+
+    On Lambda, ``lambda_event=<this function's ARN>`` too, when the replay memory is ``shared_replay`` (every
+    container refuses a request another accepted, so a copy of an event Lambda delivers twice runs nothing), the
+    invocation's context names the function, and ``RYUSEN_LAMBDA_EVENTS`` is not ``0``: the server may then send
+    attempts as asynchronous events, which no dispatcher waits on."""
+    if not _on_lambda(options):
+        return SDK_FEATURES
+    announced = tuple(f for f in SDK_FEATURES if f != "acknowledge")
+    arn = getattr(options.lambda_context if options is not None else None, "invoked_function_arn", None)
+    wanted = os.environ.get(LAMBDA_EVENTS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    if shared_replay and wanted and isinstance(arn, str) and _LAMBDA_ARN.fullmatch(arn):
+        announced = (*announced, f"{LAMBDA_EVENT}={arn}")
+    return announced
+
+
+LAMBDA_EVENTS_ENV = "RYUSEN_LAMBDA_EVENTS"
+"""``0`` keeps a Lambda endpoint from announcing ``lambda_event``: every attempt is then sent to its URL and waited
+for (the dispatcher pays for the wait)."""
+_LAMBDA_ARN = re.compile(LAMBDA_FUNCTION_ARN)
 
 
 def _on_lambda(options: ServeOptions | None) -> bool:

@@ -38,6 +38,10 @@ class DynamoSeenRequests:
     runs a request it could not record.
     """
 
+    shared = True
+    """Every instance refuses what another accepted: an endpoint with this store may take attempts as Lambda
+    events (``lambda_event``), which Lambda may deliver twice."""
+
     def __init__(self, table: str, *, client: Any = None, window_s: float = MAX_SKEW_S) -> None:
         self.table = table
         self.window_s = window_s

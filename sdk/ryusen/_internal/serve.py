@@ -135,11 +135,15 @@ def handle_lambda_event(app: Ryusen, event: dict[str, Any], context: Any = None)
     """Function URL and API Gateway HTTP API (payload 2.0) or REST API (1.0) events, served as on Lambda
     (``ServeOptions.on_lambda``: nothing runs after the return), with the invocation's ``context``."""
     from .app import ServeOptions
+    from .wire import LAMBDA_EVENT_MARKER
 
     method = event.get("httpMethod") or event.get("requestContext", {}).get("http", {}).get("method", "POST")
     raw = event.get("body") or ""
     body = base64.b64decode(raw) if event.get("isBase64Encoded") else raw.encode()
     headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
+    if event.get(LAMBDA_EVENT_MARKER) == 1:  # an attempt sent as an asynchronous event: nobody waits for this
+        response = app.serve_event(headers, body, lambda_path(event), context)
+        return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}
     options = ServeOptions(on_lambda=True, lambda_context=context)
     response = app._serve(method, headers, body, lambda_path(event), app.signing_keys, options=options)
     return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}

@@ -60,7 +60,21 @@ found next, to the result URL (``docs/design/dispatch.md``).
 ``external_completion``: a step's plan may say ``completion: "external"``, and an attempt's operation may carry
 its ``completion_token`` (decision 32).
 ``parallel_steps``: a request may carry ``parallel_steps``; a discovery pass the endpoint then answers may report
-several steps declared together (``StepsReached``, decision 30). Without it, they are reported one at a time."""
+several steps declared together (``StepsReached``, decision 30). Without it, they are reported one at a time.
+
+One more is announced only where it holds, with a value: ``lambda_event=<function ARN>`` (``LAMBDA_EVENT``), from an
+app served by ``lambda_handler`` whose replay memory every container shares (``RYUSEN_REPLAY_TABLE``). The server
+may then invoke that function with an attempt's request as an asynchronous event (``InvocationType=Event``) instead
+of waiting on its URL; the handler runs the attempt and posts the outcome, with what the replay found next, to the
+result URL before it returns (way C of ``docs/design/dispatch.md``). A copy of the event delivered again (Lambda's
+own retries, or its queue's duplicates) is refused by the shared replay memory before it runs anything."""
+LAMBDA_EVENT = "lambda_event"
+"""The feature a Lambda endpoint announces as ``lambda_event=<ARN>``: it takes attempts as asynchronous events."""
+LAMBDA_FUNCTION_ARN = r"arn:aws[a-z-]*:lambda:[a-z0-9-]+:\d{12}:function:[A-Za-z0-9_-]{1,64}(:[A-Za-z0-9$_-]{1,128})?"
+"""A Lambda function's ARN, with its version or alias if it names one (what ``lambda_event=`` may carry)."""
+LAMBDA_EVENT_MARKER = "ryusen_task_event"
+"""The key that marks an asynchronous event carrying a task request (its value is 1), beside the fields of a
+Function URL event (``headers``, ``body``, ``rawPath``): what the handler would have been sent on its URL."""
 MAX_WAIT_S = 366 * 24 * 3600.0
 """The longest durable wait a step may declare (decision 31): a year."""
 MAX_VALUE_BYTES = 256 * 1024
