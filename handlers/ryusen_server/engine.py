@@ -588,11 +588,16 @@ def _lambda_event(features: frozenset[str]) -> tuple[frozenset[str], str | None]
     taken apart: the features with ``lambda_event`` alone, and the ARN. A malformed ARN is refused, and nothing
     is recorded."""
     kept, arn = set(), None
-    for feature in features:
+    for feature in sorted(features):
         name, _, value = feature.partition("=")
         if name != LAMBDA_EVENT:
             kept.add(feature)
             continue
+        if arn is not None:
+            raise InvalidRequestError(
+                "the endpoint announced lambda_event more than once: one function takes an app's events",
+                code="invalid_lambda_function_arn",
+            )
         if not _LAMBDA_FUNCTION_ARN.fullmatch(value):
             raise InvalidRequestError(
                 "the endpoint announced lambda_event with something that is not a Lambda function's ARN"
@@ -1230,14 +1235,14 @@ class Engine:
             if latest < respond_by:
                 listen_until, cut = latest, True
         whole = memo(state)
-        by_event = self._by_event(release, task)
+        keys = self.app_keys(release.app_id)
+        by_event = self._by_event(release, task, keys)
         cached = "memo_cache" in release.features and not by_event  # an event cannot be answered "memo_miss"
         token, base, changed = self.sent_memos.prepare(state.id, whole) if cached else (None, None, whole)
         request = self._task_request(
             state, task, changed, respond_by=listen_until, features=release.features, token=token, base=base
         )
         self._emit("invoke", (task, release.url))
-        keys = self.app_keys(release.app_id)
         if keys and "signing_v2" not in release.features:
             # an SDK that predates these signatures would refuse the request, or worse, run it and answer in
             # a way that cannot be verified (an Unknown): nothing is sent, and syncing a release built with a
@@ -1332,16 +1337,22 @@ class Engine:
             and "acknowledge" in release.features
         )
 
-    def _by_event(self, release: Release, task: TaskRef) -> bool:
+    def _by_event(self, release: Release, task: TaskRef, keys: list[str]) -> bool:
         """Whether this task goes to the release's Lambda function as an asynchronous event: an attempt (a
         discovery pass is quick and answered inline), of a release that announced ``lambda_event``, from an engine
-        that can send events and has a result URL for the outcome."""
+        that can send events and has a result URL for the outcome, and holds one key for the app (``keys``).
+
+        During a rotation's window the engine holds two, and signs with the new one, which the app may not hold
+        yet. On the URL, the app's refusal, signed with the key it holds, says that nothing ran, and the attempt
+        is sent again later; an event's refusal reaches nobody, and the attempt would be Unknown at its lease.
+        So until the previous key is dropped, attempts go to the URL, and are waited for."""
         return (
             self.event_invoker is not None
             and release.lambda_function_arn is not None
             and LAMBDA_EVENT in release.features
             and self.settings.result_url is not None
             and task.kind is not TaskKind.DISCOVER
+            and len(keys) == 1
         )
 
     def _accepted(self, task: TaskRef, result: Any, sent: Sent | None) -> bool:

@@ -100,13 +100,15 @@ def client(service: str, resources: AwsResources) -> Any:
 
 def event_invoker(resources: AwsResources, counter: RequestCounter) -> LambdaEventInvoker:
     """What sends attempts to Lambda endpoints as events: Lambda's API, with a short read timeout (``Invoke`` with
-    ``InvocationType=Event`` answers once the event is queued) and botocore's standard retries (a copy queued
-    twice is refused by the endpoint's shared replay memory)."""
+    ``InvocationType=Event`` answers once the event is queued) and no retries of botocore's. A try whose answer was
+    lost may have queued the event; a retry that then could not connect would be all the invoker sees, and it
+    would take the attempt as never sent and send it again, with a new signature the replay memory does not know:
+    the effect would run twice. One try, whose failure the engine classifies, and whose "not sent" is true."""
     lambda_client = boto3.client(
         "lambda",
         region_name=resources.region,
         endpoint_url=resources.endpoint_url,
-        config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=3, read_timeout=10),
+        config=Config(retries={"mode": "standard", "total_max_attempts": 1}, connect_timeout=3, read_timeout=10),
     )
     return LambdaEventInvoker(lambda_client, counter)
 

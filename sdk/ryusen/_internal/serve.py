@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 if TYPE_CHECKING:
     from .app import Ryusen
+
+log = logging.getLogger("ryusen")
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """The largest task request an endpoint reads (the app's own check answers 413 above it)."""
@@ -137,10 +140,17 @@ def handle_lambda_event(app: Ryusen, event: dict[str, Any], context: Any = None)
     from .app import ServeOptions
     from .wire import LAMBDA_EVENT_MARKER
 
-    method = event.get("httpMethod") or event.get("requestContext", {}).get("http", {}).get("method", "POST")
-    raw = event.get("body") or ""
-    body = base64.b64decode(raw) if event.get("isBase64Encoded") else raw.encode()
-    headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
+    try:
+        method = event.get("httpMethod") or event.get("requestContext", {}).get("http", {}).get("method", "POST")
+        raw = event.get("body") or ""
+        body = base64.b64decode(raw, validate=True) if event.get("isBase64Encoded") else raw.encode()
+        headers = {str(k).lower(): str(v) for k, v in (event.get("headers") or {}).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        # not an event of a shape Lambda sends (only a principal allowed to invoke the function can send one):
+        # refused, and logged without its contents
+        log.error("an event of a shape no Function URL or task event has was refused (%s)", type(exc).__name__)
+        response = app._error(400, "invalid_event", "the event is not a Function URL or task event")
+        return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}
     if event.get(LAMBDA_EVENT_MARKER) == 1:  # an attempt sent as an asynchronous event: nobody waits for this
         response = app.serve_event(headers, body, lambda_path(event), context)
         return {"statusCode": response.status, "headers": response.headers, "body": response.body.decode()}
