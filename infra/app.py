@@ -43,6 +43,22 @@ def number(app: cdk.App, name: str, *, whole: bool = False) -> float | None:
     return parsed
 
 
+def app_concurrency(app: cdk.App, name: str) -> dict[str, int]:
+    """``-c ryusen:NAME=video=10,reports=4`` (or a JSON object in cdk.json): app id -> a whole number; anything
+    else is refused, naming the key (the numbers' range is the settings' check)."""
+    value = app.node.try_get_context(f"ryusen:{name}")
+    if value in (None, ""):
+        return {}
+    pairs = value.items() if isinstance(value, dict) else (p.rpartition("=")[::2] for p in str(value).split(","))
+    out: dict[str, int] = {}
+    for app_id, raw in pairs:
+        text = str(raw).strip()
+        if not str(app_id).strip() or not text.isdigit():
+            raise ValueError(f"ryusen:{name} must be APP=N pairs, separated by commas (video=10,reports=4): {value!r}")
+        out[str(app_id).strip()] = int(text)
+    return out
+
+
 def settings_from(app: cdk.App) -> RyusenSettings:
     def seconds(name: str) -> cdk.Duration | None:
         value = number(app, name)
@@ -58,6 +74,7 @@ def settings_from(app: cdk.App) -> RyusenSettings:
         max_attempt_timeout=seconds("max_attempt_timeout_s") or defaults.max_attempt_timeout,
         dispatch_concurrency=int(dispatch_concurrency) if dispatch_concurrency else defaults.dispatch_concurrency,
         dispatch_memory_mb=int(dispatch_memory_mb) if dispatch_memory_mb else defaults.dispatch_memory_mb,
+        app_dispatch_concurrency=app_concurrency(app, "app_dispatch_concurrency"),
         retention=cdk.Duration.days(retention_days) if retention_days else defaults.retention,
         fair_queue=flag(app, "fair_queue", default=True),
         api_access_logs=flag(app, "api_access_logs"),

@@ -105,10 +105,13 @@ class ApiGateway:
         self.server.shutdown()
 
 
-def sqs_batch(messages: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The event an SQS event source sends for received ``messages`` (boto3 receive_message entries)."""
+def sqs_batch(messages: Sequence[dict[str, Any]], *, source_arn: str | None = None) -> dict[str, Any]:
+    """The event an SQS event source sends for received ``messages`` (boto3 receive_message entries), from the
+    queue ``source_arn`` (by default, the sample's)."""
     batch = sample_event("sqs_dispatch_batch.json")
     template = batch["Records"][0]
+    if source_arn is not None:
+        template = {**template, "eventSourceARN": source_arn}
     batch["Records"] = [
         {
             **template,

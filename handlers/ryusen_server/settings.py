@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ryusen._internal.signing import PREVIOUS_KEY_WINDOW_S
 from ryusen._internal.wire import RetryPolicyWire
@@ -153,6 +153,9 @@ class DevDispatchSettings:
     app_workers: int = DEV_WORKERS // 2
     """``RYUSEN_DEV_APP_WORKERS``: the most workers one app's tasks may hold at once (default: half the
     workers), so that one app's slow steps always leave room for the others."""
+    app_concurrency: Mapping[str, int] = field(default_factory=dict)
+    """``RYUSEN_DEV_APP_CONCURRENCY`` (``video=2,reports=3``): the most workers a named app's tasks may hold,
+    instead of ``app_workers``: the deployment's ``app_dispatch_concurrency``, on ``ryusen dev``."""
 
 
 def dev_dispatch_settings(env: Mapping[str, str] | None = None) -> DevDispatchSettings:
@@ -164,4 +167,14 @@ def dev_dispatch_settings(env: Mapping[str, str] | None = None) -> DevDispatchSe
         raise ValueError(
             f"setting RYUSEN_DEV_APP_WORKERS ({app_workers}) must be at most RYUSEN_DEV_WORKERS ({workers})"
         )
-    return DevDispatchSettings(workers=workers, app_workers=app_workers)
+    app_concurrency: dict[str, int] = {}
+    raw = env.get("RYUSEN_DEV_APP_CONCURRENCY", "").strip()
+    for pair in raw.split(",") if raw else ():
+        app_id, _, count = pair.rpartition("=")
+        if not app_id.strip() or not count.strip().isdigit() or not 1 <= int(count) <= workers:
+            raise ValueError(
+                "setting RYUSEN_DEV_APP_CONCURRENCY must be APP=N pairs separated by commas, each N from 1 to"
+                f" RYUSEN_DEV_WORKERS ({workers}), not {raw!r}"
+            )
+        app_concurrency[app_id.strip()] = int(count)
+    return DevDispatchSettings(workers=workers, app_workers=app_workers, app_concurrency=app_concurrency)

@@ -7,6 +7,7 @@ constructs boto3 clients.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import boto3
@@ -66,6 +67,10 @@ class AwsResources:
     fair_queue: bool = True
     """Send each task with its app's message group, making the dispatch queue an SQS fair queue
     (``RYUSEN_FAIR_QUEUE``, ``aws/queue.py``)."""
+    app_queues: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Apps whose tasks have a dispatch queue of their own (``RYUSEN_APP_QUEUES``: JSON, app id -> ``{"url", "arn"}``),
+    whose event source caps how many dispatchers run them at once (the CDK setting ``app_dispatch_concurrency``).
+    Every other app's tasks, and every timer, wake and deferred answer, go to ``queue_url``."""
     lambda_events: bool = True
     """Send attempts to a Lambda endpoint that announces ``lambda_event`` as asynchronous events, waiting for none
     of them (``RYUSEN_LAMBDA_EVENTS``; ``aws/lambda_events.py``). False: every attempt goes to the app's URL."""
@@ -86,7 +91,30 @@ class AwsResources:
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
             fair_queue=flag_setting(env, "RYUSEN_FAIR_QUEUE", True),
             lambda_events=flag_setting(env, "RYUSEN_LAMBDA_EVENTS", True),
+            app_queues=_app_queues(env.get("RYUSEN_APP_QUEUES", "")),
         )
+
+    def queue_url_of(self, arn: str | None) -> str:
+        """The URL of the dispatch queue whose ARN an SQS record names (its ``eventSourceARN``): an app's own, or
+        the shared one (also for an ARN that is neither)."""
+        for url, queue_arn in self.app_queues.values():
+            if queue_arn == arn:
+                return url
+        return self.queue_url
+
+
+def _app_queues(raw: str) -> dict[str, tuple[str, str]]:
+    """``RYUSEN_APP_QUEUES`` (the stack writes it): refused at a cold start if it is not what the stack writes."""
+    if not raw.strip():
+        return {}
+    try:
+        parsed = json.loads(raw)
+        queues = {str(app): (str(q["url"]), str(q["arn"])) for app, q in parsed.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise RuntimeError(
+            'RYUSEN_APP_QUEUES must be a JSON object of app id -> {"url": ..., "arn": ...} (the stack writes it)'
+        ) from exc
+    return queues
 
 
 def client(service: str, resources: AwsResources) -> Any:
@@ -186,7 +214,15 @@ def aws_engine(
             counter,
             retention_s=resources.retention_days * 86_400 if resources.retention_days is not None else None,
         ),
-        queue=SqsQueue(sqs, resources.queue_url, timers, counter, hold=hold, fair=resources.fair_queue),
+        queue=SqsQueue(
+            sqs,
+            resources.queue_url,
+            timers,
+            counter,
+            hold=hold,
+            fair=resources.fair_queue,
+            app_queues={app: url for app, (url, _) in resources.app_queues.items()},
+        ),
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),
         settings=settings,

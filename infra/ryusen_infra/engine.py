@@ -33,8 +33,10 @@ them on (tests/infra proves the list against what the handlers really call on mo
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aws_cdk as cdk
@@ -66,6 +68,9 @@ LEASE_GRACE = cdk.Duration.minutes(1)
 FRESH_ACCOUNT_CONCURRENCY = 10
 """How many Lambda executions a new account may run at once in a region (AWS lowers new accounts' quota and
 raises it with use; the usual quota is 1,000). The default dispatch concurrency fits in it (docs/deploy.md)."""
+MAX_APP_QUEUES = 50
+"""The most apps with a dispatch queue of their own: each is an event source of the dispatch function, polling
+whether or not it has work (a few cents a month each) and counting against the account's Lambda concurrency."""
 MAX_VISIBILITY = cdk.Duration.hours(12)
 """SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
 
@@ -100,6 +105,13 @@ class RyusenSettings:
     about 5 ms of CPU per step and a peak of 125 MB: 512 MB adds about 17 ms a step; 256 MB adds about 34 ms and
     halves what a second of waiting costs ($3.33 per million steps instead of $6.67), which is what a Lambda
     endpoint's long steps cost, since the dispatcher waits for them (docs/deploy.md, "What it costs")."""
+    app_dispatch_concurrency: Mapping[str, int] = field(default_factory=dict)
+    """Apps whose tasks get a dispatch queue of their own, by app id, with at most this many dispatch functions
+    running them at once (that queue's event source's maximum concurrency, 2-1000). An app not named here shares
+    the dispatch queue, and ``dispatch_concurrency``, with the others. What it bounds is the dispatchers an app
+    holds: an app whose attempts are answered inline (a Lambda app without events) holds one for each step in
+    flight, and with this, no more than its own share, however slow its steps. Timers and tasks delayed past 15
+    minutes still arrive through the shared queue (docs/security.md, "What one app can take from another")."""
     fair_queue: bool = True
     """Send each task with its run's app as its message group, which makes the dispatch queue an SQS fair
     queue: when one app's messages take a disproportionate share of those in flight, or of the dispatchers'
@@ -142,6 +154,13 @@ class RyusenSettings:
     def check(self) -> None:
         if not 2 <= self.dispatch_concurrency <= 1000:
             raise ValueError(f"dispatch_concurrency must be 2-1000, not {self.dispatch_concurrency}")
+        if len(self.app_dispatch_concurrency) > MAX_APP_QUEUES:
+            raise ValueError(f"app_dispatch_concurrency names at most {MAX_APP_QUEUES} apps")
+        for app_id, concurrency in self.app_dispatch_concurrency.items():
+            if not re.fullmatch(r"[!-~]{1,256}", app_id):
+                raise ValueError(f"app_dispatch_concurrency: {app_id!r} is not an app id (1-256 printable ASCII)")
+            if not isinstance(concurrency, int) or not 2 <= concurrency <= 1000:
+                raise ValueError(f"app_dispatch_concurrency[{app_id!r}] must be 2-1000, not {concurrency!r}")
         if not 128 <= self.dispatch_memory_mb <= 10_240:
             raise ValueError(f"dispatch_memory_mb must be 128-10240 (Lambda's range), not {self.dispatch_memory_mb}")
         longest = MAX_VISIBILITY.to_seconds() - LEASE_GRACE.to_seconds() - 300
@@ -278,6 +297,19 @@ class RyusenEngine(Construct):
             encryption=sqs.QueueEncryption.SQS_MANAGED,
             dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=10, queue=self.dead_letter_queue),
         )
+        self.app_queues: dict[str, sqs.Queue] = {}
+        """The dispatch queue of each app named in ``app_dispatch_concurrency``."""
+        for app_id in sorted(settings.app_dispatch_concurrency):
+            digest = hashlib.sha256(app_id.encode()).hexdigest()[:12]  # a logical id that never changes for the app
+            self.app_queues[app_id] = sqs.Queue(
+                self,
+                f"AppQueue{digest}",
+                visibility_timeout=settings.dispatch_timeout,
+                retention_period=retention,
+                enforce_ssl=True,
+                encryption=sqs.QueueEncryption.SQS_MANAGED,
+                dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=10, queue=self.dead_letter_queue),
+            )
         self.scheduler_dead_letter_queue = sqs.Queue(
             self,
             "SchedulerDeadLetterQueue",
@@ -323,6 +355,10 @@ class RyusenEngine(Construct):
             "POWERTOOLS_METRICS_NAMESPACE": "Ryusen",
             **settings.environment(),
         }
+        if self.app_queues:
+            common["RYUSEN_APP_QUEUES"] = stack.to_json_string(
+                {app: {"url": q.queue_url, "arn": q.queue_arn} for app, q in self.app_queues.items()}
+            )
         self.api_function = self._function(
             "ApiFunction",
             "ryusen_server.lambdas.api.handler",
@@ -394,6 +430,15 @@ class RyusenEngine(Construct):
                 max_concurrency=settings.dispatch_concurrency,
             )
         )
+        for app_id, queue in self.app_queues.items():
+            self.dispatch_function.add_event_source(
+                event_sources.SqsEventSource(
+                    queue,
+                    batch_size=1,
+                    report_batch_item_failures=True,
+                    max_concurrency=settings.app_dispatch_concurrency[app_id],
+                )
+            )
         for function in (self.api_function, self.dispatch_function, self.result_function):
             self._grant_runtime(function)
             function.add_to_role_policy(
@@ -402,7 +447,10 @@ class RyusenEngine(Construct):
                 )
             )
         self.dispatch_function.add_to_role_policy(
-            iam.PolicyStatement(actions=["sqs:ChangeMessageVisibility"], resources=[self.queue.queue_arn])
+            iam.PolicyStatement(
+                actions=["sqs:ChangeMessageVisibility"],
+                resources=[self.queue.queue_arn, *(q.queue_arn for q in self.app_queues.values())],
+            )
         )
 
         self.sweep_function = self._function(
@@ -526,7 +574,11 @@ class RyusenEngine(Construct):
                 ],
                 resources=[self.table.table_arn, index_arns],
             ),
-            iam.PolicyStatement(sid="Dispatch", actions=["sqs:SendMessage"], resources=[self.queue.queue_arn]),
+            iam.PolicyStatement(
+                sid="Dispatch",
+                actions=["sqs:SendMessage"],
+                resources=[self.queue.queue_arn, *(q.queue_arn for q in self.app_queues.values())],
+            ),
             iam.PolicyStatement(
                 sid="Timers",
                 actions=["scheduler:CreateSchedule", "scheduler:DeleteSchedule"],
@@ -643,6 +695,16 @@ class RyusenEngine(Construct):
                 threshold=settings.queue_age_threshold.to_seconds(),
             ),
         ]
+        for app_id, queue in self.app_queues.items():
+            alarms.append(
+                alarm(
+                    f"AppQueueBehind{queue.node.id.removeprefix('AppQueue')}",
+                    f"App {app_id[:200]!r}'s dispatch queue's oldest message waits longer than the longest lease: its"
+                    " dispatchers (app_dispatch_concurrency) do not keep up",
+                    queue.metric_approximate_age_of_oldest_message(period=period, statistic="Maximum"),
+                    threshold=settings.queue_age_threshold.to_seconds(),
+                )
+            )
         for each in alarms:
             self.notify(each)
         return alarms

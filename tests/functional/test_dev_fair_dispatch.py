@@ -201,9 +201,30 @@ def test_a_message_waiting_for_its_apps_share_is_kept_invisible_and_runs_with_wh
     assert given["video/1"] is not None and 20 <= given["video/1"] <= 26  # 35 s kept 10 s ago (it may wait on)
 
 
+def test_a_named_apps_concurrency_replaces_the_default_share_for_it() -> None:
+    """``RYUSEN_DEV_APP_CONCURRENCY=video=1``: video's slow tasks hold one worker, not the default half; an app
+    not named keeps the default share."""
+    queue = GroupedQueue()
+    for i in range(4):
+        queue.put(f"video/{i}", "video")
+    for i in range(4):
+        queue.put(f"reports/{i}", "reports")
+    stack = stack_with({"RYUSEN_DEV_WORKERS": "6", "RYUSEN_DEV_APP_CONCURRENCY": "video=1"})
+    assert stack.dispatch.app_concurrency == {"video": 1}
+    with Tasks(stack, queue, slow={"video", "reports"}) as tasks:
+        tasks.wait(lambda: tasks.running.get("reports", 0) == 3, "reports to hold its default share (half of 6)")
+        assert tasks.most_running["video"] == 1
+        tasks.release.set()
+        tasks.wait(lambda: len(tasks.finished) == 8, "every task to finish")
+    assert tasks.most_running == {"video": 1, "reports": 3}
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
+        ({"RYUSEN_DEV_APP_CONCURRENCY": "video"}, "RYUSEN_DEV_APP_CONCURRENCY must be APP=N pairs"),
+        ({"RYUSEN_DEV_APP_CONCURRENCY": "video=0"}, "RYUSEN_DEV_APP_CONCURRENCY must be APP=N pairs"),
+        ({"RYUSEN_DEV_WORKERS": "4", "RYUSEN_DEV_APP_CONCURRENCY": "video=5"}, "from 1 to RYUSEN_DEV_WORKERS (4)"),
         ({"RYUSEN_DEV_WORKERS": "0"}, "RYUSEN_DEV_WORKERS must be a positive whole number"),
         ({"RYUSEN_DEV_APP_WORKERS": "half"}, "RYUSEN_DEV_APP_WORKERS must be a positive whole number"),
         ({"RYUSEN_DEV_WORKERS": "4", "RYUSEN_DEV_APP_WORKERS": "5"}, "at most RYUSEN_DEV_WORKERS (4)"),

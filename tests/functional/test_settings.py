@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ryusen_server.core.events import EngineSettings
@@ -63,3 +65,26 @@ def test_the_fair_queue_setting_is_on_unless_turned_off_and_a_malformed_one_is_r
     assert AwsResources.from_env({**base, "RYUSEN_FAIR_QUEUE": "false"}).fair_queue is False
     with pytest.raises(ValueError, match="RYUSEN_FAIR_QUEUE must be true or false"):
         AwsResources.from_env({**base, "RYUSEN_FAIR_QUEUE": "perhaps"})
+
+
+def test_a_deployments_app_queues_are_read_and_a_malformed_setting_stops_the_cold_start() -> None:
+    """``RYUSEN_APP_QUEUES`` (the stack writes it for ``app_dispatch_concurrency``): a record is handled on the queue
+    its ``eventSourceARN`` names, an app's own or the shared one; a value the stack would not write is refused."""
+    from ryusen_server.wiring import AwsResources
+
+    base = {
+        "RYUSEN_TABLE": "t",
+        "RYUSEN_QUEUE_URL": "https://sqs/shared",
+        "RYUSEN_QUEUE_ARN": "arn:aws:sqs:us-east-1:123456789012:shared",
+        "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/s",
+    }
+    video = {"url": "https://sqs/video", "arn": "arn:aws:sqs:us-east-1:123456789012:video"}
+    resources = AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": json.dumps({"video": video})})
+    assert resources.app_queues == {"video": (video["url"], video["arn"])}
+    assert resources.queue_url_of(video["arn"]) == video["url"]
+    assert resources.queue_url_of(base["RYUSEN_QUEUE_ARN"]) == base["RYUSEN_QUEUE_URL"]
+    assert resources.queue_url_of("arn:aws:sqs:us-east-1:123456789012:unknown") == base["RYUSEN_QUEUE_URL"]
+    assert AwsResources.from_env(base).app_queues == {}
+    for malformed in ("[1]", "{not json", json.dumps({"video": {"url": "u"}})):
+        with pytest.raises(RuntimeError, match="RYUSEN_APP_QUEUES"):
+            AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": malformed})

@@ -46,6 +46,7 @@ class Deployed:
     """The shop's Function URL front end (it can throttle, as Lambda does past the function's concurrency)."""
     received: list[dict[str, Any]] = field(default_factory=list)
     """Every message the event source received, with its attributes (a task's message group among them)."""
+    source: EventSource | None = None
 
     def api(self, method: str, path: str, body: Any = None, *, signed: bool = True) -> httpx.Response:
         url = self.api_url + path
@@ -76,17 +77,27 @@ class EventSource:
     """The template's SQS event source: batches of its size to the dispatch function, deletions as AWS does."""
 
     def __init__(self, deployed: Deployed, handler: Any) -> None:
-        mapping = next(iter(deployed.box.resources("AWS::Lambda::EventSourceMapping").values()))["Properties"]
-        self.batch_size = int(mapping["BatchSize"])
-        self.reports_failures = "ReportBatchItemFailures" in mapping.get("FunctionResponseTypes", [])
-        self.queue_url = deployed.env["RYUSEN_QUEUE_URL"]
-        assert deployed.box.resolve(mapping["EventSourceArn"]) == deployed.env["RYUSEN_QUEUE_ARN"]
         self.deployed = deployed
         self.handler = handler
         self.stop = threading.Event()
         self.sqs = boto3.client("sqs", region_name="us-east-1")
-        # the event source runs several invocations at once; the Scheduler fires on its own
-        self.threads = [threading.Thread(target=self.loop, daemon=True) for _ in range(4)]
+        self.queue_url = deployed.env["RYUSEN_QUEUE_URL"]
+        self.threads: list[threading.Thread] = []
+        self.running: dict[str, int] = {}
+        """Invocations running now, by the queue (its ARN) whose messages they handle."""
+        self.most_running: dict[str, int] = {}
+        self.handled: list[tuple[str, str]] = []
+        """Each message handed to the dispatch function: (its queue's ARN, its body)."""
+        self._lock = threading.Lock()
+        # each of the template's event sources runs up to its maximum concurrency of invocations at once (4 at
+        # most here); the Scheduler fires on its own
+        mappings = [m["Properties"] for m in deployed.box.resources("AWS::Lambda::EventSourceMapping").values()]
+        assert deployed.env["RYUSEN_QUEUE_ARN"] in [deployed.box.resolve(m["EventSourceArn"]) for m in mappings]
+        for mapping in mappings:
+            [queue] = mapping["EventSourceArn"]["Fn::GetAtt"][:1]
+            source = (deployed.box.refs[queue], deployed.box.arns[queue], mapping)
+            concurrency = min(4, int(mapping.get("ScalingConfig", {}).get("MaximumConcurrency", 4)))
+            self.threads += [threading.Thread(target=self.loop, args=source, daemon=True) for _ in range(concurrency)]
         self.threads.append(threading.Thread(target=self.scheduler, daemon=True))
 
     def start(self) -> None:
@@ -105,11 +116,13 @@ class EventSource:
             except Exception:
                 logging.getLogger("box").exception("delivering schedules failed")
 
-    def loop(self) -> None:
+    def loop(self, queue_url: str, queue_arn: str, mapping: dict[str, Any]) -> None:
+        batch_size = int(mapping["BatchSize"])
+        reports_failures = "ReportBatchItemFailures" in mapping.get("FunctionResponseTypes", [])
         while not self.stop.is_set():
             messages = self.sqs.receive_message(
-                QueueUrl=self.queue_url,
-                MaxNumberOfMessages=self.batch_size,
+                QueueUrl=queue_url,
+                MaxNumberOfMessages=batch_size,
                 WaitTimeSeconds=1,
                 MessageSystemAttributeNames=["All"],  # as the event source asks, the message group among them
                 MessageAttributeNames=["All"],  # and a kept message's copy names the message it replaces
@@ -118,16 +131,20 @@ class EventSource:
                 continue
             self.deployed.received.extend(messages)
             token = caller.set("dispatch")
+            with self._lock:
+                self.handled.extend((queue_arn, m["Body"]) for m in messages)
+                self.running[queue_arn] = self.running.get(queue_arn, 0) + 1
+                self.most_running[queue_arn] = max(self.most_running.get(queue_arn, 0), self.running[queue_arn])
             try:
-                result = self.handler(sqs_batch(messages), LambdaContext(self.deployed.budget_s))
+                result = self.handler(sqs_batch(messages, source_arn=queue_arn), LambdaContext(self.deployed.budget_s))
             finally:
                 caller.reset(token)
-            kept = (
-                {f["itemIdentifier"] for f in result.get("batchItemFailures", [])} if self.reports_failures else set()
-            )
+                with self._lock:
+                    self.running[queue_arn] -= 1
+            kept = {f["itemIdentifier"] for f in result.get("batchItemFailures", [])} if reports_failures else set()
             for message in messages:
                 if message["MessageId"] not in kept:
-                    self.sqs.delete_message(QueueUrl=self.queue_url, ReceiptHandle=message["ReceiptHandle"])
+                    self.sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
 
     def deliver_schedules(self) -> None:
         """EventBridge Scheduler: a due schedule's input goes to its target, then the schedule is deleted."""
@@ -229,7 +246,7 @@ def deployed(synthesized: Synthesized) -> Iterator[Deployed]:
         shop_url = box.function_url(front_end, arn=shop_arn)
         box.event_handlers[shop_arn] = (shop.lambda_handler, "shop")  # attempts sent as events (way C)
         deployed = Deployed(box=box, api_url=gateway.url, shop_url=shop_url, env=dispatch_env, front_end=front_end)
-        source = EventSource(deployed, dispatch_lambda.handler)
+        source = deployed.source = EventSource(deployed, dispatch_lambda.handler)
         source.start()
         try:
             response = deployed.api("PUT", "/v1/apps/shop", {"url": shop_url})

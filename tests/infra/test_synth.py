@@ -152,3 +152,14 @@ def test_the_fair_queue_context_reaches_the_settings_and_is_on_by_default() -> N
     assert settings_from_context({"ryusen:fair_queue": "false"}).fair_queue is False  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="ryusen:fair_queue must be true or false"):
         settings_from_context({"ryusen:fair_queue": "sometimes"})
+
+
+def test_the_app_dispatch_concurrency_context_reaches_the_settings_and_a_malformed_one_is_refused() -> None:
+    assert settings_from_context({}).app_dispatch_concurrency == {}  # type: ignore[attr-defined]
+    asked = settings_from_context({"ryusen:app_dispatch_concurrency": "video=10,reports=4"})
+    assert asked.app_dispatch_concurrency == {"video": 10, "reports": 4}  # type: ignore[attr-defined]
+    from_json = settings_from_context({"ryusen:app_dispatch_concurrency": {"video": 3}})  # cdk.json's form
+    assert from_json.app_dispatch_concurrency == {"video": 3}  # type: ignore[attr-defined]
+    for malformed in ("video", "video=lots", "=4", "video=4,,"):
+        with pytest.raises(ValueError, match="ryusen:app_dispatch_concurrency must be APP=N pairs"):
+            settings_from_context({"ryusen:app_dispatch_concurrency": malformed})

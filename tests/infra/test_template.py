@@ -481,3 +481,50 @@ def test_the_sweeper_may_not_read_the_master_key(synthesized: Synthesized) -> No
         if {"Ref": role} in policy["Properties"]["Roles"]:
             for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
                 assert {"Ref": secret} not in _as_list(statement["Resource"]), statement
+
+
+def test_an_app_with_a_dispatch_concurrency_of_its_own_gets_its_own_queue_and_capped_event_source(
+    tmp_path: Path,
+) -> None:
+    """Issue 25, fair sharing on AWS: an app named in ``app_dispatch_concurrency`` has a dispatch queue of its own
+    (redriving to the same dead-letter queue), whose event source runs at most that many dispatchers; every
+    function that sends tasks may send there and knows the queue (``RYUSEN_APP_QUEUES``), and cdk-nag finds
+    nothing new."""
+    import json
+
+    from ryusen_infra import RyusenSettings
+
+    custom = synthesize(tmp_path, app_dispatch_concurrency={"video": 3})
+    engine = custom.stack.engine
+    [video] = engine.app_queues.values()
+    video_id = custom.stack.get_logical_id(video.node.default_child)
+    queue = custom.template["Resources"][video_id]["Properties"]
+    assert queue["RedrivePolicy"]["maxReceiveCount"] == 10
+    assert queue["RedrivePolicy"]["deadLetterTargetArn"] == {
+        "Fn::GetAtt": [custom.stack.get_logical_id(engine.dead_letter_queue.node.default_child), "Arn"]
+    }
+    mappings = {
+        m["Properties"]["EventSourceArn"]["Fn::GetAtt"][0]: m["Properties"]
+        for m in custom.resources("AWS::Lambda::EventSourceMapping").values()
+    }
+    assert mappings[video_id]["ScalingConfig"] == {"MaximumConcurrency": 3}
+    assert mappings[video_id]["BatchSize"] == 1 and mappings[video_id]["FunctionResponseTypes"] == [
+        "ReportBatchItemFailures"
+    ]
+    assert len(mappings) == 2  # the shared queue's, and video's
+    for handler in (*HANDLERS, "ryusen_server.lambdas.results.handler"):
+        variables = custom.function(handler)[1]["Properties"]["Environment"]["Variables"]
+        assert "RYUSEN_APP_QUEUES" in variables
+        assert "video" in json.dumps(variables["RYUSEN_APP_QUEUES"])
+    granted = json.dumps(custom.resources("AWS::IAM::Policy"))
+    assert granted.count(video_id) >= 4  # SendMessage for api, dispatch, results; ChangeMessageVisibility
+    assert [m.entry.data for m in custom.messages if "AwsSolutions" in str(m.entry.data)] == []
+    ages = [
+        a["Properties"]["Dimensions"]
+        for a in custom.resources("AWS::CloudWatch::Alarm").values()
+        if a["Properties"].get("MetricName") == "ApproximateAgeOfOldestMessage"
+    ]
+    assert [{"Name": "QueueName", "Value": {"Fn::GetAtt": [video_id, "QueueName"]}}] in ages  # its backlog alarms
+    for bad in ({"video": 1}, {"video": 1001}, {"": 4}, {"has space": 4}):
+        with pytest.raises(ValueError, match="app_dispatch_concurrency"):
+            RyusenSettings(app_dispatch_concurrency=bad).check()

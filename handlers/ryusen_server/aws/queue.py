@@ -37,7 +37,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -135,10 +135,13 @@ class SqsQueue:
         clock: Callable[[], datetime] | None = None,
         hold: DelayHold | None = None,
         fair: bool = True,
+        app_queues: Mapping[str, str] | None = None,
     ) -> None:
         """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``).
         ``fair``: send each task with its app's message group (``RYUSEN_FAIR_QUEUE``; off only where SQS has
-        no fair queues and would refuse a group on a standard queue)."""
+        no fair queues and would refuse a group on a standard queue). ``app_queues``: the queue URL of each app
+        that has one of its own (``app_dispatch_concurrency``): its tasks go there, anything else to
+        ``queue_url``."""
         self._client = sqs_client
         self.queue_url = queue_url
         self._scheduler = scheduler
@@ -146,13 +149,15 @@ class SqsQueue:
         self._clock = clock or (lambda: datetime.now(UTC))
         self._hold = hold
         self._fair = fair
+        self._app_queues = dict(app_queues or {})
 
     def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
         body = task.model_dump_json(exclude=None if task.lease_timer else {"lease_timer"})  # as before it existed
         group = message_group(app_id) if app_id is not None and self._fair else None
+        url = self._app_queues.get(app_id, self.queue_url) if app_id is not None else self.queue_url
         if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
-            self._hold(delay_s, lambda: self._send_message(body, 0, group))  # to the millisecond, not the second
+            self._hold(delay_s, lambda: self._send_message(body, 0, group, url=url))  # to the millisecond
             return
         delay = max(0, math.ceil(delay_s))
         if delay > MAX_DELAY_S:
@@ -163,7 +168,7 @@ class SqsQueue:
             # without a scheduler the task still must not be lost: it arrives early instead
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
             delay = MAX_DELAY_S
-        self._send_message(body, delay, group)
+        self._send_message(body, delay, group, url=url)
 
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         """Put a deferred answer on the queue (``deferred.py``); one over SQS's message limit is refused."""
@@ -190,14 +195,16 @@ class SqsQueue:
         delay = max(0, min(MAX_DELAY_S, math.ceil(delay_s)))
         self._send_message(body, delay, group if self._fair else None, carrier=carrier)
 
-    def _send_message(self, body: str, delay: int, group: str | None = None, *, carrier: str | None = None) -> None:
+    def _send_message(
+        self, body: str, delay: int, group: str | None = None, *, carrier: str | None = None, url: str | None = None
+    ) -> None:
         self.counter.add("sqs.send", len(body))
         extra: dict[str, Any] = {}
         if group is not None:
             extra["MessageGroupId"] = group
         if carrier is not None:
             extra["MessageAttributes"] = {CARRIER_ATTRIBUTE: {"DataType": "String", "StringValue": carrier}}
-        self._client.send_message(QueueUrl=self.queue_url, MessageBody=body, DelaySeconds=delay, **extra)
+        self._client.send_message(QueueUrl=url or self.queue_url, MessageBody=body, DelaySeconds=delay, **extra)
 
     @staticmethod
     def _delayed_name(task: TaskRef, body: str, at: datetime) -> str:

@@ -74,7 +74,9 @@ def _observe(kind: str, payload: Any) -> None:
 
 def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None = None) -> None:
     wired = engine()
-    queue = SqsQueue(wired.sqs, AwsResources.from_env().queue_url, counter=wired.counter)
+    # the queue the record came from (an app with a queue of its own, or the shared one): its visibility is
+    # changed, and a fresh copy of it sent, there
+    queue = SqsQueue(wired.sqs, AwsResources.from_env().queue_url_of(record.eventSourceARN), counter=wired.counter)
     received = time.monotonic()
 
     def change_visibility(seconds: float) -> None:

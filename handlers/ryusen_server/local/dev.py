@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from aws_lambda_powertools.utilities.typing import LambdaContext
 from ryusen._internal.wire import TaskKind
 
-from ..aws.queue import CARRIER_ATTRIBUTE, MAX_DELAY_S, REFRESH_AFTER_RECEIVES, create_queues
+from ..aws.queue import CARRIER_ATTRIBUTE, MAX_DELAY_S, REFRESH_AFTER_RECEIVES, create_queues, message_group
 from ..aws.store import create_table
 from ..aws.timers import create_schedule_group
 from ..core.events import InvokeTask
@@ -445,7 +445,12 @@ class DevStack:
         settings = self.wired.engine.settings.engine
         visibility = int(settings.attempt_timeout_s + settings.lease_grace_s)
         self._visibility_s = float(visibility)
-        share: FairShare[_Received] = FairShare(workers=self.dispatch.workers, app_workers=self.dispatch.app_workers)
+        share: FairShare[_Received] = FairShare(
+            workers=self.dispatch.workers,
+            app_workers=self.dispatch.app_workers,
+            # messages name their app by its message group (the app id, or its digest where SQS would refuse it)
+            app_concurrency={message_group(a): n for a, n in self.dispatch.app_concurrency.items()},
+        )
         lock = threading.Lock()  # around ``share`` and the waiting messages' visibility
         freed = threading.Event()
 

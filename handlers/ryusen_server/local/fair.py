@@ -19,7 +19,7 @@ every call.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,11 +28,13 @@ T = TypeVar("T")
 class FairShare(Generic[T]):
     """Waiting messages by app, and the workers each app's tasks hold."""
 
-    def __init__(self, *, workers: int, app_workers: int) -> None:
+    def __init__(self, *, workers: int, app_workers: int, app_concurrency: Mapping[str, int] | None = None) -> None:
+        """``app_concurrency``: the share of each named app, instead of ``app_workers``."""
         if not 1 <= app_workers <= workers:
             raise ValueError(f"app_workers must be 1 to workers ({workers}), not {app_workers}")
         self.workers = workers
         self.app_workers = app_workers
+        self.app_concurrency = dict(app_concurrency or {})
         self._lines: dict[Hashable, deque[T]] = {}
         """Waiting messages by app, in the apps' turn order (an app served goes to the back)."""
         self._held: dict[Hashable, int] = {}
@@ -61,7 +63,7 @@ class FairShare(Generic[T]):
         if self._busy >= self.workers:
             return None
         for app, line in self._lines.items():
-            if self._held.get(app, 0) < self.app_workers:
+            if self._held.get(app, 0) < self.share(app):
                 item = line.popleft()
                 del self._lines[app]
                 if line:
@@ -71,6 +73,10 @@ class FairShare(Generic[T]):
                 self._waiting -= 1
                 return app, item
         return None
+
+    def share(self, app: Hashable) -> int:
+        """The most workers ``app``'s tasks may hold at once."""
+        return self.app_concurrency.get(app, self.app_workers) if isinstance(app, str) else self.app_workers
 
     def done(self, app: Hashable) -> None:
         """A task of ``app`` (as :meth:`next` named it) ended: its worker is free."""
