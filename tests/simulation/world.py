@@ -30,6 +30,7 @@ end: with the faults over and delivery fair, every run finishes or carries a blo
 from __future__ import annotations
 
 import contextvars
+import json
 import random
 import threading
 import time
@@ -144,6 +145,14 @@ CALLBACK_FAULTS = ("crash_before", "callback_silent")
 """An acknowledged attempt's callback, between two stretches of work: the endpoint's process dies; the callback
 goes silent (no more heartbeats, no outcome, ever)."""
 HEARTBEAT_FAULTS = ("heartbeat_lost", "heartbeat_reply_lost")
+EVENT_FAULTS = ("event_throttled", "event_refused", "event_lost_queued", "event_lost_not_queued", "event_twice")
+"""An attempt sent to a Lambda endpoint as an asynchronous event (way C): Lambda throttles the ``Invoke`` (not
+queued); refuses it as configured (no grant: the engine uses the URL); its answer is lost after it queued the
+event, or before; its async queue delivers the event twice. Drawn from a generator of their own."""
+EVENT_RATE = 0.15
+"""How often an ``Invoke`` of a faulty seed meets one of ``EVENT_FAULTS``."""
+EVENTS = 0.5
+"""The share of new-dispatch seeds whose releases served on Lambda (not acknowledging) take attempts as events."""
 ACCEPTED_FAULTS = ("accepted_replayed",)
 """An attempt's answer is replaced by the signed ``accepted`` the endpoint gave another request."""
 DISPATCH_FAULTS = frozenset(POST_FAULTS + CALLBACK_FAULTS[1:] + HEARTBEAT_FAULTS + ACCEPTED_FAULTS)
@@ -361,13 +370,20 @@ class Simulation:
         if not self.profile.is_clean and new_dispatch:
             extra = frozenset(k for k in sorted(DISPATCH_FAULTS) if self.xrng.random() < 0.6)
             self.profile = replace(self.profile, kinds=self.profile.kinds | extra)
+        self.erng = random.Random(f"events-{seed}")
+        """Way C's own draws (attempts as Lambda events), apart from ``rng`` and ``xrng``."""
+        self.evented = new_dispatch and self.erng.random() < EVENTS
+        """Releases of this seed served on Lambda announce ``lambda_event``: attempts go to them as events."""
+        if self.evented and not self.profile.is_clean:
+            self.profile = replace(self.profile, kinds=self.profile.kinds | frozenset(EVENT_FAULTS))
         self.accepted_by_endpoint: set[Key] = set()
-        """Attempts whose endpoint answered ``accepted``: only their posted outcome, an operator, or their lease
-        (Unknown) may settle them."""
+        """Attempts whose endpoint answered ``accepted`` (or whose event Lambda queued): only their posted outcome,
+        an operator, or their lease (Unknown) may settle them."""
         self.store = SimStore(self)
         self.queue = SimQueue(self)
         self.timers = SimTimers(self)
         self.invoker = SimInvoker(self)
+        self.lambda_events = SimLambdaEvents(self)
         self.settings = EngineSettings(
             attempt_timeout_s=30,
             lease_grace_s=5,
@@ -400,6 +416,7 @@ class Simulation:
                 settings=ServerSettings(engine=settings, chain=True, master_key=master, result_url=RESULT_URL),
                 clock=self._clock_of(i),
                 new_id=lambda: f"run_{next(self.ids):04d}",
+                event_invoker=self.lambda_events,
             )
             for i in range(2)
         ]
@@ -662,6 +679,8 @@ class Simulation:
         ):  # a release served another way (on Lambda: inline), or back
             self.acknowledging = not self.acknowledging
         features = frozenset(f for f in SDK_FEATURES if f != "acknowledge" or self.acknowledging)
+        if self.evented and not self.acknowledging:  # on Lambda, with a replay table its containers share
+            features |= {f"lambda_event={SimLambdaEvents.arn_of(spec.release)}"}
         return self.engines[0].sync_release(workload.APP_ID, url, apps[0].manifest(), features)
 
     # ---- what a release's code reaches of the world (workload.Hooks) ------------------------------------
@@ -1563,6 +1582,93 @@ class SimTimers:
 
     def next_due_at(self) -> datetime | None:
         return min((self._at(t) for t in self.pending.values()), default=None)
+
+
+class SimLambdaEvents:
+    """Lambda's ``Invoke`` with ``InvocationType=Event`` (way C), for releases that announced ``lambda_event``.
+
+    A queued event is an actor of the endpoint's: it first waits in Lambda's queue (the scheduler runs it later),
+    then runs as the SDK's ``serve_event`` does: admitted as on the URL (the replay memory every instance shares
+    refuses a copy delivered twice), the attempt run on its thread, and its outcome posted to the result endpoint,
+    as an acknowledged attempt's is."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.ran: set[str] = set()
+        """The signatures of the events that ran (a copy of one must be refused)."""
+
+    @staticmethod
+    def arn_of(release: int) -> str:
+        return f"arn:aws:lambda:us-east-1:123456789012:function:sim-r{release}"
+
+    def invoke_event(self, function_arn: str, payload: bytes) -> InvokeResult:
+        sim = self.sim
+        release = int(function_arn.rsplit("-r", 1)[1])
+        url = f"https://endpoint.sim/r{release}"
+        event = json.loads(payload)
+        body = event["body"].encode()
+        request = TaskRequest.model_validate_json(body)
+        what = f"Invoke {function_arn} {request.kind.value} {request.run_id} {request.step_id or ''}".rstrip()
+        # (a dispatcher dying before the Invoke is one dying before any call: the HTTP boundary has it)
+        verdict = sim.boundary("lambda.invoke", what, ("crash_after",))
+        if verdict == "ok" and sim.chaos and EVENT_FAULTS[0] in sim.profile.kinds and sim.erng.random() < EVENT_RATE:
+            verdict = sim.erng.choice(EVENT_FAULTS)  # Lambda's own faults, at a rate of their own
+            sim.faults[verdict] += 1
+            sim.note(f"  -> {verdict}")
+        if verdict == "event_throttled":
+            return InvokeResult(kind="unreachable", status=429, detail="injected: Lambda did not queue it")
+        if verdict == "event_refused":
+            sim.cases["event refused by Lambda: sent to the URL"] += 1
+            return InvokeResult(kind="refused", status=403, detail="injected: AccessDeniedException")
+        if verdict == "event_lost_not_queued":
+            return InvokeResult(kind="lost", status=500, detail="injected: Lambda answered 500, nothing queued")
+        op = request.operation
+        assert op is not None and request.step_id is not None, "only an attempt goes as an event"
+        key = (request.run_id, request.step_id, op.phase.value, op.generation)
+        sim.accepted_by_endpoint.add(key)  # Lambda's 202 is the endpoint's "accepted"
+        for _ in range(2 if verdict == "event_twice" else 1):
+            self._queue(url, event, body, request)
+        if verdict == "crash_after":
+            raise Crash()
+        if verdict == "event_lost_queued":
+            sim.cases["event queued, its Invoke's answer lost (Unknown)"] += 1
+            return InvokeResult(kind="lost", status=500, detail="injected: Lambda answered 500 after queuing it")
+        sim.cases["attempt sent as an event"] += 1
+        return InvokeResult(kind="queued", status=202)
+
+    def _queue(self, url: str, event: dict[str, Any], body: bytes, request: TaskRequest) -> None:
+        sim = self.sim
+        invoker = sim.invoker
+        spec = sim.spec_at[url]
+        app = invoker.endpoints[url][sim.rng.randrange(len(invoker.endpoints[url]))]
+        headers = {k.lower(): v for k, v in event["headers"].items()}
+        path = event["rawPath"]
+        op = request.operation
+        assert op is not None
+        name = f"event r{spec.release} [{request.run_id} {request.step_id} {op.phase.value} #{op.generation}]"
+        job = Job(request, spec, slow=sim.xrng.random() < 0.6)
+        job.accepted = True  # nobody waits for an answer: the outcome is posted
+
+        def run() -> None:
+            sim.sleep(round(sim.erng.uniform(0.0, 3.0), 1), "the event waits in Lambda's queue")
+            admitted = app._admit("POST", headers, body, path, app.signing_keys)
+            if isinstance(admitted, HandlerResponse):
+                sim.note(f"  the event was refused before it ran (HTTP {admitted.status})")
+                sim.cases[f"event refused by the endpoint (HTTP {admitted.status})"] += 1
+                return
+            sent, _ = admitted
+            resolved = app.memo_cache.resolve(sent)
+            assert resolved is not None, "an event carries its whole memo"
+            job.request = resolved
+            window = ResponseWindow.of(resolved, arrived=time.monotonic(), wall=app.clock())
+            signature = headers.get(SIGNATURE_HEADER.lower(), "")
+            if signature in self.ran:
+                sim.violation(f"a copy of the event for {job.key} ran: the shared replay memory let it through")
+            self.ran.add(signature)
+            sim.cases["event ran"] += 1
+            invoker._work(app, job, sent, window)
+
+        sim.fork(name, run, job)
 
 
 class SimInvoker:
