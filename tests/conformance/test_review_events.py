@@ -22,27 +22,16 @@ from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, Re
 
 from ryusen import Ryusen, Step
 from ryusen._internal.app import features
-from ryusen._internal.signing import SeenRequests, Signature, app_key
+from ryusen._internal.signing import app_key
 from ryusen._internal.wire import LAMBDA_EVENT_MARKER
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.ports import InvokeResult, RequestCounter, ServerError
 from ryusen_server.wiring import AwsResources, event_invoker
+from tests.functional.test_lambda_events import SharedSeen
 from tests.lambda_http import LambdaContext
 
 APP = "evshop"
 ARN = f"arn:aws:lambda:us-east-1:123456789012:function:{APP}"
-
-
-class SharedSeen:
-    """A replay memory every container shares (as DynamoSeenRequests is), in one process here."""
-
-    shared = True
-
-    def __init__(self) -> None:
-        self.inner = SeenRequests()
-
-    def first_time(self, signature: Signature, now: float) -> bool:
-        return self.inner.first_time(signature, now)
 
 
 class _Quiet(WSGIRequestHandler):

@@ -655,16 +655,11 @@ def test_a_long_step_is_acknowledged_and_its_outcome_carries_the_run_on_through_
     assert [s["id"] for s in run["steps"]] == ["fetch", "encode", "notify"]
 
 
-@pytest.mark.rfd("H4")
-def test_a_long_steps_cost_does_not_grow_with_its_duration(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs whose middle step takes 0.5 s and 3 s make the same AWS requests and Lambda invocations, and no
-    dispatch invocation lasts through the callback: each one that began while it ran ended before it did (an
-    order of events, not a time limit). bench/cost.py prices it."""
-    from werkzeug.serving import make_server
-
+def _timed_dispatches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float]]:
+    """Each dispatch record handled from now on: (its message, when its handling began, when it ended)."""
     from ryusen_server.lambdas import dispatch as dispatch_lambda
 
-    spans: list[tuple[str, float, float]] = []  # (the message, when its handling began, when it ended)
+    spans: list[tuple[str, float, float]] = []
     handle = dispatch_lambda.record_handler
 
     def timed(record: Any, lambda_context: Any = None) -> None:
@@ -675,6 +670,19 @@ def test_a_long_steps_cost_does_not_grow_with_its_duration(deployed: Deployed, m
             spans.append((json.dumps(record.body.model_dump(mode="json")), began, time.monotonic()))
 
     monkeypatch.setattr(dispatch_lambda, "record_handler", timed)
+    return spans
+
+
+@pytest.mark.rfd("H4")
+def test_a_long_steps_cost_does_not_grow_with_its_duration(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs whose middle step takes 0.5 s and 3 s make the same AWS requests and Lambda invocations, and no
+    dispatch invocation lasts through the callback: each one that began while it ran ended before it did (an
+    order of events, not a time limit). bench/cost.py prices it."""
+    from werkzeug.serving import make_server
+
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    spans = _timed_dispatches(monkeypatch)
     master = dispatch_lambda.engine().engine.master_keys()[0]
     server = make_server("127.0.0.1", 0, _encoder_app(master).wsgi(), threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -722,19 +730,8 @@ def test_a_lambda_endpoints_long_step_is_sent_as_an_event_and_no_dispatcher_wait
     containers share a replay table). Its 3 s shipment is sent to it as an asynchronous event: no dispatch
     invocation lasts through the callback, the outcome is posted to the result function, which records it and
     sends the next attempt as an event itself. The same requests are made for a 0.5 s shipment."""
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
 
-    spans: list[tuple[str, float, float]] = []
-    handle = dispatch_lambda.record_handler
-
-    def timed(record: Any, lambda_context: Any = None) -> None:
-        began = time.monotonic()
-        try:
-            handle(record, lambda_context)
-        finally:
-            spans.append((json.dumps(record.body.model_dump(mode="json")), began, time.monotonic()))
-
-    monkeypatch.setattr(dispatch_lambda, "record_handler", timed)
+    spans = _timed_dispatches(monkeypatch)
     shop_arn = deployed.box.function_arn("shop.lambda_handler")
     made: dict[float, Counter[tuple[str, str]]] = {}
     for seconds in (0.5, 0.5, 3.0):
