@@ -52,10 +52,12 @@ def app_concurrency(app: cdk.App, name: str) -> dict[str, int]:
     pairs = value.items() if isinstance(value, dict) else (p.rpartition("=")[::2] for p in str(value).split(","))
     out: dict[str, int] = {}
     for app_id, raw in pairs:
-        text = str(raw).strip()
-        if not str(app_id).strip() or not text.isdigit():
-            raise ValueError(f"ryusen:{name} must be APP=N pairs, separated by commas (video=10,reports=4): {value!r}")
-        out[str(app_id).strip()] = int(text)
+        text, key = str(raw).strip(), str(app_id).strip()
+        if not key or not (text.isascii() and text.isdigit()) or key in out:
+            raise ValueError(
+                f"ryusen:{name} must be APP=N pairs, each app once, separated by commas (video=10,reports=4): {value!r}"
+            )
+        out[key] = int(text)
     return out
 
 

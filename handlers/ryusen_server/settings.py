@@ -171,10 +171,12 @@ def dev_dispatch_settings(env: Mapping[str, str] | None = None) -> DevDispatchSe
     raw = env.get("RYUSEN_DEV_APP_CONCURRENCY", "").strip()
     for pair in raw.split(",") if raw else ():
         app_id, _, count = pair.rpartition("=")
-        if not app_id.strip() or not count.strip().isdigit() or not 1 <= int(count) <= workers:
+        count = count.strip()
+        whole = count.isascii() and count.isdigit()
+        if not app_id.strip() or app_id.strip() in app_concurrency or not whole or not 1 <= int(count) <= workers:
             raise ValueError(
-                "setting RYUSEN_DEV_APP_CONCURRENCY must be APP=N pairs separated by commas, each N from 1 to"
-                f" RYUSEN_DEV_WORKERS ({workers}), not {raw!r}"
+                "setting RYUSEN_DEV_APP_CONCURRENCY must be APP=N pairs separated by commas, each app once and each"
+                f" N from 1 to RYUSEN_DEV_WORKERS ({workers}), not {raw!r}"
             )
         app_concurrency[app_id.strip()] = int(count)
     return DevDispatchSettings(workers=workers, app_workers=app_workers, app_concurrency=app_concurrency)

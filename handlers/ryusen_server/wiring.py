@@ -7,9 +7,9 @@ constructs boto3 clients.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -68,9 +68,11 @@ class AwsResources:
     """Send each task with its app's message group, making the dispatch queue an SQS fair queue
     (``RYUSEN_FAIR_QUEUE``, ``aws/queue.py``)."""
     app_queues: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    """Apps whose tasks have a dispatch queue of their own (``RYUSEN_APP_QUEUES``: JSON, app id -> ``{"url", "arn"}``),
-    whose event source caps how many dispatchers run them at once (the CDK setting ``app_dispatch_concurrency``).
-    Every other app's tasks, and every timer, wake and deferred answer, go to ``queue_url``."""
+    """The dispatch queues of apps that have one of their own (the CDK setting ``app_dispatch_concurrency``), whose
+    event source caps how many dispatchers run their tasks at once: the app's digest (``app_queue_digest``) ->
+    (URL, ARN). The stack names them ``RYUSEN_APP_QUEUE_PREFIX`` and the digests in ``RYUSEN_APP_QUEUES`` (commas),
+    in the shared queue's account and region. Every other app's tasks, and every timer, wake and deferred answer,
+    go to ``queue_url``."""
     lambda_events: bool = True
     """Send attempts to a Lambda endpoint that announces ``lambda_event`` as asynchronous events, waiting for none
     of them (``RYUSEN_LAMBDA_EVENTS``; ``aws/lambda_events.py``). False: every attempt goes to the app's URL."""
@@ -91,7 +93,12 @@ class AwsResources:
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
             fair_queue=flag_setting(env, "RYUSEN_FAIR_QUEUE", True),
             lambda_events=flag_setting(env, "RYUSEN_LAMBDA_EVENTS", True),
-            app_queues=_app_queues(env.get("RYUSEN_APP_QUEUES", "")),
+            app_queues=_app_queues(
+                env.get("RYUSEN_APP_QUEUES", ""),
+                env.get("RYUSEN_APP_QUEUE_PREFIX", ""),
+                env["RYUSEN_QUEUE_URL"],
+                env["RYUSEN_QUEUE_ARN"],
+            ),
         )
 
     def queue_url_of(self, arn: str | None) -> str:
@@ -103,18 +110,19 @@ class AwsResources:
         return self.queue_url
 
 
-def _app_queues(raw: str) -> dict[str, tuple[str, str]]:
-    """``RYUSEN_APP_QUEUES`` (the stack writes it): refused at a cold start if it is not what the stack writes."""
-    if not raw.strip():
+def _app_queues(raw: str, prefix: str, shared_url: str, shared_arn: str) -> dict[str, tuple[str, str]]:
+    """The apps' own queues the stack names (``RYUSEN_APP_QUEUES``, ``RYUSEN_APP_QUEUE_PREFIX``), beside the shared
+    one: refused at a cold start if they are not what the stack writes."""
+    digests = [d.strip() for d in raw.split(",") if d.strip()]
+    if not digests:
         return {}
-    try:
-        parsed = json.loads(raw)
-        queues = {str(app): (str(q["url"]), str(q["arn"])) for app, q in parsed.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,60}", prefix) or not all(re.fullmatch(r"[0-9a-f]{12}", d) for d in digests):
         raise RuntimeError(
-            'RYUSEN_APP_QUEUES must be a JSON object of app id -> {"url": ..., "arn": ...} (the stack writes it)'
-        ) from exc
-    return queues
+            "RYUSEN_APP_QUEUES must be the apps' queue digests (12 hex digits each, commas between) and"
+            " RYUSEN_APP_QUEUE_PREFIX their names' prefix, as the stack writes them"
+        )
+    url_base, arn_base = shared_url.rsplit("/", 1)[0], shared_arn.rsplit(":", 1)[0]
+    return {d: (f"{url_base}/{prefix}{d}", f"{arn_base}:{prefix}{d}") for d in digests}
 
 
 def client(service: str, resources: AwsResources) -> Any:
@@ -221,7 +229,7 @@ def aws_engine(
             counter,
             hold=hold,
             fair=resources.fair_queue,
-            app_queues={app: url for app, (url, _) in resources.app_queues.items()},
+            app_queues=resources.app_queues,
         ),
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),

@@ -68,9 +68,17 @@ LEASE_GRACE = cdk.Duration.minutes(1)
 FRESH_ACCOUNT_CONCURRENCY = 10
 """How many Lambda executions a new account may run at once in a region (AWS lowers new accounts' quota and
 raises it with use; the usual quota is 1,000). The default dispatch concurrency fits in it (docs/deploy.md)."""
-MAX_APP_QUEUES = 50
+MAX_APP_QUEUES = 20
 """The most apps with a dispatch queue of their own: each is an event source of the dispatch function, polling
-whether or not it has work (a few cents a month each) and counting against the account's Lambda concurrency."""
+whether or not it has work (a few cents a month each) and counting against the account's Lambda concurrency, and
+each adds statements to the engine's roles (past about 25 apps, CDK splits the dispatch role's policy)."""
+
+
+def app_queue_digest(app_id: str) -> str:
+    """What names an app's own dispatch queue (``ryusen_server.aws.queue.app_queue_digest`` computes the same)."""
+    return hashlib.sha256(app_id.encode()).hexdigest()[:12]
+
+
 MAX_VISIBILITY = cdk.Duration.hours(12)
 """SQS's longest visibility timeout: an attempt's lease (its timeout plus the grace) must fit in it."""
 
@@ -157,9 +165,9 @@ class RyusenSettings:
         if len(self.app_dispatch_concurrency) > MAX_APP_QUEUES:
             raise ValueError(f"app_dispatch_concurrency names at most {MAX_APP_QUEUES} apps")
         for app_id, concurrency in self.app_dispatch_concurrency.items():
-            if not re.fullmatch(r"[!-~]{1,256}", app_id):
-                raise ValueError(f"app_dispatch_concurrency: {app_id!r} is not an app id (1-256 printable ASCII)")
-            if not isinstance(concurrency, int) or not 2 <= concurrency <= 1000:
+            if not isinstance(app_id, str) or not 1 <= len(app_id) <= 256 or not app_id.isprintable():
+                raise ValueError(f"app_dispatch_concurrency: {app_id!r} is not an app id (1-256 printable characters)")
+            if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 2 <= concurrency <= 1000:
                 raise ValueError(f"app_dispatch_concurrency[{app_id!r}] must be 2-1000, not {concurrency!r}")
         if not 128 <= self.dispatch_memory_mb <= 10_240:
             raise ValueError(f"dispatch_memory_mb must be 128-10240 (Lambda's range), not {self.dispatch_memory_mb}")
@@ -298,12 +306,16 @@ class RyusenEngine(Construct):
             dead_letter_queue=sqs.DeadLetterQueue(max_receive_count=10, queue=self.dead_letter_queue),
         )
         self.app_queues: dict[str, sqs.Queue] = {}
-        """The dispatch queue of each app named in ``app_dispatch_concurrency``."""
+        """The dispatch queue of each app named in ``app_dispatch_concurrency``, named ``app_queue_prefix`` and its
+        app's digest, so that the functions' environment names them in 13 bytes an app (Lambda allows 4 KB)."""
+        self.app_queue_prefix = "ryusen-" + hashlib.sha256(self.node.path.encode()).hexdigest()[:8] + "-"
+        """This deployment's app queues' names begin so (unique per stack and construct, in an account's region)."""
         for app_id in sorted(settings.app_dispatch_concurrency):
-            digest = hashlib.sha256(app_id.encode()).hexdigest()[:12]  # a logical id that never changes for the app
+            digest = app_queue_digest(app_id)  # a logical id and a name that never change for the app
             self.app_queues[app_id] = sqs.Queue(
                 self,
                 f"AppQueue{digest}",
+                queue_name=f"{self.app_queue_prefix}{digest}",
                 visibility_timeout=settings.dispatch_timeout,
                 retention_period=retention,
                 enforce_ssl=True,
@@ -338,7 +350,12 @@ class RyusenEngine(Construct):
         self.scheduler_role.add_to_policy(
             iam.PolicyStatement(
                 actions=["sqs:SendMessage"],
-                resources=[self.queue.queue_arn, self.scheduler_dead_letter_queue.queue_arn],
+                # an app's task delayed past SQS's 15 minutes arrives on the app's own queue
+                resources=[
+                    self.queue.queue_arn,
+                    self.scheduler_dead_letter_queue.queue_arn,
+                    *(q.queue_arn for q in self.app_queues.values()),
+                ],
             )
         )
 
@@ -356,9 +373,8 @@ class RyusenEngine(Construct):
             **settings.environment(),
         }
         if self.app_queues:
-            common["RYUSEN_APP_QUEUES"] = stack.to_json_string(
-                {app: {"url": q.queue_url, "arn": q.queue_arn} for app, q in self.app_queues.items()}
-            )
+            common["RYUSEN_APP_QUEUE_PREFIX"] = self.app_queue_prefix
+            common["RYUSEN_APP_QUEUES"] = ",".join(app_queue_digest(a) for a in sorted(self.app_queues))
         self.api_function = self._function(
             "ApiFunction",
             "ryusen_server.lambdas.api.handler",
@@ -759,4 +775,14 @@ class RyusenEngine(Construct):
                 left=[self._alarm("TableThrottles").metric, self._alarm("FunctionThrottles").metric],
             ),
         )
+        if self.app_queues:
+            dashboard.add_widgets(
+                cloudwatch.GraphWidget(
+                    title="Apps' own dispatch queues (oldest message, seconds)",
+                    left=[
+                        q.metric_approximate_age_of_oldest_message(label=app_id[:40])
+                        for app_id, q in self.app_queues.items()
+                    ],
+                )
+            )
         return dashboard

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from ryusen_server.core.events import EngineSettings
@@ -68,23 +66,30 @@ def test_the_fair_queue_setting_is_on_unless_turned_off_and_a_malformed_one_is_r
 
 
 def test_a_deployments_app_queues_are_read_and_a_malformed_setting_stops_the_cold_start() -> None:
-    """``RYUSEN_APP_QUEUES`` (the stack writes it for ``app_dispatch_concurrency``): a record is handled on the queue
-    its ``eventSourceARN`` names, an app's own or the shared one; a value the stack would not write is refused."""
+    """``RYUSEN_APP_QUEUES`` and ``RYUSEN_APP_QUEUE_PREFIX`` (the stack writes them for ``app_dispatch_concurrency``):
+    each app's queue, named by its digest beside the shared one; a record is handled on the queue its
+    ``eventSourceARN`` names; a value the stack would not write is refused."""
+    from ryusen_infra.engine import app_queue_digest as infra_digest
+    from ryusen_server.aws.queue import app_queue_digest
     from ryusen_server.wiring import AwsResources
 
     base = {
         "RYUSEN_TABLE": "t",
-        "RYUSEN_QUEUE_URL": "https://sqs/shared",
-        "RYUSEN_QUEUE_ARN": "arn:aws:sqs:us-east-1:123456789012:shared",
+        "RYUSEN_QUEUE_URL": "https://sqs.us-east-1.amazonaws.com/123456789012/Ryusen-DispatchQueue-X",
+        "RYUSEN_QUEUE_ARN": "arn:aws:sqs:us-east-1:123456789012:Ryusen-DispatchQueue-X",
         "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/s",
     }
-    video = {"url": "https://sqs/video", "arn": "arn:aws:sqs:us-east-1:123456789012:video"}
-    resources = AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": json.dumps({"video": video})})
-    assert resources.app_queues == {"video": (video["url"], video["arn"])}
-    assert resources.queue_url_of(video["arn"]) == video["url"]
+    digest = app_queue_digest("video")
+    assert digest == infra_digest("video")  # the stack names the queue as the engine finds it
+    env = {**base, "RYUSEN_APP_QUEUES": digest, "RYUSEN_APP_QUEUE_PREFIX": "ryusen-0123abcd-"}
+    resources = AwsResources.from_env(env)
+    url = f"https://sqs.us-east-1.amazonaws.com/123456789012/ryusen-0123abcd-{digest}"
+    arn = f"arn:aws:sqs:us-east-1:123456789012:ryusen-0123abcd-{digest}"
+    assert resources.app_queues == {digest: (url, arn)}
+    assert resources.queue_url_of(arn) == url
     assert resources.queue_url_of(base["RYUSEN_QUEUE_ARN"]) == base["RYUSEN_QUEUE_URL"]
     assert resources.queue_url_of("arn:aws:sqs:us-east-1:123456789012:unknown") == base["RYUSEN_QUEUE_URL"]
     assert AwsResources.from_env(base).app_queues == {}
-    for malformed in ("[1]", "{not json", json.dumps({"video": {"url": "u"}})):
+    for queues, prefix in (("video", "p-"), (digest, "no spaces "), (f"{digest},xyz", "p-")):
         with pytest.raises(RuntimeError, match="RYUSEN_APP_QUEUES"):
-            AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": malformed})
+            AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": queues, "RYUSEN_APP_QUEUE_PREFIX": prefix})

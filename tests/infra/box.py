@@ -137,7 +137,9 @@ class Box:
                     "maxReceiveCount": policy["maxReceiveCount"],
                 }
             )
-        url = sqs.create_queue(QueueName=f"box-{name}"[:80], Attributes=attributes)["QueueUrl"]
+        url = sqs.create_queue(QueueName=props.get("QueueName") or f"box-{name}"[:80], Attributes=attributes)[
+            "QueueUrl"
+        ]
         self.refs[name] = url
         self.arns[name] = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
 

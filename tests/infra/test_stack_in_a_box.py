@@ -152,10 +152,11 @@ class EventSource:
         client = boto3.client("scheduler", region_name="us-east-1")
         for schedule in due_schedules(env["RYUSEN_SCHEDULE_GROUP"]):
             target = schedule["Target"]
-            assert target["Arn"] == env["RYUSEN_QUEUE_ARN"]
+            queues = {self.deployed.box.arns[n]: self.deployed.box.refs[n] for n in self.deployed.box.arns}
+            assert target["Arn"] == env["RYUSEN_QUEUE_ARN"] or target["Arn"] in queues  # the shared, or an app's
             assert target["RoleArn"] == env["RYUSEN_SCHEDULER_ROLE_ARN"]
             assert target["DeadLetterConfig"]["Arn"] == env["RYUSEN_SCHEDULER_DLQ_ARN"]
-            self.sqs.send_message(QueueUrl=self.queue_url, MessageBody=target["Input"])
+            self.sqs.send_message(QueueUrl=queues.get(target["Arn"], self.queue_url), MessageBody=target["Input"])
             with contextlib.suppress(client.exceptions.ResourceNotFoundException):
                 client.delete_schedule(Name=schedule["Name"], GroupName=env["RYUSEN_SCHEDULE_GROUP"])
 

@@ -512,12 +512,17 @@ def test_an_app_with_a_dispatch_concurrency_of_its_own_gets_its_own_queue_and_ca
         "ReportBatchItemFailures"
     ]
     assert len(mappings) == 2  # the shared queue's, and video's
-    for handler in (*HANDLERS, "ryusen_server.lambdas.results.handler"):
+    from ryusen_infra.engine import app_queue_digest
+
+    assert queue["QueueName"] == f"{engine.app_queue_prefix}{app_queue_digest('video')}"
+    for handler in (*HANDLERS, "ryusen_server.lambdas.results.handler", "ryusen_server.lambdas.sweep.handler"):
         variables = custom.function(handler)[1]["Properties"]["Environment"]["Variables"]
-        assert "RYUSEN_APP_QUEUES" in variables
-        assert "video" in json.dumps(variables["RYUSEN_APP_QUEUES"])
+        assert variables["RYUSEN_APP_QUEUES"] == app_queue_digest("video")
+        assert variables["RYUSEN_APP_QUEUE_PREFIX"] == engine.app_queue_prefix
     granted = json.dumps(custom.resources("AWS::IAM::Policy"))
-    assert granted.count(video_id) >= 4  # SendMessage for api, dispatch, results; ChangeMessageVisibility
+    assert (
+        granted.count(video_id) >= 5
+    )  # SendMessage for api, dispatch, results, the Scheduler; ChangeMessageVisibility
     assert [m.entry.data for m in custom.messages if "AwsSolutions" in str(m.entry.data)] == []
     ages = [
         a["Properties"]["Dimensions"]
@@ -525,6 +530,7 @@ def test_an_app_with_a_dispatch_concurrency_of_its_own_gets_its_own_queue_and_ca
         if a["Properties"].get("MetricName") == "ApproximateAgeOfOldestMessage"
     ]
     assert [{"Name": "QueueName", "Value": {"Fn::GetAtt": [video_id, "QueueName"]}}] in ages  # its backlog alarms
-    for bad in ({"video": 1}, {"video": 1001}, {"": 4}, {"has space": 4}):
+    RyusenSettings(app_dispatch_concurrency={"café": 2, "video encoder": 3}).check()  # any app id
+    for bad in ({"video": 1}, {"video": 1001}, {"": 4}, {"a\tb": 4}, {"video": True}):
         with pytest.raises(ValueError, match="app_dispatch_concurrency"):
             RyusenSettings(app_dispatch_concurrency=bad).check()

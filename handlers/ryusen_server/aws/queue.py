@@ -111,6 +111,11 @@ def message_group(app_id: str) -> str:
     return "sha256:" + hashlib.sha256(app_id.encode()).hexdigest()
 
 
+def app_queue_digest(app_id: str) -> str:
+    """What names an app's own dispatch queue (``ryusen_infra.engine.app_queue_digest`` computes the same)."""
+    return hashlib.sha256(app_id.encode()).hexdigest()[:12]
+
+
 def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer | WakeOrder:
     """A dispatch message's body: a TaskRef, ``{"timer": TimerRef}`` or ``{"deferred": DeferredAnswer}``. Raises
     ValueError if none."""
@@ -135,13 +140,13 @@ class SqsQueue:
         clock: Callable[[], datetime] | None = None,
         hold: DelayHold | None = None,
         fair: bool = True,
-        app_queues: Mapping[str, str] | None = None,
+        app_queues: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``).
         ``fair``: send each task with its app's message group (``RYUSEN_FAIR_QUEUE``; off only where SQS has
-        no fair queues and would refuse a group on a standard queue). ``app_queues``: the queue URL of each app
-        that has one of its own (``app_dispatch_concurrency``): its tasks go there, anything else to
-        ``queue_url``."""
+        no fair queues and would refuse a group on a standard queue). ``app_queues``: the queue (URL, ARN) of each
+        app that has one of its own (``app_dispatch_concurrency``), by :func:`app_queue_digest`: its tasks go there,
+        those delayed past 15 minutes too (through the Scheduler), anything else to ``queue_url``."""
         self._client = sqs_client
         self.queue_url = queue_url
         self._scheduler = scheduler
@@ -155,7 +160,8 @@ class SqsQueue:
         """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
         body = task.model_dump_json(exclude=None if task.lease_timer else {"lease_timer"})  # as before it existed
         group = message_group(app_id) if app_id is not None and self._fair else None
-        url = self._app_queues.get(app_id, self.queue_url) if app_id is not None else self.queue_url
+        own = self._app_queues.get(app_queue_digest(app_id)) if app_id is not None and self._app_queues else None
+        url = own[0] if own is not None else self.queue_url
         if self._hold is not None and 0 < delay_s <= MAX_DELAY_S:
             self._hold(delay_s, lambda: self._send_message(body, 0, group, url=url))  # to the millisecond
             return
@@ -163,7 +169,8 @@ class SqsQueue:
         if delay > MAX_DELAY_S:
             if self._scheduler is not None:
                 at = self._clock() + timedelta(seconds=delay)
-                self._scheduler.schedule_message(self._delayed_name(task, body, at), at, body)
+                target = own[1] if own is not None else None  # an app's own queue, not the shared dispatchers
+                self._scheduler.schedule_message(self._delayed_name(task, body, at), at, body, target_arn=target)
                 return
             # without a scheduler the task still must not be lost: it arrives early instead
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)

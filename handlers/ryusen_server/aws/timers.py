@@ -122,12 +122,13 @@ class SchedulerTimers:
         """The timer will not be needed (its run finished first): delete its schedule, if still there."""
         self.delete(schedule_name(timer.name))
 
-    def schedule_message(self, name: str, at: datetime, body: str) -> str:
-        """Deliver ``body`` to the target (the dispatch queue) at ``at``; returns the schedule's name."""
+    def schedule_message(self, name: str, at: datetime, body: str, *, target_arn: str | None = None) -> str:
+        """Deliver ``body`` to the target (the dispatch queue, or the queue ``target_arn``: an app's own) at ``at``;
+        returns the schedule's name."""
         name = schedule_name(name)
         when = max(at if at.tzinfo else at.replace(tzinfo=UTC), self._clock() + MIN_LEAD)
         target: Any = {
-            "Arn": self.target_arn,
+            "Arn": target_arn or self.target_arn,
             "RoleArn": self.role_arn,
             "Input": body,
             # a target that keeps failing (a role without permission, a deleted queue) is retried for a day,
