@@ -30,20 +30,13 @@ from ryusen_server.aws.timers import create_schedule_group
 from ryusen_server.lambdas import api as api_lambda
 from ryusen_server.lambdas import dispatch as dispatch_lambda
 from ryusen_server.local.dev import DevError
+from tests.functional.conftest import aws_env  # noqa: F401
 from tests.lambda_http import ApiGateway, LambdaContext, sqs_batch
 
 MASTER = "review-app-queues-master-key-0123456789abcdef"
 
 
-@pytest.fixture(autouse=True)
-def _aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+pytestmark = pytest.mark.usefixtures("aws_env")  # fake credentials for moto (tests/functional/conftest.py)
 
 
 def _arn(sqs: Any, url: str) -> str:
