@@ -308,8 +308,10 @@ class RyusenEngine(Construct):
         self.app_queues: dict[str, sqs.Queue] = {}
         """The dispatch queue of each app named in ``app_dispatch_concurrency``, named ``app_queue_prefix`` and its
         app's digest, so that the functions' environment names them in 13 bytes an app (Lambda allows 4 KB)."""
-        self.app_queue_prefix = "ryusen-" + hashlib.sha256(self.node.path.encode()).hexdigest()[:8] + "-"
-        """This deployment's app queues' names begin so (unique per stack and construct, in an account's region)."""
+        where = f"{stack.stack_name}/{self.node.path}"
+        self.app_queue_prefix = "ryusen-" + hashlib.sha256(where.encode()).hexdigest()[:8] + "-"
+        """This deployment's app queues' names begin so (by its stack's name and the construct's path: one stack's
+        app queues are not another's, in an account's region)."""
         for app_id in sorted(settings.app_dispatch_concurrency):
             digest = app_queue_digest(app_id)  # a logical id and a name that never change for the app
             self.app_queues[app_id] = sqs.Queue(
