@@ -78,21 +78,8 @@ class FreezingLambda:
         ``via="wsgi"``: the app served by a web framework inside Lambda (the Lambda Web Adapter), where only
         the environment says it is on Lambda. ``context``: the invocation's (15 minutes left by default). Returns
         the status and the parsed answer."""
-        body = request.model_dump_json(exclude_none=True).encode()
-        headers = {
-            "content-type": "application/json",
-            SIGNATURE_HEADER: sign(
-                KEY, task_scope(request, path="/", app_id=APP_ID), body, now=time.time(), nonce=secrets.token_hex(16)
-            ),
-        }
-        event = {
-            "version": "2.0",
-            "rawPath": "/",
-            "headers": headers,
-            "requestContext": {"http": {"method": "POST", "path": "/"}},
-            "body": body.decode(),
-            "isBase64Encoded": False,
-        }
+        event = signed_event(request)
+        headers, body = event["headers"], event["body"].encode()
         before = set(threading.enumerate())
         self.frozen = False
         try:
@@ -110,6 +97,25 @@ class FreezingLambda:
     def close(self) -> None:
         self.server.shutdown()
         self.app.kept_passes.clear(wait_s=5)  # what today's code left running (the tests fail before this)
+
+
+def signed_event(request: TaskRequest) -> dict[str, Any]:
+    """``request`` signed with the app's key for ``/``, in the Function URL event (payload 2.0) it arrives in."""
+    body = request.model_dump_json(exclude_none=True).encode()
+    headers = {
+        "content-type": "application/json",
+        SIGNATURE_HEADER: sign(
+            KEY, task_scope(request, path="/", app_id=APP_ID), body, now=time.time(), nonce=secrets.token_hex(16)
+        ),
+    }
+    return {
+        "version": "2.0",
+        "rawPath": "/",
+        "headers": headers,
+        "requestContext": {"http": {"method": "POST", "path": "/"}},
+        "body": body.decode(),
+        "isBase64Encoded": False,
+    }
 
 
 def attempt(step_id: str, *, result_url: str, window_s: float = 30.0, memo: dict[str, Any] | None = None) -> Any:

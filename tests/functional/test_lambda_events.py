@@ -10,7 +10,6 @@ by the result function, runs in the stack in a box (tests/infra/test_stack_in_a_
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -21,12 +20,12 @@ from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeou
 
 from ryusen import Ryusen, Step
 from ryusen._internal.app import features
-from ryusen._internal.signing import SIGNATURE_HEADER, SeenRequests, Signature, sign
-from ryusen._internal.wire import FEATURES_HEADER, LAMBDA_EVENT_MARKER, TaskKind, TaskRequest, task_scope
+from ryusen._internal.signing import SeenRequests, Signature
+from ryusen._internal.wire import FEATURES_HEADER, LAMBDA_EVENT_MARKER, TaskKind, TaskRequest
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.aws.lambda_events import LambdaEventInvoker
 from ryusen_server.ports import InvalidRequestError
-from tests.functional.test_lambda_endpoint import APP_ID, KEY, FreezingLambda, attempt, lambdas  # noqa: F401
+from tests.functional.test_lambda_endpoint import APP_ID, KEY, FreezingLambda, attempt, lambdas, signed_event  # noqa: F401
 from tests.lambda_http import LambdaContext
 
 ARN = "arn:aws:lambda:us-east-1:123456789012:function:shop"
@@ -83,22 +82,7 @@ def test_a_lambda_endpoint_announces_lambda_event_only_with_a_replay_memory_its_
 
 def event_for(request: TaskRequest) -> dict[str, Any]:
     """The event the server sends: the Function URL event it would have sent, marked as one nobody waits on."""
-    body = request.model_dump_json(exclude_none=True).encode()
-    headers = {
-        "content-type": "application/json",
-        SIGNATURE_HEADER: sign(
-            KEY, task_scope(request, path="/", app_id=APP_ID), body, now=time.time(), nonce=secrets.token_hex(16)
-        ),
-    }
-    return {
-        LAMBDA_EVENT_MARKER: 1,
-        "version": "2.0",
-        "rawPath": "/",
-        "headers": headers,
-        "requestContext": {"http": {"method": "POST", "path": "/"}},
-        "body": body.decode(),
-        "isBase64Encoded": False,
-    }
+    return {LAMBDA_EVENT_MARKER: 1, **signed_event(request)}
 
 
 def invoke_event(runtime: FreezingLambda, event: dict[str, Any]) -> dict[str, Any]:

@@ -93,3 +93,25 @@ def test_a_deployments_app_queues_are_read_and_a_malformed_setting_stops_the_col
     for queues, prefix in (("video", "p-"), (digest, "no spaces "), (f"{digest},xyz", "p-")):
         with pytest.raises(RuntimeError, match="RYUSEN_APP_QUEUES"):
             AwsResources.from_env({**base, "RYUSEN_APP_QUEUES": queues, "RYUSEN_APP_QUEUE_PREFIX": prefix})
+
+
+def test_attempts_as_lambda_events_can_be_turned_off_in_the_engines_functions(aws_env: None) -> None:
+    """``RYUSEN_LAMBDA_EVENTS=false`` (docs/deploy.md): the engine gets no event invoker, so every attempt of a
+    release that announced ``lambda_event`` goes to its URL; by default it has one."""
+    from moto import mock_aws
+
+    from ryusen_server.aws.lambda_events import LambdaEventInvoker
+    from ryusen_server.wiring import AwsResources, aws_engine
+
+    base = {
+        "RYUSEN_TABLE": "t",
+        "RYUSEN_QUEUE_URL": "https://sqs.us-east-1.amazonaws.com/123456789012/q",
+        "RYUSEN_QUEUE_ARN": "arn:aws:sqs:us-east-1:123456789012:q",
+        "RYUSEN_SCHEDULER_ROLE_ARN": "arn:aws:iam::123456789012:role/s",
+    }
+    settings = server_settings({"RYUSEN_MASTER_KEY": "events-off-master-key-0123456789abcdef"})
+    with mock_aws():
+        on = aws_engine(AwsResources.from_env(base), settings)
+        off = aws_engine(AwsResources.from_env({**base, "RYUSEN_LAMBDA_EVENTS": "false"}), settings)
+    assert isinstance(on.engine.event_invoker, LambdaEventInvoker)
+    assert off.engine.event_invoker is None
