@@ -293,7 +293,10 @@ class SecretKey:
         with self._lock:
             if self._read is None or self._clock() - self._read_at >= max_age_s:
                 try:
-                    read = read_secret(self._client, self._secret_id)
+                    known = self._read
+                    if known is not None and known.keys(self._wall(), self._window_s)[1] is not None:
+                        known = None  # a previous key still accepted: see whether it was detached since
+                    read = read_secret(self._client, self._secret_id, known=known)
                     if read.current is None:  # an empty secret is no key: fail closed, never unsigned
                         raise RuntimeError(f"the signing key secret {self._secret_id} is empty")
                 except Exception:

@@ -26,6 +26,11 @@ pk                             sk           what
                                             ``release_ref`` of the newest release of each app
 =============================  ===========  ==========================================
 
+Every ``B`` attribute above is zlib. The head's ``body`` and ``summary`` and each journal entry are
+compressed with a preset dictionary (:mod:`.journal_dictionary`, named in the stream's header): alone, an
+entry is mostly field names, which the dictionary holds. Items written before dictionaries, and large values,
+are plain zlib; a read takes either.
+
 (The idempotency item's ``sk`` repeats the function id so that the pair is
 unambiguous even when a function id or a key contains ``#``. App releases
 share one partition so that ``list_releases`` is one Query, not a Scan.)
@@ -148,7 +153,7 @@ from ..ports import (
     VersionConflictError,
     check_time,
 )
-from . import journal
+from . import journal, journal_dictionary
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
@@ -314,6 +319,37 @@ class _Packed:
     """The large values: digest to serialized JSON."""
 
 
+def _compress(raw: bytes) -> bytes:
+    """zlib with the current preset dictionary (:mod:`.journal_dictionary`): an entry is mostly field names and
+    shape, which the dictionary holds, so it packs to about a third of plain zlib's size."""
+    compressor = zlib.compressobj(zdict=journal_dictionary.CURRENT)
+    return compressor.compress(raw) + compressor.flush()
+
+
+FDICT = 0x20
+"""The bit of a zlib stream's second byte that says a DICTID (the dictionary's Adler-32) follows (RFC 1950; the
+first byte's low nibble is 8, deflate, and the two bytes are a multiple of 31)."""
+
+
+def _decompress(blob: bytes) -> bytes:
+    """An item's compressed bytes, with the dictionary its stream names, or none (plain zlib, as every item was
+    written before dictionaries). A dictionary this code does not know is a ``zlib.error`` that says so."""
+    if len(blob) >= 6 and blob[0] & 0x0F == 8 and (blob[0] << 8 | blob[1]) % 31 == 0 and blob[1] & FDICT:
+        ident = int.from_bytes(blob[2:6], "big")
+        dictionary = journal_dictionary.DICTIONARIES.get(ident)
+        if dictionary is None:
+            raise zlib.error(
+                f"written with store dictionary 0x{ident:08x}, which this version of Ryusen does not know"
+                " (written by a newer one: deploy it again)"
+            )
+        decompressor = zlib.decompressobj(zdict=dictionary)
+        raw = decompressor.decompress(blob) + decompressor.flush()
+        if not decompressor.eof:  # cut short (zlib.decompress says so for a plain stream)
+            raise zlib.error("incomplete or truncated stream")
+        return raw
+    return zlib.decompress(blob)
+
+
 def _pack(doc: Any, *, budget: int) -> _Packed:
     """``doc`` compressed, its values over :data:`OFFLOAD_BYTES` out; if that is still over ``budget`` bytes,
     also those over :data:`SMALL_OFFLOAD_BYTES`, when that makes it smaller."""
@@ -328,13 +364,13 @@ def _pack(doc: Any, *, budget: int) -> _Packed:
 def _pack_with(doc: Any, offload_bytes: int) -> _Packed:
     doc = pydantic_core.from_json(pydantic_core.to_json(doc))  # a copy to take values out of
     offloaded, values = _offload(doc, offload_bytes)
-    blob = zlib.compress(pydantic_core.to_json({"doc": doc, "offloaded": offloaded}))
+    blob = _compress(pydantic_core.to_json({"doc": doc, "offloaded": offloaded}))
     return _Packed(blob=blob, values=values)
 
 
 def _unpack(blob: bytes) -> tuple[Any, list[tuple[Path, str]]]:
     """A packed document (large values still out) and where each large value goes."""
-    loaded = pydantic_core.from_json(zlib.decompress(blob))
+    loaded = pydantic_core.from_json(_decompress(blob))
     return loaded["doc"], [(path, digest) for path, digest in loaded["offloaded"]]
 
 
@@ -478,7 +514,7 @@ def _index_attributes(state: RunState) -> dict[str, AttributeValueTypeDef]:
         "created_at": {"S": created},
         "list_pk": {"S": _list_partition(state.id)},
         "list_sk": {"S": f"{created}#{state.id}"},
-        "summary": {"B": zlib.compress(pydantic_core.to_json(_summary_doc(state)))},
+        "summary": {"B": _compress(pydantic_core.to_json(_summary_doc(state)))},
         "step_count": {"N": str(len(state.steps))},
         "head_version": {"N": str(state.version)},
     }
@@ -1070,7 +1106,7 @@ class DynamoStore:
         for item in items:
             run_id = _run_id_of(item)
             try:
-                runs[run_id] = RunState.model_validate(pydantic_core.from_json(zlib.decompress(item["summary"]["B"])))
+                runs[run_id] = RunState.model_validate(pydantic_core.from_json(_decompress(item["summary"]["B"])))
                 counts[run_id] = int(item["step_count"]["N"])
             except (ValueError, KeyError, zlib.error):
                 # one item this code cannot read must not break every listing: it is left out, and said so
@@ -1099,7 +1135,7 @@ class DynamoStore:
         keys = [_value_key(run_id, digest) for run_id, digest in wanted]
         for item in self._batch_get(keys, consistent=True, count=count):
             run_id, digest = _run_id_of(item), str(item["sk"]["S"]).removeprefix("VAL#")
-            raw = zlib.decompress(item["value"]["B"])
+            raw = _decompress(item["value"]["B"])
             found[(run_id, digest)] = raw
             self._values.put(run_id, digest, raw)
         return found

@@ -1291,7 +1291,10 @@ def _secret_keys(secret_id: str, now: float) -> tuple[str | None, str | None]:
         import boto3  # only here: the Lambda runtime has it; the SDK does not depend on it
 
         try:
-            read = read_secret(boto3.client("secretsmanager"), secret_id)
+            known = cached[1] if cached else None
+            if known is not None and known.keys(time.time(), _previous_key_window_s())[1] is not None:
+                known = None  # a previous key still accepted: see whether it was detached since
+            read = read_secret(boto3.client("secretsmanager"), secret_id, known=known)
         except Exception:
             if cached is None:
                 raise

@@ -120,6 +120,9 @@ class SecretRead:
     current: str | None
     previous: str | None
     rotated_at: float | None
+    version_id: str | None = None
+    """AWSCURRENT's VersionId. A rotation, ordinary or emergency, always makes a new version: the same id on a
+    later read means AWSPREVIOUS is still what this read found."""
 
     def keys(self, now: float, window_s: float) -> tuple[str | None, str | None]:
         """(the key to sign with, the previous key while it is still accepted): the previous key holds for
@@ -131,24 +134,32 @@ class SecretRead:
         return self.current, previous
 
 
-def read_secret(client: Any, secret_id: str) -> SecretRead:
+def read_secret(client: Any, secret_id: str, known: SecretRead | None = None) -> SecretRead:
     """Read a key secret with a boto3 Secrets Manager ``client``: AWSCURRENT, and AWSPREVIOUS when there is one.
-    An empty current value is no key: the caller fails closed."""
+    An empty current value is no key: the caller fails closed. With ``known`` (an earlier read whose previous
+    key is no longer accepted: none, or past its window), an AWSCURRENT of the same version returns ``known``:
+    one request, not two, when nothing was rotated since. A read that still accepts a previous key must not be
+    passed: AWSPREVIOUS can be detached without a new version (``ryusen key rotate --emergency`` puts the new
+    value, then detaches the old one, and a read between the two holds both), and only reading it again sees
+    that."""
 
-    def read(stage: str) -> tuple[str | None, float | None]:
+    def read(stage: str) -> tuple[str | None, float | None, str | None]:
         try:
             secret = client.get_secret_value(SecretId=secret_id, VersionStage=stage)
         except client.exceptions.ResourceNotFoundException:
             if stage == "AWSPREVIOUS":
-                return None, None  # never rotated, or rotated in an emergency
+                return None, None, None  # never rotated, or rotated in an emergency
             raise
         created = secret.get("CreatedDate")
         made = created.timestamp() if hasattr(created, "timestamp") else None
-        return str(secret["SecretString"]).strip() or None, made
+        version = secret.get("VersionId")
+        return str(secret["SecretString"]).strip() or None, made, str(version) if version else None
 
-    current, made = read("AWSCURRENT")
-    previous, _ = read("AWSPREVIOUS")
-    return SecretRead(current=current, previous=previous, rotated_at=made)
+    current, made, version = read("AWSCURRENT")
+    if known is not None and version is not None and version == known.version_id:
+        return known
+    previous, _, _ = read("AWSPREVIOUS")
+    return SecretRead(current=current, previous=previous, rotated_at=made, version_id=version)
 
 
 @dataclass(frozen=True, slots=True)
