@@ -339,6 +339,28 @@ ACKNOWLEDGE_AFTER_S = 0.1
 RESULT_CARRY_ON_S = 10.0
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
+INLINE_UP_TO_S = 0.25
+"""The default of ``ServerSettings.inline_up_to_s`` (``RYUSEN_INLINE_UP_TO_S``). An attempt sent as an event costs
+about $2.5 per million steps more than one answered inline, before the wait (its lease timer's SQS requests, the
+dispatch invocation that judges it, its read and logs, and the result function's request); waiting costs a 512 MB
+dispatcher about $6.67 per million steps a second. They meet near 0.37 s (docs/performance.md); 0.25 s errs on
+the side of events, which never hold a dispatcher."""
+INLINE_UP_TO_MAX_S = 1.0
+"""The most ``inline_up_to_s`` may be: under ``INLINE_LISTEN_S`` less the SDK's late margin (1 s), so that an
+answer as quick as the setting allows is never also posted as a late result."""
+INLINE_LISTEN_S = 2.0
+"""How long an attempt sent inline because its step has been quick (``inline_up_to_s``) is listened for. A callback
+that runs longer this time posts its outcome to the result URL (its response window is this), and the message
+watches its lease, as for an attempt sent as an event; so a step that is slow for once holds a dispatcher about
+this long, not for its timeout."""
+INLINE_LISTEN_GRACE_S = 0.25
+"""How long past ``INLINE_LISTEN_S`` such an attempt's answer is still waited for."""
+STEP_DURATIONS_KEPT = 5
+"""How many recent attempts of a step ``StepDurations`` keeps."""
+STEP_DURATIONS_NEEDED = 3
+"""How many of them must have been seen, all within ``inline_up_to_s``, before an attempt goes inline."""
+STEP_DURATIONS_LOOK_BACK = 16
+"""How many of a run's newest steps a read of it is learned from (a step's durations, ``StepDurations.learn``)."""
 LEASE_TIMER_MAX_DELAY_S = 900.0
 """SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 
@@ -379,6 +401,13 @@ class ServerSettings:
     a chain within this long (0: read it after every callback). A sync through this process, and every new
     dispatch message, is seen at once."""
     index_settle_s: float = 0.0
+    inline_up_to_s: float = INLINE_UP_TO_S
+    """A dispatcher invokes an attempt to a Lambda endpoint that takes events (``lambda_event``) on its URL and
+    waits, rather than sending it as an event, when the step's last attempts it has seen (by app, function, step
+    name and phase: at least ``STEP_DURATIONS_NEEDED`` of the last ``STEP_DURATIONS_KEPT``) all took at most this
+    long: a wait that short costs less than an event's lease timer and result post. It is listened for
+    ``INLINE_LISTEN_S`` at most. The result function never does: the SDK's post waits for its carrying on, and
+    that time would be billed to the app's Lambda. 0: every attempt of such an endpoint is an event."""
     store_retry_s: float = STORE_RETRY_S
     """How long a write the store keeps refusing (throttled past botocore's retries, a 5xx) is tried again
     before the caller gives up for now: a dispatcher then defers the answer it has to the queue (``deferred.py``)
@@ -397,6 +426,11 @@ class _MessageLease:
     def __init__(self, change: Callable[[float], None] | None) -> None:
         self._change = change
         self._covered_until: float | None = None
+
+    @property
+    def from_message(self) -> bool:
+        """Whether a received message carries this delivery (a dispatcher's), not the result function's post."""
+        return self._change is not None
 
     def cover(self, lease_s: float) -> None:
         if self._change is None:
@@ -422,6 +456,63 @@ class _MessageLease:
             log.warning("could not keep the message away while retrying a write", exc_info=True)
             return
         self._covered_until = now + seconds
+
+
+class StepDurations:
+    """How long this process saw the recent attempts of each step take, from authorization to outcome, by app,
+    function, step name and phase: what decides whether an attempt to a Lambda endpoint that takes events is sent
+    as one, or invoked on its URL and waited for (``ServerSettings.inline_up_to_s``). A guide to cost, never to
+    correctness: either way the attempt is fenced, leased and recorded alike. Bounded (least recently seen out)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._seen: OrderedDict[tuple[str, ...], list[float]] = OrderedDict()
+        self._learned: OrderedDict[tuple[str, str, str, int], None] = OrderedDict()
+        """The attempts already learned from (run, step, phase, generation): a run read again adds nothing twice."""
+        self._lock = threading.Lock()
+
+    def learn(self, state: RunState) -> None:
+        """Learn from the settled attempts (succeeded or failed) of the run's newest steps: how long each took from
+        its authorization to its outcome, whoever recorded it (an inline answer, a posted outcome)."""
+        for step in state.steps[-STEP_DURATIONS_LOOK_BACK:]:
+            for attempt in step.attempts:
+                if attempt.status not in (AttemptStatus.SUCCEEDED, AttemptStatus.FAILED):
+                    continue
+                if attempt.authorized_at is None or attempt.settled_at is None:
+                    continue
+                seen = (state.id, step.id, attempt.phase.value, attempt.generation)
+                with self._lock:
+                    if seen in self._learned:
+                        continue
+                    self._learned[seen] = None
+                    while len(self._learned) > self._capacity * STEP_DURATIONS_KEPT:
+                        self._learned.popitem(last=False)
+                key = (state.app_id, state.function_id, step.name or step.id, attempt.phase.value)
+                self.seen(key, (attempt.settled_at - attempt.authorized_at).total_seconds())
+
+    @staticmethod
+    def key(state: RunState, step_id: str, phase: Phase) -> tuple[str, ...] | None:
+        step = state.step(step_id)
+        if step is None:
+            return None
+        return (state.app_id, state.function_id, step.name or step.id, phase.value)
+
+    def seen(self, key: tuple[str, ...] | None, seconds: float) -> None:
+        if key is None:
+            return
+        with self._lock:
+            recent = self._seen.pop(key, [])
+            recent = [*recent, max(0.0, seconds)][-STEP_DURATIONS_KEPT:]
+            self._seen[key] = recent
+            while len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+
+    def quick(self, key: tuple[str, ...] | None, up_to_s: float) -> bool:
+        if key is None or up_to_s <= 0:
+            return False
+        with self._lock:
+            recent = self._seen.get(key, [])
+            return len(recent) >= STEP_DURATIONS_NEEDED and max(recent) <= up_to_s
 
 
 class SentMemos:
@@ -662,6 +753,8 @@ class Engine:
         """How a retry waits (the simulator replaces it: its time is its own)."""
         self.sent_memos = SentMemos()
         """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
+        self.step_durations = StepDurations()
+        """How long the recent attempts of each step took, as this process saw them (``inline_up_to_s``)."""
         self._releases_read: dict[str, tuple[float, Release | None]] = {}
         """The newest release of each function as this process last read or synced it, and when (monotonic)."""
 
@@ -1147,6 +1240,8 @@ class Engine:
             if state is None:
                 return Delivered(done=True)
             release = self._read_release(state.function_id)  # a new message reads the release afresh
+            if self.settings.inline_up_to_s > 0 and release is not None and release.lambda_function_arn is not None:
+                self.step_durations.learn(state)  # e.g. a lease timer back: how long the run's steps took
             delivered = TaskDelivered(task=task, release=self._release_ref(release), delivery_id=delivery_id)
         except StoreUnavailableError as exc:
             log.warning("%s: the store is unavailable (%s); the message comes back", task.describe(), exc)
@@ -1237,6 +1332,25 @@ class Engine:
         whole = memo(state)
         keys = self.app_keys(release.app_id)
         by_event = self._by_event(release, task, keys)
+        grace_s = window.grace_s
+        if by_event and lease.from_message and self.settings.inline_up_to_s > 0:
+            self.step_durations.learn(state)
+            if (
+                task.step_id is not None
+                and task.phase is not None
+                and self.step_durations.quick(
+                    StepDurations.key(state, task.step_id, task.phase), self.settings.inline_up_to_s
+                )
+            ):
+                # The step has been quick: a dispatcher's wait costs less than an event's lease timer and result post.
+                # It is listened for INLINE_LISTEN_S at most, and its timeout is judged at its lease, as an event's:
+                # past the window the SDK posts the outcome to the result URL, and this message, the lease timer,
+                # watches it. (Never in the result function: the SDK's post, which its carrying on holds, is billed
+                # to the app's Lambda.)
+                by_event = False
+                self._emit("quick", task)
+                listen_until = min(listen_until, now + timedelta(seconds=INLINE_LISTEN_S))
+                cut, grace_s = True, min(grace_s, INLINE_LISTEN_GRACE_S)
         cached = "memo_cache" in release.features and not by_event  # an event cannot be answered "memo_miss"
         token, base, changed = self.sent_memos.prepare(state.id, whole) if cached else (None, None, whole)
         request = self._task_request(
@@ -1251,7 +1365,7 @@ class Engine:
             result: Any = InvokeResult(kind="unreachable", detail=detail)
             sent = None
         else:
-            result, sent = self._post(release, request, keys, listen_until, window.grace_s, by_event=by_event)
+            result, sent = self._post(release, request, keys, listen_until, grace_s, by_event=by_event)
         if base is not None and sent is not None and self._memo_missed(result, request, sent):
             # the endpoint does not hold the memo this request extends (another container, a restart):
             # it ran nothing, so the same request goes again with the whole memo and input
@@ -1264,7 +1378,7 @@ class Engine:
                     "respond_within_s": self._respond_within_s(listen_until, release.features),  # less the miss
                 }
             )
-            result, sent = self._post(release, whole_request, keys, listen_until, window.grace_s)
+            result, sent = self._post(release, whole_request, keys, listen_until, grace_s)
         self._emit("invoked", (task, result))
         if self._accepted(task, result, sent):
             # The endpoint runs the callback and will post its outcome to the result URL: nothing to record, and

@@ -6,6 +6,7 @@ shorten the time-based ones.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,7 +15,14 @@ from ryusen._internal.signing import PREVIOUS_KEY_WINDOW_S
 from ryusen._internal.wire import RetryPolicyWire
 
 from .core.events import EngineSettings
-from .engine import ACKNOWLEDGE_AFTER_S, RELEASE_RECHECK_S, STORE_RETRY_S, ServerSettings
+from .engine import (
+    ACKNOWLEDGE_AFTER_S,
+    INLINE_UP_TO_MAX_S,
+    INLINE_UP_TO_S,
+    RELEASE_RECHECK_S,
+    STORE_RETRY_S,
+    ServerSettings,
+)
 
 
 def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
@@ -107,6 +115,7 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         release_recheck_s=_seconds_or_never(env, "RYUSEN_RELEASE_RECHECK_S", RELEASE_RECHECK_S),
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
         acknowledge_after_s=_acknowledge_after(env),
+        inline_up_to_s=_inline_up_to(env),
         store_retry_s=_req(env, "RYUSEN_STORE_RETRY_S", STORE_RETRY_S),
         previous_key_window_s=_seconds_or_never(env, "RYUSEN_PREVIOUS_KEY_WINDOW_S", PREVIOUS_KEY_WINDOW_S),
     )
@@ -121,6 +130,24 @@ def _acknowledge_after(env: Mapping[str, str]) -> float | None:
     if value > 900:
         raise ValueError(f"setting RYUSEN_ACKNOWLEDGE_AFTER_S must be at most 900 seconds, or never, not {raw!r}")
     return value
+
+
+def _inline_up_to(env: Mapping[str, str]) -> float:
+    """``RYUSEN_INLINE_UP_TO_S``: seconds from 0 (off: every attempt of a Lambda endpoint that takes events is one)
+    to ``INLINE_UP_TO_MAX_S``."""
+    raw = env.get("RYUSEN_INLINE_UP_TO_S")
+    if raw is None or raw.strip() == "":
+        return INLINE_UP_TO_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= INLINE_UP_TO_MAX_S:  # NaN fails this too
+        raise ValueError(
+            f"setting RYUSEN_INLINE_UP_TO_S must be a number of seconds from 0 (off) to {INLINE_UP_TO_MAX_S:g},"
+            f" not {raw!r}"
+        )
+    return value + 0.0  # -0 is 0
 
 
 def flag_setting(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -115,3 +115,19 @@ def test_attempts_as_lambda_events_can_be_turned_off_in_the_engines_functions(aw
         off = aws_engine(AwsResources.from_env({**base, "RYUSEN_LAMBDA_EVENTS": "false"}), settings)
     assert isinstance(on.engine.event_invoker, LambdaEventInvoker)
     assert off.engine.event_invoker is None
+
+
+def test_the_quick_path_setting_is_read_and_a_bad_value_stops_the_cold_start() -> None:
+    """``RYUSEN_INLINE_UP_TO_S``: how quick a Lambda endpoint's step must have been to be waited for rather than
+    sent as an event (0: never). A value that is not a number, negative or over 1 s names the setting (a quicker
+    wait would not be listened for long enough: the SDK posts an answer within 1 s of its window late too)."""
+    from ryusen_server.engine import INLINE_UP_TO_S
+
+    assert server_settings({}).inline_up_to_s == INLINE_UP_TO_S == 0.25
+    assert server_settings({"RYUSEN_INLINE_UP_TO_S": "0"}).inline_up_to_s == 0.0
+    assert server_settings({"RYUSEN_INLINE_UP_TO_S": "0.5"}).inline_up_to_s == 0.5
+    for zero in ("0.00", "00", "-0", "0e0"):
+        assert server_settings({"RYUSEN_INLINE_UP_TO_S": zero}).inline_up_to_s == 0.0
+    for bad in ("soon", "-1", "1.5", "nan", "-nan", "inf"):
+        with pytest.raises(ValueError, match="RYUSEN_INLINE_UP_TO_S"):
+            server_settings({"RYUSEN_INLINE_UP_TO_S": bad})

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -730,8 +730,13 @@ def test_a_lambda_endpoints_long_step_is_sent_as_an_event_and_no_dispatcher_wait
     """Way C (docs/design/dispatch.md): the example app, a Lambda, announces ``lambda_event`` with its ARN (its
     containers share a replay table). Its 3 s shipment is sent to it as an asynchronous event: no dispatch
     invocation lasts through the callback, the outcome is posted to the result function, which records it and
-    sends the next attempt as an event itself. The same requests are made for a 0.5 s shipment."""
+    sends the next attempt as an event itself. The same requests are made for a 0.5 s shipment. (With the quick
+    path off: the shop's other steps, quick in the tests before, would go inline; its own test is below.)"""
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+    from ryusen_server.lambdas import results as results_lambda
 
+    for wired in (dispatch_lambda.engine(), results_lambda.engine()):
+        monkeypatch.setattr(wired.engine, "settings", replace(wired.engine.settings, inline_up_to_s=0.0))
     spans = _timed_dispatches(monkeypatch)
     shop_arn = deployed.box.function_arn("shop.lambda_handler")
     made: dict[float, Counter[tuple[str, str]]] = {}
@@ -830,6 +835,117 @@ def test_a_copy_of_an_attempts_event_that_lambda_delivers_again_runs_nothing(dep
     assert answers == [(202, 401), (202, 401)]  # each copy refused as replayed
     attempts = [a for s in run["steps"] for a in s["attempts"]]
     assert [a["status"] for a in attempts] == ["succeeded", "succeeded"] and not [a for a in attempts if a["unknown"]]
+
+
+def _timed_app(deployed: Deployed, name: str) -> tuple[str, list[str], dict[str, float]]:
+    """A Lambda app that takes events (as ``_event_app``) whose one step, ``work``, sleeps what ``slow`` says for
+    its step id (0 by default): its function's ARN, what ran, and the sleeps."""
+    from datetime import timedelta
+
+    from ryusen import Ryusen, Step
+    from ryusen._internal.signing import SeenRequests, app_key
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    class Shared(SeenRequests):
+        shared = True
+
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
+    ran: list[str] = []
+    slow: dict[str, float] = {}
+
+    def work(step_id: str) -> str:
+        time.sleep(slow.get(step_id, 0.0))
+        ran.append(step_id)
+        return step_id
+
+    @app.function(f"{name}-flow")
+    def flow(data: dict[str, Any], step: Step) -> Any:
+        return [step.run(s, work, s, timeout=timedelta(seconds=8)) for s in ("a", "b", "c")]
+
+    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
+    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
+    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
+    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
+    assert synced.status_code == 200, synced.text
+    return arn, ran, slow
+
+
+def _sent_as_events(deployed: Deployed, arn: str, run_id: str, since: int) -> list[str]:
+    """The step ids of the run's attempts sent to ``arn`` as events since ``since``."""
+    sent = [json.loads(e["body"]) for a, e in deployed.box.events[since:] if a == arn and run_id in e["body"]]
+    return [body["step_id"] for body in sent]
+
+
+def _lease_timers_now(deployed: Deployed) -> None:
+    """Run forward the lease timers of a finished run's attempts: the result function's, sent with a delay, and the
+    dispatch message kept as one (moto's delay or visibility is ended, as the lease's end would), and wait until
+    the dispatchers have judged them and the queue is empty."""
+    from moto.sqs.models import sqs_backends
+
+    time.sleep(0.5)  # a dispatcher still handling a message of the run lets it go first
+    for account in sqs_backends.values():
+        for backend in account.values():
+            for queue in backend.queues.values():
+                for message in queue._messages:
+                    message.delayed_until = 0.0
+                    message.visible_at = 0.0
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    names = (
+        "ApproximateNumberOfMessages",
+        "ApproximateNumberOfMessagesNotVisible",
+        "ApproximateNumberOfMessagesDelayed",
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        counts = sqs.get_queue_attributes(QueueUrl=deployed.env["RYUSEN_QUEUE_URL"], AttributeNames=list(names))
+        if all(v == "0" for v in counts["Attributes"].values()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the dispatch queue did not empty: {counts['Attributes']}")
+
+
+def test_a_step_a_lambda_endpoint_ran_quickly_is_waited_for_by_a_dispatcher_and_one_slow_for_once_holds_it_2_s(
+    deployed: Deployed,
+) -> None:
+    """Issue 25's fast path, measured: an event costs about $2.5 per million steps more than an inline answer, and
+    a dispatcher's wait $6.67 a second (docs/performance.md). A dispatcher that has seen a step's last three
+    attempts take at most inline_up_to_s (from the runs it read: here, as their lease timers came back) invokes
+    the next on the URL and waits, and chains the next steps so while they stay quick: a run of quick steps sends
+    no event. A step quick until now that takes 3 s this time is listened for 2 s (INLINE_LISTEN_S): its SDK
+    posts the outcome to the result function, which carries the run on with events; nothing is Unknown, each
+    effect ran once. Once the dispatcher has read that run, the step goes as an event again."""
+    arn, ran, slow = _timed_app(deployed, "quick")
+    before = len(deployed.box.events)
+    run = deployed.finished(_start(deployed, "quick-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert _sent_as_events(deployed, arn, run["id"], before) == ["a", "b", "c"]  # nothing seen yet
+    _lease_timers_now(deployed)  # each comes back to a dispatcher, which reads the run: three quick "work"s
+
+    before = len(deployed.box.events)
+    run = deployed.finished(_start(deployed, "quick-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert _sent_as_events(deployed, arn, run["id"], before) == []  # the dispatcher waited for each, and chained
+    assert ran == ["a", "b", "c"] * 2, "an effect ran twice or not at all"
+
+    slow["b"] = 3.0
+    before = len(deployed.box.events)
+    run = deployed.finished(_start(deployed, "quick-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    # "b" went inline, though slow this time: listened for 2 s, its outcome posted; the result function, which
+    # never waits for a step (the app's Lambda would pay), sends "c" as an event
+    assert _sent_as_events(deployed, arn, run["id"], before) == ["c"]
+    b = next(s for s in run["steps"] if s["id"] == "b")["attempts"]
+    assert [a["status"] for a in b] == ["succeeded"] and b[0]["unknown"] is None
+    assert ran[-3:] == ["a", "b", "c"]
+    _lease_timers_now(deployed)  # the dispatcher reads that run: "work" took 3 s once
+
+    slow.clear()
+    before = len(deployed.box.events)
+    run = deployed.finished(_start(deployed, "quick-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert _sent_as_events(deployed, arn, run["id"], before) == ["a", "b", "c"]  # the last five hold the slow one
+    assert ran == ["a", "b", "c"] * 4
 
 
 def test_an_event_lambda_refuses_goes_to_the_url_and_is_waited_for(deployed: Deployed) -> None:

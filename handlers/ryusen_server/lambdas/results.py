@@ -41,7 +41,8 @@ RESERVE_S = 3.0
 FRESH_KEYS_RECHECK_S = 10.0
 """How long the keys read afresh to verify a posted outcome or heartbeat are reused: an emergency rotation
 refuses the old key here within this time (the API's route reads the secret for every late result), and a
-post per long step does not cost two Secrets Manager reads ($10 per million steps, bench/cost.py)."""
+post per long step does not cost a Secrets Manager read ($5 per million steps): a check every 10 s is one
+request while the key is not rotated, at most $1.31 a month for a container busy all month (bench/cost.py)."""
 
 
 FUNCTION_URL_DOMAIN = re.compile(r"[a-z0-9]{1,64}\.lambda-url\.[a-z0-9-]{1,32}\.on\.aws")
