@@ -12,35 +12,24 @@ import importlib.util
 import math
 import os
 import zlib
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from moto import mock_aws
 
 from ryusen_server.aws import store as store_module
-from ryusen_server.aws.store import DynamoStore, create_table
+from ryusen_server.aws.store import DynamoStore
 from ryusen_server.ports import RequestCounter
 
+from .test_journal import TABLE, client  # noqa: F401 - client: the fixture, used by name
 from .test_store_contract import Runs
 
-TABLE = "ryusen-review-dictionary"
 ROOT = Path(__file__).resolve().parents[2]
 DAY = 86_400
 
 
-@pytest.fixture
-def client(aws_env: None) -> Iterator[Any]:
-    with mock_aws():
-        dynamodb = boto3.client("dynamodb", region_name="us-east-1")
-        create_table(dynamodb, TABLE)
-        yield dynamodb
-
-
-def items_of(client: Any, run_id: str) -> list[dict[str, Any]]:
+def items_of(client: Any, run_id: str) -> list[dict[str, Any]]:  # noqa: F811
     return client.query(
         TableName=TABLE,
         KeyConditionExpression="pk = :pk",
@@ -70,7 +59,7 @@ def test_the_dictionary_generator_can_still_read_the_store(monkeypatch: pytest.M
         logging.disable(logging.NOTSET)
 
 
-def test_a_truncated_dictionary_stream_is_an_error_like_a_truncated_plain_one(client: Any) -> None:
+def test_a_truncated_dictionary_stream_is_an_error_like_a_truncated_plain_one(client: Any) -> None:  # noqa: F811
     """zlib.decompress refuses a stream cut short (no Adler-32 check); decompressobj().decompress + flush()
     returns whatever it got: a dictionary item that lost its trailer reads as if whole."""
     runs = Runs(DynamoStore(client, TABLE, RequestCounter()))
@@ -94,7 +83,7 @@ def test_no_plain_zlib_stream_looks_like_a_dictionary_stream(wbits: int) -> None
             assert store_module._decompress(blob) == data
 
 
-def test_a_mixed_run_is_renewed_expired_listed_and_read_cold(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_mixed_run_is_renewed_expired_listed_and_read_cold(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Plain items (written before the change, with a large offloaded input) and dictionary items in one run,
     through the sweeper's renewal, another process's cold read, the list, and retention after the finish."""
     big = {"blob": os.urandom(3000).hex()}

@@ -9,37 +9,19 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pydantic_core
 import pytest
-from moto import mock_aws
 
 from ryusen_server.aws import journal_dictionary
 from ryusen_server.aws import store as store_module
-from ryusen_server.aws.store import DynamoStore, create_table
-from ryusen_server.ports import RequestCounter
 
+from .test_journal import TABLE, client, store  # noqa: F401 - client: the fixture, used by name
 from .test_store_contract import Runs
 
-TABLE = "ryusen-dictionary"
 
-
-@pytest.fixture
-def client(aws_env: None) -> Iterator[Any]:
-    with mock_aws():
-        dynamodb = boto3.client("dynamodb", region_name="us-east-1")
-        create_table(dynamodb, TABLE)
-        yield dynamodb
-
-
-def store(client: Any) -> DynamoStore:
-    return DynamoStore(client, TABLE, RequestCounter())
-
-
-def compressed(client: Any, run_id: str) -> dict[str, bytes]:
+def compressed(client: Any, run_id: str) -> dict[str, bytes]:  # noqa: F811
     """Every compressed attribute of the run's items, by ``sk/attribute``."""
     items = client.query(
         TableName=TABLE,
@@ -66,7 +48,7 @@ def test_every_dictionary_is_named_by_its_adler32_and_the_current_one_is_frozen(
     assert journal_dictionary.DICTIONARIES[journal_dictionary.CURRENT_ID] is journal_dictionary.CURRENT
 
 
-def test_a_runs_items_are_written_with_the_current_dictionary_and_pack_smaller(client: Any) -> None:
+def test_a_runs_items_are_written_with_the_current_dictionary_and_pack_smaller(client: Any) -> None:  # noqa: F811
     runs = Runs(store(client))
     state = runs.complete(runs.run_step(runs.run_step(runs.start("run_1"), "reserve", {"id": 7}), "charge", 30))
     blobs = compressed(client, state.id)
@@ -80,7 +62,8 @@ def test_a_runs_items_are_written_with_the_current_dictionary_and_pack_smaller(c
 
 
 def test_a_run_written_before_dictionaries_is_read_listed_and_carried_on(
-    client: Any, monkeypatch: pytest.MonkeyPatch
+    client: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A deployment upgraded while a run is in flight: the run's head and first entries are plain zlib, its
     next entries name the dictionary. Another process reads all of them, lists the run, and finishes it."""
@@ -101,7 +84,9 @@ def test_a_run_written_before_dictionaries_is_read_listed_and_carried_on(
 
 
 def test_an_item_naming_a_dictionary_this_version_does_not_know_is_refused_by_name(
-    client: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    client: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A rollback to a release older than the dictionary it was written with: the read fails saying so (not
     as a corrupt item), and a list leaves the run out rather than failing every page."""
