@@ -426,6 +426,9 @@ class _MessageLease:
     def __init__(self, change: Callable[[float], None] | None) -> None:
         self._change = change
         self._covered_until: float | None = None
+        self.quick_missed = False
+        """A step this delivery waited for on the quick path took longer than it was expected to: the rest of its
+        chain goes as events (each step's own history may still say quick, but this endpoint is slow now)."""
 
     @property
     def from_message(self) -> bool:
@@ -1333,7 +1336,8 @@ class Engine:
         keys = self.app_keys(release.app_id)
         by_event = self._by_event(release, task, keys)
         grace_s = window.grace_s
-        if by_event and lease.from_message and self.settings.inline_up_to_s > 0:
+        quick = False
+        if by_event and lease.from_message and not lease.quick_missed and self.settings.inline_up_to_s > 0:
             self.step_durations.learn(state)
             if (
                 task.step_id is not None
@@ -1347,7 +1351,7 @@ class Engine:
                 # past the window the SDK posts the outcome to the result URL, and this message, the lease timer,
                 # watches it. (Never in the result function: the SDK's post, which its carrying on holds, is billed
                 # to the app's Lambda.)
-                by_event = False
+                by_event, quick = False, True
                 self._emit("quick", task)
                 listen_until = min(listen_until, now + timedelta(seconds=INLINE_LISTEN_S))
                 cut, grace_s = True, min(grace_s, INLINE_LISTEN_GRACE_S)
@@ -1380,6 +1384,8 @@ class Engine:
             )
             result, sent = self._post(release, whole_request, keys, listen_until, grace_s)
         self._emit("invoked", (task, result))
+        if quick and (self.clock() - now).total_seconds() > self.settings.inline_up_to_s:
+            lease.quick_missed = True  # no longer quick: the rest of this chain is not waited for
         if self._accepted(task, result, sent):
             # The endpoint runs the callback and will post its outcome to the result URL: nothing to record, and
             # no waiting. This message, the lease timer, comes back when the lease expires.

@@ -17,48 +17,11 @@ from tests.infra.test_stack_in_a_box import (  # noqa: F401
     _lease_timers_now,
     _sent_as_events,
     _start,
+    _timed_app,
     deployed,
 )
 
-
-def _app(
-    deployed: Deployed,  # noqa: F811
-    name: str,
-    *,
-    steps: tuple[str, ...] = ("a", "b", "c"),
-    timeout_s: float = 8.0,
-    retry: Any = None,
-    default_s: float = 0.0,
-) -> tuple[str, list[str], dict[str, float], Any]:
-    """As ``_timed_app``: a Lambda app taking events whose steps all call ``work`` (one step name), each with the
-    given timeout and retry policy. ``slow[step_id]`` is how long that step sleeps, once (popped when it runs)."""
-    from ryusen import Ryusen, Step
-    from ryusen._internal.signing import SeenRequests, app_key
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
-
-    class Shared(SeenRequests):
-        shared = True
-
-    master = dispatch_lambda.engine().engine.master_keys()[0]
-    app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
-    ran: list[str] = []
-    slow: dict[str, float] = {}
-
-    def work(step_id: str) -> str:
-        ran.append(step_id)  # when it starts
-        time.sleep(slow.pop(step_id, default_s))
-        return step_id
-
-    @app.function(f"{name}-flow")
-    def flow(data: dict[str, Any], step: Step) -> Any:
-        return [step.run(s, work, s, timeout=timedelta(seconds=timeout_s), retry=retry) for s in steps]
-
-    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
-    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
-    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
-    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
-    assert synced.status_code == 200, synced.text
-    return arn, ran, slow, app
+_app = _timed_app
 
 
 def _quick_path_off(monkeypatch: pytest.MonkeyPatch) -> None:

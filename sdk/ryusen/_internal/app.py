@@ -1182,7 +1182,11 @@ class Ryusen:
             generation=request.operation.generation,
             attempt=attempt,
         )
-        delays = (0.0,) if near else (0.0, *LATE_RESULT_DELAYS_S)
+        # On Lambda (an attempt whose dispatcher stopped listening: its deadline, or the engine's quick path for a
+        # Lambda endpoint that takes events), the outcome is tried as long as an event's: the server waits for
+        # nothing else, and the tries end with the invocation anyway. Elsewhere, about 2 minutes.
+        later = ACKNOWLEDGED_DELAYS_S if lambda_context is not None else LATE_RESULT_DELAYS_S
+        delays = (0.0,) if near else (0.0, *later)
         what = _describe(request)
         self._post_result(request.result_url, late, what, delays, near=near, lambda_context=lambda_context)
 
