@@ -106,6 +106,7 @@ from .core.model import (
     DeadlineSource,
     RunPhase,
     RunState,
+    StepState,
     TaskRef,
     TimerKind,
     TimerRef,
@@ -490,15 +491,17 @@ class StepDurations:
                     self._learned[seen] = None
                     while len(self._learned) > self._capacity * STEP_DURATIONS_KEPT:
                         self._learned.popitem(last=False)
-                key = (state.app_id, state.function_id, step.name or step.id, attempt.phase.value)
+                key = self._key(state, step, attempt.phase)
                 self.seen(key, (attempt.settled_at - attempt.authorized_at).total_seconds())
 
     @staticmethod
-    def key(state: RunState, step_id: str, phase: Phase) -> tuple[str, ...] | None:
-        step = state.step(step_id)
-        if step is None:
-            return None
+    def _key(state: RunState, step: StepState, phase: Phase) -> tuple[str, ...]:
         return (state.app_id, state.function_id, step.name or step.id, phase.value)
+
+    @classmethod
+    def key(cls, state: RunState, step_id: str, phase: Phase) -> tuple[str, ...] | None:
+        step = state.step(step_id)
+        return cls._key(state, step, phase) if step is not None else None
 
     def seen(self, key: tuple[str, ...] | None, seconds: float) -> None:
         if key is None:

@@ -74,7 +74,6 @@ def test_quick_path_a_1s_step_that_takes_1_8s_once_succeeds_and_is_never_unknown
     arn, ran, slow, _ = _app(deployed, "short1", timeout_s=1.0)
     _warm(deployed, arn, "short1-flow")
     slow["b"] = 1.8
-    len(deployed.box.events)
     run = deployed.finished(_start(deployed, "short1-flow", {}))
     assert run["outcome"] == "completed", run["summary"]
     assert ran[-3:] == ["a", "b", "c"], ran
@@ -82,35 +81,26 @@ def test_quick_path_a_1s_step_that_takes_1_8s_once_succeeds_and_is_never_unknown
     assert [a["status"] for a in b] == ["succeeded"] and b[0]["unknown"] is None, b
 
 
-def test_control_as_an_event_an_on_unknown_retry_step_slow_once_runs_once(
+@pytest.mark.parametrize("quick", [False, True], ids=["control_events", "quick_path"])
+def test_an_on_unknown_retry_step_slow_once_runs_once(
     deployed: Deployed,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    quick: bool,
 ) -> None:
-    from ryusen import RetryPolicy
-
-    _quick_path_off(monkeypatch)
-    retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
-    arn, ran, slow, _ = _app(deployed, "ctl2", timeout_s=1.0, retry=retry)
-    _warm(deployed, arn, "ctl2-flow")
-    del ran[:]
-    slow["b"] = 3.0
-    run = deployed.finished(_start(deployed, "ctl2-flow", {}))
-    time.sleep(1.0)
-    assert run["outcome"] == "completed", run["summary"]
-    assert ran == ["a", "b", "c"], ran
-
-
-def test_quick_path_an_on_unknown_retry_step_slow_once_runs_once(deployed: Deployed) -> None:  # noqa: F811
     """Found: with the quick path, the inline wait gave up at 1.5 s: Unknown, retried at once while the first still
-    ran (it ends at 3 s, inside the lease an event would have had): the effect ran twice. Fixed (always cut)."""
+    ran (it ends at 3 s, inside the lease an event would have had): the effect ran twice. Fixed (always cut). The
+    control sends the attempts as events."""
     from ryusen import RetryPolicy
 
+    if not quick:
+        _quick_path_off(monkeypatch)
+    name = f"retry{int(quick)}"
     retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
-    arn, ran, slow, _ = _app(deployed, "short2", timeout_s=1.0, retry=retry)
-    _warm(deployed, arn, "short2-flow")
+    arn, ran, slow, _ = _app(deployed, name, timeout_s=1.0, retry=retry)
+    _warm(deployed, arn, f"{name}-flow")
     del ran[:]
     slow["b"] = 3.0
-    run = deployed.finished(_start(deployed, "short2-flow", {}))
+    run = deployed.finished(_start(deployed, f"{name}-flow", {}))
     time.sleep(1.0)
     assert run["outcome"] == "completed", run["summary"]
     assert ran == ["a", "b", "c"], f"an effect ran twice: {ran}; b's attempts {_attempts(run, 'b')}"

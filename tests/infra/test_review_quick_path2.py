@@ -9,7 +9,6 @@ than expected, the rest of that chain goes as events."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +22,9 @@ from tests.infra.test_stack_in_a_box import (  # noqa: F401
     Deployed,
     _lease_timers_now,
     _sent_as_events,
+    _serve_for_events,
     _start,
+    _timed_dispatches,
     deployed,
 )
 
@@ -39,11 +40,7 @@ def _new_app(deployed: Deployed, name: str, define: Callable[[Any], None]) -> tu
     master = dispatch_lambda.engine().engine.master_keys()[0]
     app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
     define(app)
-    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
-    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
-    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
-    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
-    assert synced.status_code == 200, synced.text
+    arn = _serve_for_events(deployed, app, name)
     return arn, app
 
 
@@ -270,23 +267,6 @@ def test_parallel_quick_steps_each_run_once(deployed: Deployed) -> None:  # noqa
 # --- how long a dispatcher is held ------------------------------------------------------------------------------
 
 
-def _timed_records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
-
-    spans: list[tuple[str, float]] = []
-    handle = dispatch_lambda.record_handler
-
-    def timed(record: Any, lambda_context: Any = None) -> None:
-        began = time.monotonic()
-        try:
-            handle(record, lambda_context)
-        finally:
-            spans.append((json.dumps(record.body.model_dump(mode="json")), time.monotonic() - began))
-
-    monkeypatch.setattr(dispatch_lambda, "record_handler", timed)
-    return spans
-
-
 @pytest.mark.parametrize("slow_s", [0.9, 1.9])
 def test_a_chain_of_distinct_quick_steps_that_all_turn_slow_does_not_hold_one_dispatcher_for_all_of_them(
     deployed: Deployed,  # noqa: F811
@@ -324,13 +304,13 @@ def test_a_chain_of_distinct_quick_steps_that_all_turn_slow_does_not_hold_one_di
         run = deployed.finished(_start(deployed, f"{name}-flow", {}))
         assert run["outcome"] == "completed"
     _lease_timers_now(deployed)
-    spans = _timed_records(monkeypatch)
+    spans = _timed_dispatches(monkeypatch)
     delay[0] = slow_s
     before = len(deployed.box.events)
     run_id = _start(deployed, f"{name}-flow", {})
     run = deployed.finished(run_id, timeout=120)
     assert run["outcome"] == "completed"
-    held = max(s for body, s in spans if run_id in body)
+    held = max(ended - began for body, began, ended in spans if run_id in body)
     events = _sent_as_events(deployed, arn, run_id, before)
     assert held <= 2.25 + 1.5, f"one dispatcher held {held:.1f}s; sent as events: {events}"
 
@@ -419,7 +399,7 @@ def test_a_chain_of_quick_steps_on_a_short_dispatch_budget_completes_and_each_ru
         assert deployed.finished(_start(deployed, f"{name}-flow", {}))["outcome"] == "completed"
     _lease_timers_now(deployed)
     quick = _quick_log()
-    spans = _timed_records(monkeypatch)
+    spans = _timed_dispatches(monkeypatch)
     monkeypatch.setattr(deployed, "budget_s", 19.0)
     del ran[:]
     delay[0] = 0.7
@@ -429,6 +409,6 @@ def test_a_chain_of_quick_steps_on_a_short_dispatch_budget_completes_and_each_ru
     assert run["outcome"] == "completed", run["summary"]
     assert ran == steps, ran
     assert not _no_unknown(run), _no_unknown(run)
-    held = [round(s, 2) for body, s in spans if run_id in body]
+    held = [round(ended - began, 2) for body, began, ended in spans if run_id in body]
     print("held", held, "quick", len([q for q in quick if q[0] == run_id]))
     assert max(held) <= 19.0, held

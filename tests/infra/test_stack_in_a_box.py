@@ -771,6 +771,16 @@ def test_a_lambda_endpoints_long_step_is_sent_as_an_event_and_no_dispatcher_wait
     assert made[0.5] == made[3.0], (made[0.5] - made[3.0], made[3.0] - made[0.5])
 
 
+def _serve_for_events(deployed: Deployed, app: Any, name: str) -> str:
+    """Serve a Lambda app ``name`` at a Function URL and for events (as its function's ARN), and sync it: the ARN."""
+    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
+    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
+    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
+    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
+    assert synced.status_code == 200, synced.text
+    return arn
+
+
 def _event_app(deployed: Deployed, name: str) -> tuple[str, list[str]]:
     """A Lambda app (its containers sharing a replay memory) served at a Function URL and for events, synced:
     its function's ARN, and what its callbacks ran (a step's id, each time it ran)."""
@@ -797,11 +807,7 @@ def _event_app(deployed: Deployed, name: str) -> tuple[str, list[str]]:
         second = step.run("second", effect, "second", 0, timeout=timedelta(seconds=5))
         return {"first": len(first["padding"]), "second": second["step"]}
 
-    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
-    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
-    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
-    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
-    assert synced.status_code == 200, synced.text
+    arn = _serve_for_events(deployed, app, name)
     return arn, ran
 
 
@@ -870,11 +876,7 @@ def _timed_app(
     def flow(data: dict[str, Any], step: Step) -> Any:
         return [step.run(s, work, s, timeout=timedelta(seconds=timeout_s), retry=retry) for s in steps]
 
-    arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
-    url = deployed.box.function_url(app.lambda_handler, who="shop", arn=arn)
-    deployed.box.event_handlers[arn] = (app.lambda_handler, "shop")
-    synced = deployed.api("PUT", f"/v1/apps/{name}", {"url": url})
-    assert synced.status_code == 200, synced.text
+    arn = _serve_for_events(deployed, app, name)
     return arn, ran, slow, app
 
 
