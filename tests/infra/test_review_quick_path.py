@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from tests.infra.test_stack_in_a_box import (  # noqa: F401
+    QUICK_ON_A_LOADED_MACHINE_S,
     Deployed,
+    _inline_up_to,
     _lease_timers_now,
     _sent_as_events,
     _start,
@@ -25,11 +26,12 @@ _app = _timed_app
 
 
 def _quick_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
-    from ryusen_server.lambdas import results as results_lambda
+    _inline_up_to(monkeypatch, 0.0)
 
-    for wired in (dispatch_lambda.engine(), results_lambda.engine()):
-        monkeypatch.setattr(wired.engine, "settings", replace(wired.engine.settings, inline_up_to_s=0.0))
+
+@pytest.fixture(autouse=True)
+def _quick_on_a_loaded_machine(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    _inline_up_to(monkeypatch, QUICK_ON_A_LOADED_MACHINE_S)
 
 
 def _warm(deployed: Deployed, arn: str, function: str, runs: int = 1) -> None:  # noqa: F811

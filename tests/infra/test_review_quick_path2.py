@@ -19,7 +19,9 @@ import pytest
 
 from tests.infra.test_review_quick_path import _attempts
 from tests.infra.test_stack_in_a_box import (  # noqa: F401
+    QUICK_ON_A_LOADED_MACHINE_S,
     Deployed,
+    _inline_up_to,
     _lease_timers_now,
     _sent_as_events,
     _serve_for_events,
@@ -27,6 +29,11 @@ from tests.infra.test_stack_in_a_box import (  # noqa: F401
     _timed_dispatches,
     deployed,
 )
+
+
+@pytest.fixture(autouse=True)
+def _quick_on_a_loaded_machine(deployed: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    _inline_up_to(monkeypatch, QUICK_ON_A_LOADED_MACHINE_S)
 
 
 def _new_app(deployed: Deployed, name: str, define: Callable[[Any], None]) -> tuple[str, Any]:  # noqa: F811
