@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import random
 import re
 import secrets
@@ -102,6 +103,7 @@ from .core.events import (
     WakeRequested,
 )
 from .core.model import (
+    RESULT_FUNCTION_CARRIER,
     AttemptStatus,
     DeadlineSource,
     RunPhase,
@@ -521,6 +523,36 @@ class StepDurations:
             return len(recent) >= STEP_DURATIONS_NEEDED and max(recent) <= up_to_s
 
 
+LEASE_TIMER_SHARE_MARGIN_S = 2.0
+"""A lease timer the result function sent watches the attempts it authorizes later only while it is due this long
+from now at least: it is then still on the queue when they are authorized, and reads them when it comes back."""
+
+
+class RunLeaseTimers:
+    """The lease timers this process's result function sent, by run: when each is due, and before when it watches
+    what a result function authorized (``TaskRef.watches_before``). Bounded (least recently sent out): a run it
+    has forgotten gets a timer of its own again. A guide to cost, never to correctness: an attempt goes without a
+    timer of its own only while one sent here is surely still on the queue and due before its lease ends."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._sent: OrderedDict[str, tuple[datetime, datetime]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def watching(self, run_id: str, now: datetime, lease_ends_at: datetime) -> bool:
+        """Whether a timer sent here watches an attempt of the run authorized by ``now`` whose lease ends then."""
+        with self._lock:
+            held = self._sent.get(run_id)
+        return held is not None and now <= held[1] and held[0] <= lease_ends_at
+
+    def sent(self, run_id: str, due_at: datetime, watches_before: datetime) -> None:
+        with self._lock:
+            self._sent.pop(run_id, None)
+            self._sent[run_id] = (due_at, watches_before)
+            while len(self._sent) > self._capacity:
+                self._sent.popitem(last=False)
+
+
 class SentMemos:
     """The memo this process last sent each run's endpoint, under the token it minted for it (``memo_cache``).
 
@@ -761,6 +793,8 @@ class Engine:
         """The memo this process last sent each run's endpoint (``memo_cache``), so the next sends what changed."""
         self.step_durations = StepDurations()
         """How long the recent attempts of each step took, as this process saw them (``inline_up_to_s``)."""
+        self.run_lease_timers = RunLeaseTimers()
+        """The lease timers this process's result function sent, by run (one timer for a run's steps)."""
         self._releases_read: dict[str, tuple[float, Release | None]] = {}
         """The newest release of each function as this process last read or synced it, and when (monotonic)."""
 
@@ -1764,7 +1798,7 @@ class Engine:
         # No message carries what this invocation authorizes: its own carrier, which no message is, makes every
         # message of the run, and the sweeper, wait lease_watch_grace_s past the lease of an attempt it authorized
         # (its answer may be deferred to the queue); an attempt left in flight gets a lease timer of its own below.
-        with carried_by(f"result function {uuid.uuid4().hex}"):
+        with carried_by(f"{RESULT_FUNCTION_CARRIER}{uuid.uuid4().hex}"):
             return self._submit_result(late, state, budget_s)
 
     def _submit_result(self, late: LateResult, state: RunState | None, budget_s: float | None) -> Decision:
@@ -1803,9 +1837,18 @@ class Engine:
             # "accepted"): it gets one of its own, which comes back when its lease ends (later, if heartbeats
             # extended it) and is done once the attempt is settled (docs/design/dispatch.md). An attempt this
             # function authorized and died before invoking or hearing from is noticed by the sweeper.
-            wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
-            timer = delivered.in_flight.model_copy(update={"lease_timer": True})
-            self.queue.send(timer, wait_s, app_id=decision.state.app_id)
+            # One timer for a run's steps: while a timer sent here for the run is still on the queue and due before
+            # this attempt's lease ends, it watches this attempt too (TaskRef.watches_before), and none is sent.
+            now = self.clock()
+            lease_ends_at = now + timedelta(seconds=max(0.0, delivered.redeliver_after_s))
+            if not self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
+                wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
+                watches_before = now + timedelta(seconds=wait_s - LEASE_TIMER_SHARE_MARGIN_S)
+                timer = delivered.in_flight.model_copy(update={"lease_timer": True, "watches_before": watches_before})
+                self.queue.send(timer, wait_s, app_id=decision.state.app_id)
+                # when it is due: SQS delays by whole seconds (and from the send, a few milliseconds later)
+                due_at = now + timedelta(seconds=math.ceil(wait_s))
+                self.run_lease_timers.sent(late.run_id, due_at, watches_before)
         return decision
 
     def _verified_post(

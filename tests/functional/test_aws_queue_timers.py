@@ -112,6 +112,13 @@ def test_an_attempts_own_lease_timer_says_so_in_its_body(stack: Stack) -> None:
     stack.queue.send(timer)
     [message] = stack.queue.receive()
     assert message.task == timer and json.loads(message.body)["lease_timer"] is True
+    assert "watches_before" not in message.body
+    stack.queue.delete(message.message_id)
+    # a run's lease timer (one for the run's steps): what it also watches round-trips
+    shared = timer.model_copy(update={"watches_before": datetime(2030, 1, 1, 0, 0, 58, tzinfo=UTC)})
+    stack.queue.send(shared)
+    [message] = stack.queue.receive()
+    assert message.task == shared and message.task.watches_before == shared.watches_before
     stack.queue.delete(message.message_id)
 
 
@@ -121,7 +128,8 @@ def test_send_receive_delete(stack: Stack) -> None:
     [message] = stack.queue.receive()
     assert message.task == task and message.timer is None
     # the body is what it was before lease timers existed: a dispatcher not yet upgraded reads it
-    assert message.body == task.model_dump_json(exclude={"lease_timer"}) and "lease_timer" not in message.body
+    assert message.body == task.model_dump_json(exclude={"lease_timer", "watches_before"})
+    assert "lease_timer" not in message.body and "watches_before" not in message.body
     assert message.receive_count == 1
     stack.queue.delete(message.message_id)
     stack.queue.delete(message.message_id)  # deleting twice is harmless

@@ -454,6 +454,8 @@ class Checker:
             return
         actor = self.sim._by_thread.get(threading.get_ident())
         posting = actor.posting if actor is not None else None
+        if (posting is None or posting[0] != key) and key in self.sim.posted_outcomes:
+            posting = (key, self.sim.posted_outcomes[key])  # posted, deferred by the result function: its receiver
         if posting is None or posting[0] != key:
             self.fail(f"{what} was answered accepted, and is {a.status.value} by no posted outcome nor operator")
         elif posting[1] in POSTED and POSTED[posting[1]] is not a.status:

@@ -158,7 +158,8 @@ class SqsQueue:
 
     def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
-        body = task.model_dump_json(exclude=None if task.lease_timer else {"lease_timer"})  # as before it existed
+        unset = {"lease_timer": not task.lease_timer, "watches_before": task.watches_before is None}
+        body = task.model_dump_json(exclude={k for k, v in unset.items() if v})  # as before they existed
         group = message_group(app_id) if app_id is not None and self._fair else None
         own = self._app_queues.get(app_queue_digest(app_id)) if app_id is not None and self._app_queues else None
         url = own[0] if own is not None else self.queue_url

@@ -114,6 +114,7 @@ from .model import (
     TimerKind,
     TimerRef,
     UnwindEntry,
+    carried_by_no_message,
     carrier_of,
 )
 
@@ -152,6 +153,11 @@ class UnstableStepId:
 HeldConflict = ConcurrentStepConflict | ResultTooLarge
 """Why an attempt whose callback ran holds its step: the engine cannot take its outcome and must not run it
 again by itself (decisions 23, 25)."""
+
+
+def _lease_end(attempt: Attempt) -> datetime:
+    assert attempt.lease_expires_at is not None
+    return attempt.lease_expires_at
 
 
 def lease_expired(step: StepState, attempt: Attempt) -> str:
@@ -784,23 +790,51 @@ class _Transition:
         return " (its lease has ended: the message that carries it decides; this one only watches)"
 
     def lease_timer_delivered(self, task: TaskRef, phase: Phase) -> None:
-        """An attempt's own lease timer: while the attempt is in flight it comes back when the lease ends (later, if
-        heartbeats extended it), and then the attempt is Unknown; once the attempt is settled or replaced it is
-        done, and watches nothing else (one per attempt, not one per run)."""
-        assert task.step_id is not None and task.generation is not None
-        found = self.s.step_index(task.step_id)
-        current = self.s.steps[found].current(phase) if found is not None else None
-        if current is None or current.generation != task.generation or current.status is not AttemptStatus.AUTHORIZED:
+        """A lease timer (the result function's): it watches its attempt while it is in flight and, with
+        ``watches_before``, every attempt of the run a result function authorized before then. It comes back when
+        the soonest of their leases ends (later, if heartbeats extended it) and takes that attempt as Unknown, as
+        the attempt's own timer would, at its lease; once none is in flight it is done and watches nothing
+        else. What it takes as Unknown may authorize a retry or an unwind, which this delivery then carries: the
+        other attempts it watched are each given a lease timer of their own."""
+        watched = self.watched_by_lease_timer(task, phase)
+        if not watched:
             return self.ignore(f"lease timer of {task.describe()}, which is no longer in flight")
-        assert current.lease_expires_at is not None
-        if self.now < current.lease_expires_at:
-            self.commands.append(RedeliverLater(delay_s=(current.lease_expires_at - self.now).total_seconds()))
-            return self.ignore(f"{task.describe()} is in flight")
-        step = self.step(task.step_id)
-        assert step is not None
-        attempt = step.current(phase)
-        assert attempt is not None
-        return self.outcome_lost(step, attempt, lease_expired(step, attempt))
+        step, attempt = min(watched, key=lambda w: _lease_end(w[1]))
+        if self.now < _lease_end(attempt):
+            self.commands.append(RedeliverLater(delay_s=(_lease_end(attempt) - self.now).total_seconds()))
+            return self.ignore(f"{step.id} {attempt.phase} #{attempt.generation} is in flight")
+        for other_step, other in watched:
+            if other is attempt:
+                continue
+            kind = TaskKind.FORWARD if other.phase is Phase.FORWARD else TaskKind.COMPENSATE
+            timer = TaskRef(
+                run_id=self.s.id, kind=kind, step_id=other_step.id, generation=other.generation, lease_timer=True
+            )
+            delay_s = max(0.0, (_lease_end(other) - self.now).total_seconds())
+            self.commands.append(EnqueueTask(task=timer, delay_s=delay_s))
+        writable = self.step(step.id)  # the run's own steps are read-only: this one is changed
+        assert writable is not None
+        lost = writable.current(attempt.phase)
+        assert lost is not None
+        return self.outcome_lost(writable, lost, lease_expired(writable, lost))
+
+    def watched_by_lease_timer(self, task: TaskRef, phase: Phase) -> list[tuple[StepState, Attempt]]:
+        """The attempts in flight that the lease timer ``task`` watches (``TaskRef.watches_before``), read-only."""
+        assert task.step_id is not None and task.generation is not None
+        watched: list[tuple[StepState, Attempt]] = []
+        for step in self.s.steps:
+            for p in (Phase.FORWARD, Phase.COMPENSATION):
+                a = step.current(p)
+                if a is None or a.status is not AttemptStatus.AUTHORIZED or a.lease_expires_at is None:
+                    continue
+                if (step.id == task.step_id and p is phase and a.generation == task.generation) or (
+                    task.watches_before is not None
+                    and a.authorized_at is not None
+                    and a.authorized_at <= task.watches_before
+                    and carried_by_no_message(a.delivery_id)
+                ):
+                    watched.append((step, a))
+        return watched
 
     def retry_is_due(self, step: StepState, phase: Phase, task: TaskRef) -> bool:
         """``task`` is the retry that ``on_unknown="retry"`` planned for the step's Unknown attempt."""

@@ -657,11 +657,23 @@ CARRIER_SEPARATOR = "."
 """Between a delivery id's carrier tag and the part that makes the delivery unique."""
 
 
+RESULT_FUNCTION_CARRIER = "result function "
+"""What the identity of a result function's invocation starts with: the carrier of the deliveries it makes,
+which no message is (its tag starts with ``NO_MESSAGE_TAG``)."""
+NO_MESSAGE_TAG = "r"
+"""What the tag of a carrier that is no message (a result function's invocation) starts with: never a hex digit,
+so never a message's tag."""
+
+
 def carrier_tag(message_id: str) -> str:
     """The short tag of a dispatch message's identity (an SQS message id, kept across receives), which the
     delivery ids of its deliveries start with: 12 hex digits of its digest (a clash only makes another message
-    act at a lease as its carrier would, as every message did before carriers were told apart)."""
-    return hashlib.sha256(message_id.encode()).hexdigest()[:12]
+    act at a lease as its carrier would, as every message did before carriers were told apart). A result
+    function's invocation (``RESULT_FUNCTION_CARRIER``) has ``NO_MESSAGE_TAG`` and 11 of them."""
+    digest = hashlib.sha256(message_id.encode()).hexdigest()
+    if message_id.startswith(RESULT_FUNCTION_CARRIER):
+        return NO_MESSAGE_TAG + digest[:11]
+    return digest[:12]
 
 
 def delivery_id_for(carrier: str | None, unique: str) -> str:
@@ -682,6 +694,13 @@ def carrier_of(delivery_id: str | None) -> str | None:
     return delivery_id.split(CARRIER_SEPARATOR, 1)[0]
 
 
+def carried_by_no_message(delivery_id: str | None) -> bool:
+    """Whether the delivery ``delivery_id`` names was made by a result function: no message is kept as the lease
+    timer of what it authorized, which a lease timer the result function sends watches instead."""
+    tag = carrier_of(delivery_id)
+    return tag is not None and tag.startswith(NO_MESSAGE_TAG)
+
+
 class TaskRef(BaseModel):
     """What one dispatch message names: a discovery pass or one attempt."""
 
@@ -693,9 +712,15 @@ class TaskRef(BaseModel):
     step_id: str | None = None
     generation: int | None = None
     lease_timer: bool = False
-    """Only this attempt's lease timer (the result function's, which no dispatch message holds): it comes back
-    when the lease ends and watches nothing else, where a task's own message follows whatever its run has in
-    flight. Left out of a message when False."""
+    """Only a lease timer (the result function's, which no dispatch message holds): it comes back when this
+    attempt's lease ends, and watches it and the attempts named by ``watches_before``, nothing else, where a
+    task's own message follows whatever its run has in flight. Left out of a message when False."""
+    watches_before: datetime | None = None
+    """A lease timer's: it also watches every attempt of its run that a result function authorized before this
+    time (:func:`carried_by_no_message`) while it is in flight, and takes it as Unknown at its lease as the
+    attempt's own timer would. The result function that sent it sends no timer for an attempt it authorizes
+    before then whose lease ends after the timer is due (one timer for a run's steps, not one per attempt).
+    Left out of a message when None."""
 
     @property
     def phase(self) -> Phase | None:

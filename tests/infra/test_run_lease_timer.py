@@ -1,0 +1,130 @@
+"""One lease timer for a run's steps, not one per attempt (issue 25; docs/design/dispatch.md, "One lease timer
+for a run's steps").
+
+The result function leaves an attempt in flight (sent as an event, or answered "accepted") with no dispatch
+message to watch its lease, so it sends a lease timer. A timer this function sent for the run that comes back
+before the new attempt's lease ends watches it too: no new timer is sent, and when that timer comes back it
+watches every attempt a result function authorized before it was due, until each is settled or taken as
+Unknown at its lease (exactly, as its own timer would)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from tests.infra.test_stack_in_a_box import (  # noqa: F401
+    Deployed,
+    _inline_up_to,
+    _lease_timers_now,
+    _start,
+    _timed_app,
+    deployed,
+)
+from tests.stack import wait_for
+
+
+def _timers_sent(deployed: Deployed, since: int, run_id: str) -> list[dict[str, Any]]:  # noqa: F811
+    """The lease timers the result function sent for the run since call ``since``."""
+    sent = [
+        json.loads(c.params["MessageBody"])
+        for c in deployed.box.calls[since:]
+        if c.function == "results" and c.operation == "SendMessage"
+    ]
+    return [t for t in sent if t.get("lease_timer") and t.get("run_id") == run_id]
+
+
+def test_a_run_of_quick_steps_sent_as_events_sends_one_lease_timer_not_one_per_step(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Six steps of an app that takes events, each done in well under its 11 s lease: the result function carries
+    the run from the second step on and sent a lease timer for each (five, $0.4 per million steps each in SQS
+    requests alone, with a dispatch invocation and a read when it comes back). Now the first timer watches the
+    rest: one timer for the run, and nothing is left on the queue once it has come back."""
+    _inline_up_to(monkeypatch, 0.0)  # every step as an event
+    steps = tuple("abcdef")
+    _arn, ran, _slow, _app = _timed_app(deployed, "onetimer", steps=steps)
+    before = len(deployed.box.calls)
+    run = deployed.finished(_start(deployed, "onetimer-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == list(steps)
+    timers = _timers_sent(deployed, before, run["id"])
+    assert len(timers) == 1, f"{len(timers)} lease timers for one run of {len(steps)} steps: {timers}"
+    _lease_timers_now(deployed)  # it comes back, finds nothing in flight, and is done (the queue empties)
+
+
+def _shift_clocks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The dispatch and result functions' clocks, ``seconds`` ahead from now on."""
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+    from ryusen_server.lambdas import results as results_lambda
+
+    for wired in (dispatch_lambda.engine(), results_lambda.engine()):
+        real = wired.engine.clock
+        monkeypatch.setattr(wired.engine, "clock", lambda real=real: real() + timedelta(seconds=seconds))
+
+
+def _messages_due_now() -> None:
+    """Every message on the box's queues visible now (moto's delays and visibility ended), once."""
+    from moto.sqs.models import sqs_backends
+
+    for account in sqs_backends.values():
+        for backend in account.values():
+            for queue in backend.queues.values():
+                for message in queue._messages:
+                    message.delayed_until = 0.0
+                    message.visible_at = 0.0
+
+
+def test_an_attempt_the_runs_timer_watches_that_goes_silent_is_unknown_at_its_lease(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Step "c" is sent as an event that Lambda takes and loses (its container dies before the SDK posts): no
+    timer of its own is sent, since "b"'s comes back before "c"'s lease ends. Once "c"'s lease has ended (here
+    the functions' clocks are moved past it, and the queue's delays ended), that timer finds "b" settled and "c"
+    in flight past its lease, and takes it as Unknown, as its own timer would: not lease_watch_grace_s (15
+    minutes) later, as a message that does not carry it would. With on_unknown="retry" the retry runs "c" once
+    and the run completes."""
+    from ryusen import RetryPolicy
+
+    _inline_up_to(monkeypatch, 0.0)
+    retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
+    arn, ran, _slow, _app = _timed_app(deployed, "silent", steps=("a", "b", "c", "d"), timeout_s=1.0, retry=retry)
+    handler, who = deployed.box.event_handlers[arn]
+    dropped: list[str] = []
+
+    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        body = json.loads(event["body"])
+        if body.get("step_id") == "c" and not dropped:
+            dropped.append("c")
+            return {"statusCode": 202}  # the container died: nothing ran, nothing is posted
+        result: dict[str, Any] = handler(event, context)
+        return result
+
+    deployed.box.event_handlers[arn] = (losing, who)
+    before = len(deployed.box.calls)
+    run_id = _start(deployed, "silent-flow", {})
+    in_flight = wait_for(lambda: dropped and _attempts(deployed.run(run_id), "c"), timeout=30, what="c in flight")
+    lease = datetime.fromisoformat(in_flight[0]["lease_expires_at"])
+    ahead = (lease - datetime.now(UTC)).total_seconds() + 1.0
+    assert ahead < 120, in_flight
+    _shift_clocks(monkeypatch, ahead)
+    timers_then = _timers_sent(deployed, before, run_id)
+    deadline = time.monotonic() + 30
+    while (run := deployed.run(run_id))["phase"] != "finished":
+        assert time.monotonic() < deadline, json.dumps(_attempts(run, "c"))
+        _messages_due_now()
+        time.sleep(0.5)
+    assert run["outcome"] == "completed", run["summary"]
+    assert dropped == ["c"] and ran == ["a", "b", "c", "d"], ran  # "c" ran once: the retry
+    [lost, retried] = _attempts(run, "c")
+    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)
+    assert [t["step_id"] for t in timers_then] == ["b"], f"not one lease timer for b and c: {timers_then}"
+
+
+def _attempts(run: dict[str, Any], step_id: str) -> list[dict[str, Any]]:
+    return list(next((s for s in run["steps"] if s["id"] == step_id), {"attempts": []})["attempts"])
