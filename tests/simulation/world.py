@@ -434,6 +434,9 @@ class Simulation:
         """Acknowledged outcomes are posted to the result function (``Engine.submit_result``: it records the outcome,
         carries the run on, and sends lease timers, one for a run's steps), else through the API's result route
         (``submit_late_result``: what comes next is queued). Drawn apart, so that each seed's other draws stay."""
+        self.jumps: list[datetime] = []
+        """When the clock jumped (everything stalled: a process mid-retry too, past the time it kept its message
+        away)."""
         self.posted_outcomes: dict[Key, str] = {}
         """Acknowledged outcomes posted to the result function (their type): one it took while the store refused it
         is deferred to the queue, whose receiver records it (even if the function died after deferring it)."""
@@ -521,7 +524,14 @@ class Simulation:
                         # it reached a dispatcher after the attempt's lease ended: a late result, and it settles it
                         self.cases["an answer deferred that came after its attempt's lease (a late result)"] += 1
                         continue
-                    waited = (self.now - self.answered_at[waiting]).total_seconds()
+                    answered = self.answered_at[waiting]
+                    waited = (self.now - answered).total_seconds()
+                    if any(answered <= jump < self.now for jump in self.jumps):
+                        # the stated limit (docs/deploy.md): the dispatcher holding the answer stalled (the clock
+                        # jumped) past the time it kept its message away; that message, the attempt's carrier,
+                        # came back and took it as Unknown at its lease. The deferred answer settles it late.
+                        self.cases["Unknown while its answer was held by a dispatcher that stalled"] += 1
+                        continue
                     if waited > self.engines[0].settings.engine.lease_watch_grace_s:
                         # the stated limit (docs/deploy.md): an answer held (by its dispatcher, or on the queue) for
                         # longer than the grace (here the clock jumped: everything stalled) may find its attempt
@@ -850,6 +860,7 @@ class Simulation:
         elif what == "time passes":
             self.advance(self.rng.uniform(0.5, 40), "while work is in flight")
         elif what == "clock jumps":
+            self.jumps.append(self.now)
             self.advance(self.rng.choice([300, 3600, 86400]), "the clock jumps")
         return True
 
