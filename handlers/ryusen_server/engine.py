@@ -104,6 +104,7 @@ from .core.events import (
 )
 from .core.model import (
     RESULT_FUNCTION_CARRIER,
+    RESULT_FUNCTION_EVENTS_CARRIER,
     AttemptStatus,
     DeadlineSource,
     RunPhase,
@@ -1797,11 +1798,16 @@ class Engine:
         late, state = self._verified_late_result(body, headers, path=path)
         # No message carries what this invocation authorizes: its own carrier, which no message is, makes every
         # message of the run, and the sweeper, wait lease_watch_grace_s past the lease of an attempt it authorized
-        # (its answer may be deferred to the queue); an attempt left in flight gets a lease timer of its own below.
-        with carried_by(f"{RESULT_FUNCTION_CARRIER}{uuid.uuid4().hex}"):
-            return self._submit_result(late, state, budget_s)
+        # (its answer may be deferred to the queue); an attempt left in flight is watched by a lease timer below.
+        release = self._newest_release(state.function_id) if state is not None else None
+        events = release is not None and release.lambda_function_arn is not None and self.event_invoker is not None
+        carrier = RESULT_FUNCTION_EVENTS_CARRIER if events else RESULT_FUNCTION_CARRIER
+        with carried_by(f"{carrier}{uuid.uuid4().hex}"):
+            return self._submit_result(late, state, budget_s, events=events)
 
-    def _submit_result(self, late: LateResult, state: RunState | None, budget_s: float | None) -> Decision:
+    def _submit_result(
+        self, late: LateResult, state: RunState | None, budget_s: float | None, *, events: bool
+    ) -> Decision:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         carry_until = time.monotonic() + RESULT_CARRY_ON_S
         if deadline is not None:
@@ -1837,18 +1843,23 @@ class Engine:
             # "accepted"): it gets one of its own, which comes back when its lease ends (later, if heartbeats
             # extended it) and is done once the attempt is settled (docs/design/dispatch.md). An attempt this
             # function authorized and died before invoking or hearing from is noticed by the sweeper.
-            # One timer for a run's steps: while a timer sent here for the run is still on the queue and due before
-            # this attempt's lease ends, it watches this attempt too (TaskRef.watches_before), and none is sent.
+            # One timer for a run's steps sent as events: while a timer sent here for the run is still on the queue
+            # and due before this attempt's lease ends, it watches this attempt too (TaskRef.watches_before), and
+            # none is sent. (An attempt an endpoint may answer inline is not: its answer could be deferred to the
+            # queue while the store refuses it, and only its own lease timer may decide at its lease.)
             now = self.clock()
             lease_ends_at = now + timedelta(seconds=max(0.0, delivered.redeliver_after_s))
-            if not self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
+            if not (events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at)):
                 wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
                 watches_before = now + timedelta(seconds=wait_s - LEASE_TIMER_SHARE_MARGIN_S)
-                timer = delivered.in_flight.model_copy(update={"lease_timer": True, "watches_before": watches_before})
-                self.queue.send(timer, wait_s, app_id=decision.state.app_id)
-                # when it is due: SQS delays by whole seconds (and from the send, a few milliseconds later)
-                due_at = now + timedelta(seconds=math.ceil(wait_s))
-                self.run_lease_timers.sent(late.run_id, due_at, watches_before)
+                update: dict[str, Any] = {"lease_timer": True}
+                if events:
+                    update["watches_before"] = watches_before
+                self.queue.send(delivered.in_flight.model_copy(update=update), wait_s, app_id=decision.state.app_id)
+                if events:
+                    # when it is due: SQS delays by whole seconds (and from the send, a few milliseconds later)
+                    due_at = now + timedelta(seconds=math.ceil(wait_s))
+                    self.run_lease_timers.sent(late.run_id, due_at, watches_before)
         return decision
 
     def _verified_post(

@@ -1,18 +1,38 @@
 """Adversarial review of 72cf321 ("one lease timer for a run's steps"): a result function's lease timer with
-``watches_before`` also watches every attempt a result function authorized before then, and judges each exactly at
-its lease. Each finding's test fails against the reviewed commit (and passes against 72cf321^ unless said)."""
+``watches_before`` also watched every attempt a result function authorized before then, and judged each exactly
+at its lease. Findings 1 and 2 (one root: the run's timer judged exactly an attempt the result function never
+left in flight, whose answer or authorization a deferred message carries) failed against 72cf321 and pass
+against 72cf321^; fixed by sharing a timer only between attempts sent as events (whose outcome only a post
+brings), which these endpoints, answering over HTTP, are not. Finding 3 is about a field 72cf321^ did not have.
+The guards at the end hold what was tried and held."""
 
 from __future__ import annotations
 
 import time as real_time
 from collections import Counter
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from ryusen import RetryPolicy, Ryusen, Step
+from ryusen._internal.wire import CallbackSucceeded, LateResult, Phase, StepPlan, StepsReached, TaskKind
 from ryusen.testing import WorkflowEnvironment
-from ryusen_server.core.model import AttemptStatus, TaskRef
+from ryusen_server.core.decide import decide
+from ryusen_server.core.events import (
+    AttemptReported,
+    Decision,
+    DiscoveryReported,
+    EngineSettings,
+    HeartbeatReported,
+    RedeliverLater,
+    ReleaseRef,
+    StartRun,
+    StopRequested,
+    TaskDelivered,
+)
+from ryusen_server.core.model import RESULT_FUNCTION_EVENTS_CARRIER, AttemptStatus, RunState, TaskRef, delivery_id_for
 from tests.functional.test_store_outages import FlakyStore, _flaky_env, pending_deferred
 
 RESULT_URL = "https://results.example/"
@@ -67,8 +87,6 @@ def status(env: WorkflowEnvironment, run_id: str, step_id: str) -> str | None:
 def post_result(env: WorkflowEnvironment, app: Ryusen, run_id: str, step_id: str, result: Any, **extra: Any) -> None:
     """The SDK's post of attempt 1's outcome to the result function, signed as the SDK signs it (``extra``: what
     its replay found next, and the build)."""
-    from ryusen._internal.wire import CallbackSucceeded, LateResult, Phase
-
     late = LateResult(
         run_id=run_id,
         step_id=step_id,
@@ -85,7 +103,11 @@ def lease_timers(env: WorkflowEnvironment) -> list[TaskRef]:
 
 
 def _pack_left_in_flight(
-    monkeypatch: Any, *, ship_retry: bool = True, kept_passes: bool = False, ship_fault: str | None = "down"
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    ship_retry: bool = True,
+    kept_passes: bool = False,
+    ship_fault: str | None = "down",
 ) -> tuple[WorkflowEnvironment, FlakyStore, Ryusen, str, Counter[str]]:
     """charge's outcome is posted to the result function, which carries on to pack, answered "accepted": pack's
     lease timer (``watches_before`` about pack's lease) goes on the queue."""
@@ -111,7 +133,7 @@ def _pack_left_in_flight(
 
 
 def test_an_answer_the_result_function_deferred_is_not_taken_as_unknown_by_the_runs_lease_timer(
-    monkeypatch: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """FINDING (high). The result function leaves pack in flight ("accepted") and sends pack's lease timer with
     ``watches_before`` about pack's lease. pack's outcome is posted; the same function carries on to ship, which
@@ -158,7 +180,7 @@ def _next_after(step_id: str, *, ship_retry: bool) -> Any:
 
 
 def test_a_step_a_result_function_authorized_in_a_write_whose_answer_was_lost_is_not_unknown_before_it_is_sent(
-    monkeypatch: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """FINDING (high). pack is left in flight by the result function, with its lease timer (``watches_before``
     about pack's lease). pack's success is posted with ``next`` (ship's plan): the result function's write
@@ -192,3 +214,120 @@ def test_a_step_a_result_function_authorized_in_a_write_whose_answer_was_lost_is
         f"ship ran {calls['ship']} times; its first attempt is {first.status.value} (unknown_at {first.unknown_at},"
         f" lease {first.lease_expires_at}); run {run.summary}"
     )
+
+
+# ---- finding 3: a run's lease timer is unreadable by a dispatcher of the release before --------------------------
+
+
+def test_a_lease_timer_of_an_attempt_an_endpoint_may_answer_inline_is_readable_by_the_release_before() -> None:
+    """FINDING 3 (low; a deploy's window and a rollback). aws/queue.py leaves ``lease_timer`` and ``watches_before``
+    out of a body when unset, "as before they existed", so that a dispatcher not yet upgraded reads it. A run's
+    lease timer for attempts sent as events has ``watches_before``, which the dispatcher of 72cf321^ (a TaskRef
+    with ``extra="forbid"``, stood in for here by its exact fields) refuses as a malformed message. Fixed as far as
+    it can be: only a release that takes events gets such a timer (the timer of any other acknowledged attempt is
+    read as before, below); during a deploy, CloudFormation updates the result function before the dispatch
+    function, and a refused timer comes back after the queue's visibility timeout to a dispatcher upgraded by
+    then; a rollback past this version must wait for the queue's run timers (docs/deploy.md)."""
+    from pydantic import BaseModel, ConfigDict
+
+    from ryusen_server.aws.queue import SqsQueue
+
+    class PreviousTaskRef(BaseModel):  # core/model.py TaskRef at 72cf321^
+        model_config = ConfigDict(frozen=True, extra="forbid")
+        run_id: str
+        kind: TaskKind
+        seq: int | None = None
+        step_id: str | None = None
+        generation: int | None = None
+        lease_timer: bool = False
+
+    class Client:
+        bodies: list[str] = []
+
+        def send_message(self, **kw: Any) -> None:
+            self.bodies.append(kw["MessageBody"])
+
+    client = Client()
+    queue = SqsQueue(client, "https://sqs.example/q", fair=False)  # type: ignore[arg-type]
+    timer = TaskRef(run_id="run1", kind=TaskKind.FORWARD, step_id="a", generation=1, lease_timer=True)
+    queue.send(timer, 60.0)
+    shared = timer.model_copy(update={"watches_before": at(58)})
+    queue.send(shared, 60.0)
+    [body, shared_body] = client.bodies
+    PreviousTaskRef.model_validate_json(body)
+    with pytest.raises(ValueError, match="watches_before"):
+        PreviousTaskRef.model_validate_json(shared_body)  # what deploy.md says of a rollback
+
+
+# ---- regression guards (pure core): what held ------------------------------------------------------------------
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+RELEASE = ReleaseRef(release_id="r1", build_id="b1")
+BY_RESULT_FUNCTION = f"{RESULT_FUNCTION_EVENTS_CARRIER}0123abcd"
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def core(state: RunState | None, event: object, seconds: float = 0.0) -> Decision:
+    return decide(state, event, now=at(seconds), settings=EngineSettings())  # type: ignore[arg-type]
+
+
+def _a_and_b_by_result_functions(heartbeat_s: float | None = None) -> RunState:
+    """Steps a and b declared together, each authorized by a result function (a at 0 s, b at 1 s); a settled."""
+    state = core(None, StartRun(run_id="run1", app_id="a", function_id="f", input=1)).state
+    state = core(
+        state, TaskDelivered(task=TaskRef(run_id="run1", kind=TaskKind.DISCOVER, seq=1), release=RELEASE)
+    ).state
+    plans = [StepPlan(id="a"), StepPlan(id="b", heartbeat_s=heartbeat_s, timeout_s=600)]
+    state = core(state, DiscoveryReported(seq=1, response=StepsReached(steps=plans, max_parallel=2))).state
+    for seconds, step_id in enumerate("ab"):
+        task = TaskRef(run_id="run1", kind=TaskKind.FORWARD, step_id=step_id, generation=1)
+        delivery = delivery_id_for(BY_RESULT_FUNCTION, f"u{step_id}")
+        state = core(state, TaskDelivered(task=task, release=RELEASE, delivery_id=delivery), seconds).state
+    done = AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1, response=CallbackSucceeded(result=1))
+    return core(state, done, 2).state
+
+
+def _runs_timer(watches_before: datetime) -> TaskDelivered:
+    task = TaskRef(
+        run_id="run1", kind=TaskKind.FORWARD, step_id="a", generation=1, lease_timer=True, watches_before=watches_before
+    )
+    return TaskDelivered(task=task, release=RELEASE, delivery_id=delivery_id_for("timer-message", "u"))
+
+
+def _b(state: RunState) -> Any:
+    step = state.step("b")
+    assert step is not None
+    return step.current(Phase.FORWARD)
+
+
+def test_guard_the_runs_timer_follows_the_heartbeats_of_an_attempt_it_watches() -> None:
+    """Held. b (heartbeat every 30 s, so its lease is one interval and the grace) is watched by a's timer. Its
+    heartbeats extend its lease: the timer, back at b's first lease, is kept until the extended one, takes nothing
+    before, and takes b as Unknown exactly at the lease its last heartbeat gave it."""
+    state = _a_and_b_by_result_functions(heartbeat_s=30)
+    first = _b(state).lease_expires_at
+    beat = HeartbeatReported(step_id="b", phase=Phase.FORWARD, generation=1, seq=1)
+    state = core(state, beat, 20).state
+    extended = _b(state).lease_expires_at
+    assert extended > first
+    back = core(state, _runs_timer(at(1)), (first - T0).total_seconds())
+    assert not back.changed and _b(back.state).status is AttemptStatus.AUTHORIZED
+    [later] = [c for c in back.commands if isinstance(c, RedeliverLater)]
+    assert first + timedelta(seconds=later.delay_s) == extended
+    taken = core(state, _runs_timer(at(1)), (extended - T0).total_seconds())
+    assert _b(taken.state).status is AttemptStatus.UNKNOWN
+
+
+def test_guard_the_runs_timer_still_takes_an_attempt_it_watches_while_the_run_is_cancelled() -> None:
+    """Held. The run is cancelled while b, watched by a's timer, is in flight: a stop waits for what is in flight,
+    and nothing but that timer judges b at its lease. The timer back at b's lease takes it as Unknown (the run
+    settles on it), as b's own timer did before the change: no silent wait for the sweeper's grace."""
+    state = _a_and_b_by_result_functions()
+    state = core(state, StopRequested(kind="cancel"), 3).state
+    assert _b(state).status is AttemptStatus.AUTHORIZED
+    lease = _b(state).lease_expires_at
+    taken = core(state, _runs_timer(at(1)), (lease - T0).total_seconds())
+    assert _b(taken.state).status is AttemptStatus.UNKNOWN

@@ -20,18 +20,20 @@ from ryusen_server.core.events import (
 )
 from ryusen_server.core.model import (
     RESULT_FUNCTION_CARRIER,
+    RESULT_FUNCTION_EVENTS_CARRIER,
     AttemptStatus,
     RunState,
     TaskRef,
-    carried_by_no_message,
     carrier_tag,
     delivery_id_for,
+    sent_as_an_event_by_a_result_function,
 )
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 SETTINGS = EngineSettings()
 RELEASE = ReleaseRef(release_id="r1", build_id="b1")
-BY_RESULT_FUNCTION = f"{RESULT_FUNCTION_CARRIER}0123abcd"
+BY_RESULT_FUNCTION = f"{RESULT_FUNCTION_EVENTS_CARRIER}0123abcd"
+BY_RESULT_FUNCTION_OVER_HTTP = f"{RESULT_FUNCTION_CARRIER}0123abcd"
 BY_MESSAGE = "a1b2c3d4-sqs-message-id"
 
 
@@ -81,13 +83,14 @@ def lease(state: RunState, step_id: str) -> datetime:
     return current.lease_expires_at
 
 
-def test_a_result_function_carries_no_message_and_a_message_is_never_taken_for_one() -> None:
-    assert carried_by_no_message(delivery_id_for(BY_RESULT_FUNCTION, "u"))
-    assert not carried_by_no_message(delivery_id_for(BY_MESSAGE, "u"))
-    assert not carried_by_no_message("u")  # no carrier at all
+def test_what_a_result_function_sent_as_an_event_is_told_apart_from_a_message_and_from_an_http_endpoint() -> None:
+    assert sent_as_an_event_by_a_result_function(delivery_id_for(BY_RESULT_FUNCTION, "u"))
+    assert not sent_as_an_event_by_a_result_function(delivery_id_for(BY_RESULT_FUNCTION_OVER_HTTP, "u"))
+    assert not sent_as_an_event_by_a_result_function(delivery_id_for(BY_MESSAGE, "u"))
+    assert not sent_as_an_event_by_a_result_function("u")  # no carrier at all
     tags = {carrier_tag(f"message-{i}") for i in range(2000)}
-    assert not any(t.startswith("r") for t in tags) and all(len(t) == 12 for t in tags)
-    assert len(carrier_tag(BY_RESULT_FUNCTION)) == 12
+    assert not any(t[0] in "rs" for t in tags) and all(len(t) == 12 for t in tags)
+    assert len(carrier_tag(BY_RESULT_FUNCTION)) == 12 and carrier_tag(BY_RESULT_FUNCTION_OVER_HTTP)[0] == "s"
 
 
 def test_a_timer_whose_attempt_settled_watches_what_a_result_function_authorized_before_it_was_due() -> None:
@@ -115,8 +118,9 @@ def test_without_watches_before_a_timer_watches_its_attempt_only() -> None:
     assert not decision.commands  # done: deleted
 
 
-def test_an_attempt_authorized_after_watches_before_or_carried_by_a_message_is_not_watched() -> None:
-    for carrier_b, watches_before in ((BY_RESULT_FUNCTION, at(0.5)), (BY_MESSAGE, at(1))):
+def test_an_attempt_authorized_after_watches_before_carried_by_a_message_or_sent_over_http_is_not_watched() -> None:
+    cases = ((BY_RESULT_FUNCTION, at(0.5)), (BY_MESSAGE, at(1)), (BY_RESULT_FUNCTION_OVER_HTTP, at(1)))
+    for carrier_b, watches_before in cases:
         state = two_in_flight(BY_RESULT_FUNCTION, carrier_b)
         state = run(state, AttemptReported(step_id="a", phase=Phase.FORWARD, generation=1,
                                            response=CallbackSucceeded(result=1)), 2).state  # fmt: skip

@@ -114,8 +114,8 @@ from .model import (
     TimerKind,
     TimerRef,
     UnwindEntry,
-    carried_by_no_message,
     carrier_of,
+    sent_as_an_event_by_a_result_function,
 )
 
 
@@ -791,11 +791,11 @@ class _Transition:
 
     def lease_timer_delivered(self, task: TaskRef, phase: Phase) -> None:
         """A lease timer (the result function's): it watches its attempt while it is in flight and, with
-        ``watches_before``, every attempt of the run a result function authorized before then. It comes back when
-        the soonest of their leases ends (later, if heartbeats extended it) and takes that attempt as Unknown, as
-        the attempt's own timer would, at its lease; once none is in flight it is done and watches nothing
-        else. What it takes as Unknown may authorize a retry or an unwind, which this delivery then carries: the
-        other attempts it watched are each given a lease timer of their own."""
+        ``watches_before``, every attempt of the run a result function sent as an event and authorized before
+        then. It comes back when the soonest of their leases ends (later, if heartbeats extended it) and takes
+        that attempt as Unknown, as the attempt's own timer would, at its lease; once none is in flight it is
+        done and watches nothing else. What it takes as Unknown may authorize a retry or an unwind, which this
+        delivery then carries: the other attempts it watched are each given a lease timer of their own."""
         watched = self.watched_by_lease_timer(task, phase)
         if not watched:
             return self.ignore(f"lease timer of {task.describe()}, which is no longer in flight")
@@ -831,7 +831,7 @@ class _Transition:
                     task.watches_before is not None
                     and a.authorized_at is not None
                     and a.authorized_at <= task.watches_before
-                    and carried_by_no_message(a.delivery_id)
+                    and sent_as_an_event_by_a_result_function(a.delivery_id)
                 ):
                     watched.append((step, a))
         return watched

@@ -659,20 +659,23 @@ CARRIER_SEPARATOR = "."
 
 RESULT_FUNCTION_CARRIER = "result function "
 """What the identity of a result function's invocation starts with: the carrier of the deliveries it makes,
-which no message is (its tag starts with ``NO_MESSAGE_TAG``)."""
-NO_MESSAGE_TAG = "r"
-"""What the tag of a carrier that is no message (a result function's invocation) starts with: never a hex digit,
-so never a message's tag."""
+which no message is (its tag starts with ``s``, never a hex digit, so never a message's tag)."""
+RESULT_FUNCTION_EVENTS_CARRIER = "result function, events "
+"""The same, for an invocation whose run's newest release takes attempts as Lambda events: what it leaves in
+flight was sent as an event, whose outcome only a post brings (its tag starts with ``EVENTS_TAG``)."""
+EVENTS_TAG = "r"
 
 
 def carrier_tag(message_id: str) -> str:
     """The short tag of a dispatch message's identity (an SQS message id, kept across receives), which the
     delivery ids of its deliveries start with: 12 hex digits of its digest (a clash only makes another message
     act at a lease as its carrier would, as every message did before carriers were told apart). A result
-    function's invocation (``RESULT_FUNCTION_CARRIER``) has ``NO_MESSAGE_TAG`` and 11 of them."""
+    function's invocation has ``s`` and 11 of them, ``EVENTS_TAG`` if its run's release takes events."""
     digest = hashlib.sha256(message_id.encode()).hexdigest()
+    if message_id.startswith(RESULT_FUNCTION_EVENTS_CARRIER):
+        return EVENTS_TAG + digest[:11]
     if message_id.startswith(RESULT_FUNCTION_CARRIER):
-        return NO_MESSAGE_TAG + digest[:11]
+        return "s" + digest[:11]
     return digest[:12]
 
 
@@ -694,11 +697,12 @@ def carrier_of(delivery_id: str | None) -> str | None:
     return delivery_id.split(CARRIER_SEPARATOR, 1)[0]
 
 
-def carried_by_no_message(delivery_id: str | None) -> bool:
-    """Whether the delivery ``delivery_id`` names was made by a result function: no message is kept as the lease
-    timer of what it authorized, which a lease timer the result function sends watches instead."""
+def sent_as_an_event_by_a_result_function(delivery_id: str | None) -> bool:
+    """Whether the delivery ``delivery_id`` names was made by a result function for a release that takes attempts
+    as Lambda events: what it left in flight is answered only by a post, never inline, so no answer of it can be
+    deferred to the queue meanwhile, and a lease timer that result function sent may watch it."""
     tag = carrier_of(delivery_id)
-    return tag is not None and tag.startswith(NO_MESSAGE_TAG)
+    return tag is not None and tag.startswith(EVENTS_TAG)
 
 
 class TaskRef(BaseModel):
@@ -716,11 +720,11 @@ class TaskRef(BaseModel):
     attempt's lease ends, and watches it and the attempts named by ``watches_before``, nothing else, where a
     task's own message follows whatever its run has in flight. Left out of a message when False."""
     watches_before: datetime | None = None
-    """A lease timer's: it also watches every attempt of its run that a result function authorized before this
-    time (:func:`carried_by_no_message`) while it is in flight, and takes it as Unknown at its lease as the
-    attempt's own timer would. The result function that sent it sends no timer for an attempt it authorizes
-    before then whose lease ends after the timer is due (one timer for a run's steps, not one per attempt).
-    Left out of a message when None."""
+    """A lease timer's: it also watches every attempt of its run that a result function sent as an event and
+    authorized before this time (:func:`sent_as_an_event_by_a_result_function`) while it is in flight, and takes
+    it as Unknown at its lease as the attempt's own timer would. The result function that sent it sends no timer
+    for such an attempt it authorizes before then whose lease ends after the timer is due (one timer for a
+    run's steps, not one per attempt). Left out of a message when None."""
 
     @property
     def phase(self) -> Phase | None:
