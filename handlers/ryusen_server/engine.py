@@ -1849,7 +1849,9 @@ class Engine:
             # queue while the store refuses it, and only its own lease timer may decide at its lease.)
             now = self.clock()
             lease_ends_at = now + timedelta(seconds=max(0.0, delivered.redeliver_after_s))
-            if not (events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at)):
+            if events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
+                self._emit("lease_timer_shared", delivered.in_flight)
+            else:
                 wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
                 watches_before = now + timedelta(seconds=wait_s - LEASE_TIMER_SHARE_MARGIN_S)
                 update: dict[str, Any] = {"lease_timer": True}

@@ -497,6 +497,9 @@ class Simulation:
         if kind == "quick":
             self.cases["quick step of a Lambda endpoint that takes events waited for on its URL"] += 1
             return
+        if kind == "lease_timer_shared":
+            self.cases["event left in flight by the result function, watched by the run's lease timer"] += 1
+            return
         actor = self._by_thread.get(threading.get_ident())
         holder = actor.name if actor is not None else "setup"
         if kind == "decided":
