@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ryusen import RetryPolicy, Ryusen, Step
-from ryusen._internal.wire import CallbackSucceeded, LateResult, Phase, StepPlan, StepsReached, TaskKind
+from ryusen._internal.wire import CallbackSucceeded, Phase, StepPlan, StepsReached, TaskKind
 from ryusen.testing import WorkflowEnvironment
 from ryusen_server.core.decide import decide
 from ryusen_server.core.events import (
@@ -33,6 +33,8 @@ from ryusen_server.core.events import (
     TaskDelivered,
 )
 from ryusen_server.core.model import RESULT_FUNCTION_EVENTS_CARRIER, AttemptStatus, RunState, TaskRef, delivery_id_for
+from tests.conformance.test_review_carriers2 import _post as post_result
+from tests.conformance.test_review_issue25 import attempts
 from tests.functional.test_store_outages import FlakyStore, _flaky_env, pending_deferred
 
 RESULT_URL = "https://results.example/"
@@ -72,30 +74,9 @@ def three_steps(
     return app
 
 
-def attempts(env: WorkflowEnvironment, run_id: str, step_id: str) -> list[Any]:
-    state = env.store.peek(run_id)
-    assert state is not None
-    step = state.step(step_id)
-    return list(step.attempts) if step is not None else []
-
-
 def status(env: WorkflowEnvironment, run_id: str, step_id: str) -> str | None:
     found = attempts(env, run_id, step_id)
     return found[-1].status.value if found else None
-
-
-def post_result(env: WorkflowEnvironment, app: Ryusen, run_id: str, step_id: str, result: Any, **extra: Any) -> None:
-    """The SDK's post of attempt 1's outcome to the result function, signed as the SDK signs it (``extra``: what
-    its replay found next, and the build)."""
-    late = LateResult(
-        run_id=run_id,
-        step_id=step_id,
-        phase=Phase.FORWARD,
-        generation=1,
-        attempt=CallbackSucceeded(result=result),
-        **extra,
-    )
-    env.engine.submit_result(late.model_dump_json().encode(), env._signed_late_result(app.app_id, late))
 
 
 def lease_timers(env: WorkflowEnvironment) -> list[TaskRef]:

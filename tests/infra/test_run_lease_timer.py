@@ -20,6 +20,7 @@ from tests.infra.test_stack_in_a_box import (  # noqa: F401
     Deployed,
     _inline_up_to,
     _lease_timers_now,
+    _messages_due_now,
     _start,
     _timed_app,
     deployed,
@@ -65,18 +66,6 @@ def _shift_clocks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     for wired in (dispatch_lambda.engine(), results_lambda.engine()):
         real = wired.engine.clock
         monkeypatch.setattr(wired.engine, "clock", lambda real=real: real() + timedelta(seconds=seconds))
-
-
-def _messages_due_now() -> None:
-    """Every message on the box's queues visible now (moto's delays and visibility ended), once."""
-    from moto.sqs.models import sqs_backends
-
-    for account in sqs_backends.values():
-        for backend in account.values():
-            for queue in backend.queues.values():
-                for message in queue._messages:
-                    message.delayed_until = 0.0
-                    message.visible_at = 0.0
 
 
 def test_an_attempt_the_runs_timer_watches_that_goes_silent_is_unknown_at_its_lease(

@@ -898,12 +898,23 @@ def _sent_as_events(deployed: Deployed, arn: str, run_id: str, since: int) -> li
     return [body["step_id"] for body in sent]
 
 
+def _messages_due_now() -> None:
+    """Every message on the box's queues visible now (moto's delays and visibility ended), once."""
+    from moto.sqs.models import sqs_backends
+
+    for account in sqs_backends.values():
+        for backend in account.values():
+            for queue in backend.queues.values():
+                for message in queue._messages:
+                    message.delayed_until = 0.0
+                    message.visible_at = 0.0
+
+
 def _lease_timers_now(deployed: Deployed) -> None:
     """Run forward the lease timers of finished runs' attempts: the result function's, sent with a delay, and the
     dispatch messages kept as one (moto's delay or visibility is ended, as the lease's end would), again until
     the dispatchers have judged them all and the queue is empty (one handled at the moment of a pass may be kept
     again)."""
-    from moto.sqs.models import sqs_backends
 
     sqs = boto3.client("sqs", region_name="us-east-1")
     names = [
@@ -914,12 +925,7 @@ def _lease_timers_now(deployed: Deployed) -> None:
     deadline = time.monotonic() + 60
     while True:
         time.sleep(0.5)  # a dispatcher still handling a message lets it go first
-        for account in sqs_backends.values():
-            for backend in account.values():
-                for queue in backend.queues.values():
-                    for message in queue._messages:
-                        message.delayed_until = 0.0
-                        message.visible_at = 0.0
+        _messages_due_now()
         time.sleep(0.5)
         counts = sqs.get_queue_attributes(QueueUrl=deployed.env["RYUSEN_QUEUE_URL"], AttributeNames=names)
         if all(v == "0" for v in counts["Attributes"].values()):
