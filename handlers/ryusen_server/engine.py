@@ -535,21 +535,27 @@ class RunLeaseTimers:
     has forgotten gets a timer of its own again. A guide to cost, never to correctness: an attempt goes without a
     timer of its own only while one sent here is surely still on the queue and due before its lease ends."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._capacity = capacity
-        self._sent: OrderedDict[str, tuple[datetime, datetime]] = OrderedDict()
+        self._sent: OrderedDict[str, tuple[datetime, datetime, float]] = OrderedDict()
+        self._monotonic = monotonic
         self._lock = threading.Lock()
 
     def watching(self, run_id: str, now: datetime, lease_ends_at: datetime) -> bool:
-        """Whether a timer sent here watches an attempt of the run authorized by ``now`` whose lease ends then."""
+        """Whether a timer sent here watches an attempt of the run authorized by ``now`` whose lease ends then.
+        Still on the queue is judged on the monotonic clock too: a wall clock stepped back cannot stretch it."""
         with self._lock:
             held = self._sent.get(run_id)
-        return held is not None and now <= held[1] and held[0] <= lease_ends_at
+        if held is None:
+            return False
+        due_at, watches_before, on_queue_until = held
+        return now <= watches_before and due_at <= lease_ends_at and self._monotonic() <= on_queue_until
 
-    def sent(self, run_id: str, due_at: datetime, watches_before: datetime) -> None:
+    def sent(self, run_id: str, due_at: datetime, watches_before: datetime, wait_s: float) -> None:
+        on_queue_until = self._monotonic() + wait_s - LEASE_TIMER_SHARE_MARGIN_S
         with self._lock:
             self._sent.pop(run_id, None)
-            self._sent[run_id] = (due_at, watches_before)
+            self._sent[run_id] = (due_at, watches_before, on_queue_until)
             while len(self._sent) > self._capacity:
                 self._sent.popitem(last=False)
 
@@ -1861,7 +1867,7 @@ class Engine:
                 if events:
                     # when it is due: SQS delays by whole seconds (and from the send, a few milliseconds later)
                     due_at = now + timedelta(seconds=math.ceil(wait_s))
-                    self.run_lease_timers.sent(late.run_id, due_at, watches_before)
+                    self.run_lease_timers.sent(late.run_id, due_at, watches_before, wait_s)
         return decision
 
     def _verified_post(

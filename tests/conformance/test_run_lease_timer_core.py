@@ -141,3 +141,19 @@ def test_two_watched_attempts_past_their_leases_one_is_taken_and_the_other_gets_
     # that timer takes b at once
     again = run(decision.state, TaskDelivered(task=own[0], release=RELEASE, delivery_id="v"), past)
     assert status(again.state, "b") is AttemptStatus.UNKNOWN
+
+
+def test_a_result_function_counts_on_its_timer_only_while_it_is_surely_on_the_queue_whatever_the_wall_clock() -> None:
+    """``RunLeaseTimers``: a 60 s timer watches what is authorized up to 2 s before it is due, and whose lease ends
+    after; a wall clock stepped back 10 s does not stretch that (the monotonic clock is asked too)."""
+    from ryusen_server.engine import RunLeaseTimers
+
+    mono = [1000.0]
+    timers = RunLeaseTimers(monotonic=lambda: mono[0])
+    timers.sent("run1", due_at=at(60), watches_before=at(58), wait_s=60.0)
+    assert timers.watching("run1", at(30), lease_ends_at=at(90))
+    assert not timers.watching("run1", at(30), lease_ends_at=at(59))  # its lease ends before the timer is due
+    assert not timers.watching("run1", at(59), lease_ends_at=at(120))  # the timer may be back already
+    assert not timers.watching("other", at(30), lease_ends_at=at(90))
+    mono[0] += 59.0  # 59 s went by, and the wall clock was stepped back 10 s: it reads 49 s
+    assert not timers.watching("run1", at(49), lease_ends_at=at(120))
