@@ -1846,13 +1846,14 @@ class Engine:
         delivered = self._carry_on(decision, release, deadline, None, chain_until=carry_until)
         if delivered.in_flight is not None and delivered.in_flight.kind is not TaskKind.DISCOVER:
             # No message was received here to be the lease timer of the attempt this left in flight (answered
-            # "accepted"): it gets one of its own, which comes back when its lease ends (later, if heartbeats
-            # extended it) and is done once the attempt is settled (docs/design/dispatch.md). An attempt this
-            # function authorized and died before invoking or hearing from is noticed by the sweeper.
-            # One timer for a run's steps sent as events: while a timer sent here for the run is still on the queue
-            # and due before this attempt's lease ends, it watches this attempt too (TaskRef.watches_before), and
-            # none is sent. (An attempt an endpoint may answer inline is not: its answer could be deferred to the
-            # queue while the store refuses it, and only its own lease timer may decide at its lease.)
+            # "accepted", or sent as an event): a lease timer this function sends watches it, comes back when its
+            # lease ends (later, if heartbeats extended it) and is done once nothing it watches is in flight
+            # (docs/design/dispatch.md). An attempt this function authorized and died before invoking or hearing
+            # from is noticed by the sweeper. One timer for a run's steps sent as events: while a timer sent here
+            # for the run is still on the queue and due before this attempt's lease ends, it watches this attempt
+            # too (TaskRef.watches_before), and none is sent. Not for an attempt an endpoint may answer inline: its
+            # answer could be deferred to the queue while the store refuses it, and only its own timer may decide
+            # at its lease.
             now = self.clock()
             lease_ends_at = now + timedelta(seconds=max(0.0, delivered.redeliver_after_s))
             if events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
