@@ -1,11 +1,12 @@
-"""One lease timer for a run's steps, not one per attempt (issue 25; docs/design/dispatch.md, "One lease timer
-for a run's steps").
+"""One lease timer for a run's steps sent as events, not one per attempt (issue 25; docs/design/dispatch.md, "One
+lease timer for a run's steps sent as events").
 
 The result function leaves an attempt in flight (sent as an event, or answered "accepted") with no dispatch
-message to watch its lease, so it sends a lease timer. A timer this function sent for the run that comes back
-before the new attempt's lease ends watches it too: no new timer is sent, and when that timer comes back it
-watches every attempt a result function authorized before it was due, until each is settled or taken as
-Unknown at its lease (exactly, as its own timer would)."""
+message to watch its lease, so it sends a lease timer. For a Lambda app that takes events, a timer this function
+sent for the run that comes back before the new event's lease ends watches it too: no new timer is sent, and when
+that timer comes back it watches every event a result function sent before it was due, until each is settled or
+taken as Unknown at its lease (exactly, as its own timer would). An HTTP endpoint's acknowledged attempt keeps a
+timer of its own (tests/conformance/test_review_run_lease_timer.py)."""
 
 from __future__ import annotations
 
