@@ -7,7 +7,7 @@
 **What runs.** The stack in a box (tests/infra/box.py, with the fixture of tests/infra/test_stack_in_a_box.py)
 creates the synthesized CDK template's resources in moto. It runs the real handlers (API, dispatch, sweep,
 and any other ``ryusen_server.lambdas`` function the template has) with the template's environment, and the
-default retention (90 days) is on. A workflow of N steps runs there, one run at a time. Each step's callback
+default retention (30 days) is on. A workflow of N steps runs there, one run at a time. Each step's callback
 takes a duration D, for D = 0.1 s, 1 s, 10 s and 10 minutes. Two kinds of user endpoint serve it:
 
 * ``http``: the app served over WSGI on loopback, as ``ryusen dev`` or any long-lived server does. Its SDK
@@ -44,18 +44,21 @@ workflow once, uncounted, as a warm-up.
 
 * DynamoDB write and read request units, from the sizes of the items written and read (the table's and each
   global index's).
-* Storage for the 90 days of retention: the bytes a run leaves in the table and its indexes (with 100 bytes
-  of overhead per item), at $0.25 per GB-month, plus point-in-time recovery ($0.20 per GB-month of table
-  data; it is on in the template).
+* Storage for the retention (30 days by default; the bench prints what 90 would add): the bytes a run leaves
+  in the table and its indexes (with 100 bytes of overhead per item), at $0.25 per GB-month, plus
+  point-in-time recovery ($0.20 per GB-month of table data; it is on in the template).
 * SQS requests in 64 KB chunks. That includes the event source's receives that return messages and its
   deletes (AWS bills the event source's polling); its empty long polls are a fixed cost, printed apart.
 * Scheduler invocations.
 * Lambda requests, and GB-seconds per function at the template's memory and the arm64 price.
 * API Gateway REST requests: starting a run, and results posted to ``/v1/results``.
-* CloudWatch Logs: the bytes each function writes, plus its START, END and REPORT lines.
+* CloudWatch Logs: the bytes each function writes, plus its START, END and REPORT lines at the template's
+  system log level (WARN: only a failed invocation's).
 * Secrets Manager reads, counted per step but priced per container (printed apart, like the sweeper): a
   container reads the key at its start and checks it again on a timer, whatever its steps.
-* Data sent to the user's endpoint, priced as internet egress (at worst).
+* Data sent to the user's endpoint, priced as internet egress (at worst) for an endpoint served over HTTP. An app on
+  Lambda in the engine's region is sent its attempts free: Lambda bills data transfer only from outside the
+  function's region.
 
 The sweeper (every minute, whatever the load) and the event source's idle polling are per deployment, not
 per step. They are printed as a monthly figure. The peers are priced as published: Step Functions Standard
@@ -85,8 +88,20 @@ from tests.infra.box import REGION, caller
 from tests.infra.meter import PRICES, LogTap, Meter, TableSchema, Usage
 
 DURATIONS_S = (0.1, 1.0, 10.0, 600.0)
-RETENTION_DAYS = 90.0
+
+
+def _default_retention_days() -> float:
+    """How long the stack keeps a finished run by default (``RyusenSettings.retention``)."""
+    from ryusen_infra import RyusenSettings
+
+    retention = RyusenSettings().retention
+    assert retention is not None
+    return float(retention.to_days())
+
+
+RETENTION_DAYS = _default_retention_days()
 DAYS_PER_MONTH = 365.25 / 12
+STORAGE_ROW = f"DynamoDB storage, {RETENTION_DAYS:g} days + PITR"
 MINUTES_PER_MONTH = 60 * 24 * DAYS_PER_MONTH
 PEERS = {
     "Step Functions Standard": (25.00, "$25 per million state transitions, 1 per step"),
@@ -314,7 +329,9 @@ class Bench:
             usage=usage,
             stored=(after[0] - before[0], after[1] - before[1]),
             answers=Counter(endpoint.answers),
-            egress_bytes=endpoint.received_bytes,
+            # Lambda bills data transfer only to and from outside the function's region (Lambda's pricing page): an
+            # app on Lambda in the engine's region costs nothing to send attempts to; a server may be anywhere
+            egress_bytes=endpoint.received_bytes if endpoint.kind == "http" else 0,
             settled=settled,
             wall_s=wall,
             left_in_flight=left,
@@ -342,7 +359,7 @@ def line_items(s: Scenario, memory_mb: dict[str, int]) -> dict[str, float]:
         "DynamoDB writes (table)": sum(u.wru.values()) * PRICES["wru"] * per,
         "DynamoDB writes (indexes)": sum(u.index_wru.values()) * PRICES["wru"] * per,
         "DynamoDB reads": sum(u.rru.values()) * PRICES["rru"] * per,
-        "DynamoDB storage, 90 days + PITR": (
+        STORAGE_ROW: (
             ((table_gb + index_gb) * PRICES["storage_gb_month"] + table_gb * PRICES["pitr_gb_month"])
             * months
             * 1_000_000
@@ -438,7 +455,8 @@ def box_with_meter(meter: Meter) -> Iterator[tuple[Any, dict[str, int]]]:
         module = importlib.import_module(module_name)
         memory_mb[function] = int(resource["Properties"].get("MemorySize", 128))
         patched.append((module, getattr(module, attribute)))
-        setattr(module, attribute, meter.timed(function, getattr(module, attribute)))
+        level = str(resource["Properties"].get("LoggingConfig", {}).get("SystemLogLevel", "INFO"))
+        setattr(module, attribute, meter.timed(function, getattr(module, attribute), system_log_level=level))
     meter.memory_mb.update(memory_mb)
     deployed_fixture = contextlib.contextmanager(test_stack_in_a_box.deployed.__wrapped__)  # type: ignore[attr-defined]
     try:
@@ -599,6 +617,10 @@ def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str
         " container busy all month, whatever its steps (the bench's short runs counted the reads in the row above)."
     )
     print("† from a secondary source (shared/facts/aws.md). Step Functions: one state transition per step.")
+    for kind, scenarios in results.items():
+        storage = [line_items(s, memory_mb)[STORAGE_ROW] for s in scenarios]
+        longer = ", ".join(f"${x * (90 / RETENTION_DAYS - 1):.2f}" for x in storage)
+        print(f"With 90 days' retention (Step Functions' history), {kind}: storage adds {longer} per million steps.")
     if any(s.duration_s > 360 for ss in results.values() for s in ss if s.kind == "lambda"):
         print(
             "A Lambda endpoint's step longer than the dispatcher's timeout (360 s) cannot be waited for on AWS:"

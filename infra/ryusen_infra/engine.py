@@ -101,8 +101,10 @@ class RyusenSettings:
     forward_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
     compensate_max_attempts: int = 10
     compensate_initial_delay: cdk.Duration = cdk.Duration.seconds(1)
-    retention: cdk.Duration | None = cdk.Duration.days(90)
-    """How long a finished run is kept (DynamoDB TTL); None keeps runs forever."""
+    retention: cdk.Duration | None = cdk.Duration.days(30)
+    """How long a finished run is kept (DynamoDB TTL); None keeps runs forever. 30 days by default, as its logs
+    (``log_retention``) and as Temporal Cloud's default; storage is the largest part of a step's cost after its
+    write, and grows with this (docs/performance.md)."""
     dispatch_concurrency: int = 4
     """At most this many dispatch functions run at once (the event source's maximum concurrency, 2-1000). Each
     waits on one request to an app, which on Lambda is one more execution: the default, 4, fills a fresh account's
@@ -574,6 +576,12 @@ class RyusenEngine(Construct):
             memory_size=memory_mb,
             environment={**environment, "POWERTOOLS_SERVICE_NAME": f"ryusen-{service}"},
             log_group=log_group,
+            # Every step is an invocation or two: Lambda's START, END and REPORT lines (about 250 bytes) would be
+            # CloudWatch Logs bytes per step. At system level WARN Lambda keeps only a failed or timed-out
+            # invocation's report; its metrics (Invocations, Duration, Errors) still count every invocation.
+            logging_format=aws_lambda.LoggingFormat.JSON,
+            system_log_level_v2=aws_lambda.SystemLogLevel.WARN,
+            application_log_level_v2=aws_lambda.ApplicationLogLevel.INFO,
         )
 
     def _grant_runtime(self, function: aws_lambda.Function) -> None:

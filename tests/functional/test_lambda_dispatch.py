@@ -224,6 +224,18 @@ def test_a_probe_of_a_blocked_run_reports_how_long_it_has_been_blocked(
     assert any("BlockedRunAge" in m for m in emitted), emitted
 
 
+def test_a_message_handled_writes_no_log_line(aws: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Every step is a message or two here: a line each would be CloudWatch Logs bytes per step (a metric's EMF
+    line is about 300 bytes). Lambda's Invocations and SQS's own metrics count them; only failures are logged."""
+    call(aws, "PUT", "/v1/apps/box", {"url": aws["app_url"]})
+    call(aws, "POST", "/v1/functions/quick/runs", {"input": {}})
+    capsys.readouterr()
+    dispatch(aws, receive(aws))  # discovery: the charge attempt is queued
+    dispatch(aws, receive(aws))  # the attempt, answered inline
+    written = capsys.readouterr()
+    assert (written.out, written.err) == ("", "")
+
+
 def test_a_key_rotation_in_flight_makes_nothing_unknown(aws: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The dispatcher signs with the new master while the app still holds the old key: the app's refusal is
     signed with its key for exactly that request, which the server verifies with the previous master, so

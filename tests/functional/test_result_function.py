@@ -100,3 +100,20 @@ def test_a_store_outage_answers_503_so_the_sdk_posts_again(fake: FakeEngine) -> 
     fake.refuse = StoreUnavailableError("throttled")
     answer = results.handler(event(b'{"run_id": "r"}'), LambdaContext(60))
     assert answer["statusCode"] == 503 and json.loads(answer["body"])["error"]["code"] == "store_unavailable"
+
+
+def test_an_outcome_a_heartbeat_or_a_completion_taken_writes_no_log_line(
+    fake: FakeEngine, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every step posts here: a line each would be CloudWatch Logs bytes per step (a metric's EMF line is about
+    300 bytes). Lambda's own Invocations metric counts these posts; only refusals and outages are logged."""
+    beat = b'{"kind": "heartbeat", "run_id": "r", "step_id": "s", "phase": "forward", "generation": 1}'
+    done = b'{"kind": "completion", "run_id": "r", "step_id": "s", "phase": "forward", "generation": 1, "token": "t"}'
+    capsys.readouterr()
+    for body in (b'{"run_id": "r"}', beat, done, b'{"run_id": "r"}'):
+        assert results.handler(event(body), LambdaContext(60))["statusCode"] in (200, 202)
+    written = capsys.readouterr()
+    assert (written.out, written.err) == ("", "")
+    fake.refuse = StoreUnavailableError("throttled")
+    assert results.handler(event(b'{"run_id": "r"}'), LambdaContext(60))["statusCode"] == 503
+    assert "could not take a posted outcome" in caplog.text  # an outage is still logged

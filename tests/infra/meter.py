@@ -437,20 +437,26 @@ class Meter:
     # ---- Lambda --------------------------------------------------------------------------------------------
 
     def timed(
-        self, function: str, handler: Callable[..., Any], log_bytes: int = PLATFORM_LOG_BYTES
+        self, function: str, handler: Callable[..., Any], *, system_log_level: str = "INFO"
     ) -> Callable[..., Any]:
-        """``handler``, metered as one invocation of ``function`` per call."""
+        """``handler``, metered as one invocation of ``function`` per call. Lambda writes its START, END and
+        REPORT lines (:data:`PLATFORM_LOG_BYTES`) for every invocation at the function's system log level INFO (its
+        template's ``LoggingConfig.SystemLogLevel``, INFO by default), and at WARN only for one that failed."""
 
         def invoke(event: Any, context: Any) -> Any:
             started = time.perf_counter()
+            failed = True
             try:
-                return handler(event, context)
+                answer = handler(event, context)
+                failed = False
+                return answer
             finally:
                 ended = time.perf_counter()
                 billed = [float(math.ceil((ended - started) * 1000))]
                 with self.lock:
                     self.usage.invocations[function] += 1
-                    self.usage.log_bytes[function] += log_bytes
+                    if failed or system_log_level not in ("WARN", "ERROR", "FATAL"):
+                        self.usage.log_bytes[function] += PLATFORM_LOG_BYTES
                     if isinstance(event, dict) and "httpMethod" in event:  # a REST API request
                         self.usage.api_requests[f"{event['httpMethod']} {event['path']}"] += 1
                     self.invocation_spans.append((function, started, ended, billed))

@@ -31,3 +31,23 @@ def test_index_writes_bill_what_an_item_change_does_to_each_index() -> None:
     assert schema.index_write_units(checked, {**checked, "other": {"S": "x"}}) == 0  # nothing projected changed
     assert schema.index_write_units(checked, moved) == 2  # its key changed: a delete and a put
     assert schema.index_write_units(checked, base) == 1  # removed
+
+
+def test_platform_log_lines_are_billed_per_invocation_at_info_and_only_for_a_failure_at_warn() -> None:
+    import pytest
+
+    from tests.infra.meter import PLATFORM_LOG_BYTES, Meter
+
+    meter = Meter({}, lambda: "results", lambda: None)
+
+    def fails(event: object, context: object) -> None:
+        raise RuntimeError("timed out")
+
+    quiet = meter.timed("results", lambda event, context: "ok", system_log_level="WARN")
+    chatty = meter.timed("api", lambda event, context: "ok")
+    failing = meter.timed("dispatch", fails, system_log_level="WARN")
+    assert quiet({}, None) == "ok" and chatty({}, None) == "ok"
+    with pytest.raises(RuntimeError):
+        failing({}, None)
+    assert meter.usage.log_bytes == {"api": PLATFORM_LOG_BYTES, "dispatch": PLATFORM_LOG_BYTES}
+    assert meter.usage.invocations == {"results": 1, "api": 1, "dispatch": 1}

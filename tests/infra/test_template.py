@@ -273,6 +273,33 @@ def test_functions_are_arm64_on_a_current_python_with_their_own_log_groups(synth
     assert api["Properties"]["Timeout"] == 29
 
 
+def test_engine_functions_log_json_and_no_platform_line_for_a_successful_invocation(synthesized: Synthesized) -> None:
+    """Every step is an invocation or two of these functions. Lambda's START, END and REPORT lines are about 250
+    bytes an invocation, at CloudWatch Logs' price per byte: at system level WARN only a failed or timed-out
+    invocation's report is kept (Lambda's Duration and Errors metrics still count them all)."""
+    engine_functions = [
+        props
+        for function in synthesized.resources("AWS::Lambda::Function").values()
+        if str((props := function["Properties"]).get("Handler", "")).startswith("ryusen_server.lambdas.")
+    ]
+    assert len(engine_functions) >= 4  # api, dispatch, results, sweep
+    for props in engine_functions:
+        config = props["LoggingConfig"]
+        assert config["LogFormat"] == "JSON", props["Handler"]
+        assert config["SystemLogLevel"] == "WARN", props["Handler"]
+        assert config["ApplicationLogLevel"] == "INFO", props["Handler"]
+
+
+def test_a_finished_run_is_kept_30_days_by_default_as_its_logs_are(synthesized: Synthesized) -> None:
+    """Temporal Cloud's default retention (Lambda durable functions keep 14 days, Step Functions 90): the run
+    store's storage is the largest part of a step's cost after its write (docs/performance.md)."""
+    for handler in HANDLERS:
+        assert (
+            synthesized.function(handler)[1]["Properties"]["Environment"]["Variables"]["RYUSEN_RETENTION_DAYS"] == "30"
+        )
+    assert {g["Properties"]["RetentionInDays"] for g in synthesized.resources("AWS::Logs::LogGroup").values()} == {30}
+
+
 def test_the_example_app_shares_a_replay_table_it_may_only_put_items_in(synthesized: Synthesized) -> None:
     """Decision 21: a request replayed to another container of the app is refused there too."""
     tables = {

@@ -30,7 +30,6 @@ def resolver() -> APIGatewayRestResolver:
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     response = resolver().resolve(event, context)
     status = int(response.get("statusCode", 500))
-    metrics.add_metric(name="ApiRequests", unit=MetricUnit.Count, value=1)
     if status >= 400:
         metrics.add_metric(
             name="ApiClientErrors" if status < 500 else "ApiServerErrors", unit=MetricUnit.Count, value=1

@@ -87,7 +87,6 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
     # the time this invocation has left bounds how long it listens for an endpoint's answer
     budget_s = lambda_context.get_remaining_time_in_millis() / 1000 if lambda_context is not None else None
     keep = lease_keeper(change_visibility, _queue_visibility_s())
-    metrics.add_metric(name="MessagesReceived", unit=MetricUnit.Count, value=1)
     try:
         done, redeliver_after_s = process_message(
             wired.engine, record.body, budget_s=budget_s, on_authorized=keep, carrier=_carrier(record)
@@ -98,7 +97,6 @@ def record_handler(record: DispatchRecord, lambda_context: LambdaContext | None 
         metrics.add_metric(name="DispatchErrors", unit=MetricUnit.Count, value=1)
         logger.exception("dispatch of a message failed; it will be redelivered")
         raise
-    metrics.add_metric(name="MessagesHandled", unit=MetricUnit.Count, value=1)
     if not done:
         if _receives(record) >= REFRESH_AFTER_RECEIVES:
             # Kept on purpose (a lease timer, the watch over a run's chained tasks), yet every receive counts

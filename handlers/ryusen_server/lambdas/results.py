@@ -23,8 +23,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from aws_lambda_powertools import Logger, Metrics
-from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from ..api import completion_answer, error_body, is_completion, is_heartbeat
@@ -33,7 +32,6 @@ from ..ports import ServerError
 from ..wiring import AwsEngine, AwsResources, aws_engine
 
 logger = Logger(service="ryusen-results")
-metrics = Metrics(namespace="Ryusen", service="results")
 _engine: AwsEngine | None = None
 
 RESERVE_S = 3.0
@@ -71,7 +69,6 @@ def _answer(status: int, body: Any) -> dict[str, Any]:
 
 
 @logger.inject_lambda_context(correlation_id_path="requestContext.requestId")
-@metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     http = (event.get("requestContext") or {}).get("http") or {}
     path = str(http.get("path") or "/")  # what the SDK's signature covers: the path it posted to
@@ -89,12 +86,10 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     domain = (event.get("requestContext") or {}).get("domainName")
     try:
         if is_heartbeat(body):
-            metrics.add_metric(name="Heartbeats", unit=MetricUnit.Count, value=1)
             reply = wired.engine.submit_heartbeat(body, headers, path=path)
             _learn_own_url(wired, domain)
             return _answer(200, reply.model_dump(mode="json"))
         if is_completion(body):  # decision 32: the app completes a step itself
-            metrics.add_metric(name="Completions", unit=MetricUnit.Count, value=1)
             taken = wired.engine.submit_completion(body, headers, path=path)
             _learn_own_url(wired, domain)
             return _answer(200, completion_answer(taken))
@@ -105,5 +100,4 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
         if exc.status >= 500:
             logger.warning("could not take a posted outcome", extra={"code": exc.code, "error": exc.message})
         return {"statusCode": exc.status, "headers": {"content-type": "application/json"}, "body": error_body(exc)}
-    metrics.add_metric(name="ResultsRecorded", unit=MetricUnit.Count, value=1)
     return _answer(202, {"accepted": decision.note is None, "note": decision.note})
