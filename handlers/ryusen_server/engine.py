@@ -613,6 +613,13 @@ class SentMemos:
         return token, base, changed
 
 
+def _attempt_in_flight(state: RunState, step_id: str, phase: Phase, generation: int) -> bool:
+    """``state`` holds that attempt authorized and not yet settled."""
+    step = state.step(step_id)
+    attempt = step.attempt(phase, generation) if step is not None else None
+    return attempt is not None and attempt.status is AttemptStatus.AUTHORIZED
+
+
 def _values_problem(*outcomes: Any) -> str | None:
     """Why a JSON value an endpoint reported (an output, a result, an error's data) cannot be stored, or None."""
     for outcome in outcomes:
@@ -839,11 +846,15 @@ class Engine:
 
     # ---- the decide/write/act loop ---------------------------------------------
 
-    def apply(self, run_id: str, event: Event, *, known: RunState | None = None) -> Decision:
+    def apply(self, run_id: str, event: Event, *, known: RunState | None = None, known_fresh: bool = True) -> Decision:
         """Decide ``event`` on the current run, write it, carry out commands other than invocation.
 
         ``known`` is a state the caller just read or wrote; it saves one read,
         and the conditional write still catches it if it is out of date.
+        ``known_fresh=False``: ``known`` is what this process remembers of the run (``RunStore.cached``), not a
+        read. A decision that writes is still fenced by its conditional write (it succeeds only on the newest
+        version, which proves the state was current); a decision that writes nothing is never taken on it: the
+        run is read and the event decided again.
         """
         for _ in range(MAX_RACES):
             # one decision of a run at a time in this process (siblings settling at once would otherwise race for
@@ -851,7 +862,11 @@ class Engine:
             # conditional write fences them
             locks = self.run_locks
             with locks[hash(run_id) % len(locks)] if locks else contextlib.nullcontext():
-                state, known = (known, None) if known is not None else (self.store.get(run_id), None)
+                state: RunState | None
+                if known is not None:
+                    state, fresh, known = known, known_fresh, None
+                else:
+                    state, fresh = self.store.get(run_id), True
                 if state is None:
                     raise NotFoundError(f"no run {run_id!r}", run_id=run_id)
                 decision = decide(state, event, now=self.clock(), settings=self.settings.engine)
@@ -859,8 +874,11 @@ class Engine:
                     try:
                         self.store.save(decision.state, expected_version=state.version)
                     except VersionConflictError as conflict:
-                        known = conflict.current  # someone moved first: decide again on what they wrote
+                        known, known_fresh = conflict.current, True  # someone moved first: decide on what they wrote
                         continue
+                elif not fresh:
+                    self._emit("cached_state_read_again", (run_id, event))
+                    continue  # nothing written proves the remembered state current: read it and decide again
             self._emit("decided", (event, decision))
             self._send(decision)
             return decision
@@ -874,6 +892,7 @@ class Engine:
         known: RunState | None,
         deadline: float | None,
         on_retry: Callable[[], None] | None = None,
+        known_fresh: bool = True,
     ) -> Decision:
         """:meth:`apply`, tried again with backoff while the store is unavailable (throttled past botocore's
         retries, a 5xx, a lost answer) and time is left: for ``store_retry_s``, and never past
@@ -886,7 +905,7 @@ class Engine:
         tries = 0
         while True:
             try:
-                return self.apply(run_id, event, known=known)
+                return self.apply(run_id, event, known=known, known_fresh=known_fresh)
             except StoreUnavailableError as exc:
                 tries += 1
                 pause = random.uniform(0, min(STORE_RETRY_MAX_S, STORE_RETRY_FIRST_S * 2**tries))
@@ -1777,7 +1796,7 @@ class Engine:
     def submit_late_result(self, body: bytes, headers: dict[str, str]) -> Decision:
         """The SDK's late submission (decisions 6.15), through the API's result route: verified
         (:meth:`_verified_late_result`) and fenced like any result; what it lets the run do next is queued."""
-        late, state = self._verified_late_result(body, headers)
+        late, state, _ = self._verified_late_result(body, headers)
         decision = self.apply(
             late.run_id,
             AttemptReported(
@@ -1801,7 +1820,7 @@ class Engine:
         release; that task is then invoked here, as a dispatcher chains, for at most ``RESULT_CARRY_ON_S``
         (``budget_s``: what the invocation has left). A store that refuses the write raises
         :class:`StoreUnavailableError`: the SDK holds the outcome and posts it again."""
-        late, state = self._verified_late_result(body, headers, path=path)
+        late, state, fresh = self._verified_late_result(body, headers, path=path, remembered=True)
         # No message carries what this invocation authorizes: its own carrier, which no message is, makes every
         # message of the run, and the sweeper, wait lease_watch_grace_s past the lease of an attempt it authorized
         # (its answer may be deferred to the queue); an attempt left in flight is watched by a lease timer below.
@@ -1809,10 +1828,10 @@ class Engine:
         events = release is not None and release.lambda_function_arn is not None and self.event_invoker is not None
         carrier = RESULT_FUNCTION_EVENTS_CARRIER if events else RESULT_FUNCTION_CARRIER
         with carried_by(f"{carrier}{uuid.uuid4().hex}"):
-            return self._submit_result(late, state, budget_s, events=events)
+            return self._submit_result(late, state, budget_s, events=events, fresh=fresh)
 
     def _submit_result(
-        self, late: LateResult, state: RunState | None, budget_s: float | None, *, events: bool
+        self, late: LateResult, state: RunState | None, budget_s: float | None, *, events: bool, fresh: bool = True
     ) -> Decision:
         deadline = time.monotonic() + budget_s if budget_s is not None else None
         carry_until = time.monotonic() + RESULT_CARRY_ON_S
@@ -1833,7 +1852,7 @@ class Engine:
             delivery_id=new_delivery_id() if ref is not None else None,
         )
         try:
-            decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline)
+            decision = self._apply_retrying(late.run_id, event, known=state, deadline=deadline, known_fresh=fresh)
         except StoreUnavailableError as exc:
             # The store will not take it: the outcome is kept on the queue (deferred.py), as a dispatcher keeps an
             # answer it has, and the post is answered as taken, so the outcome no longer lives only in the SDK's
@@ -1881,13 +1900,15 @@ class Engine:
         path: str | None,
         limit: int,
         what: str,
+        read: Callable[[_Posted], RunState | None] | None = None,
     ) -> tuple[_Posted, RunState | None]:
         """A message an SDK posted unasked (a late result, a heartbeat), checked in this order: its size, its
         signature header's form (the body is not parsed without one), its shape, its ids, the key id against the
         keys of its run's app (the only read), and its signature over its scope at ``path`` (by default the result
         URL's), with the keys read afresh too, so an emergency rotation refuses the old key at once. Every refusal
         of the signature, whether the run exists or not, is the same answer: a caller without the run's key learns
-        nothing about which runs exist. The run as read for the check (None on a server with no key)."""
+        nothing about which runs exist. The run as read for the check (None on a server with no key); ``read``
+        gets it for a post otherwise (by default, ``RunStore.get``)."""
         if len(body) > limit:
             raise PayloadTooLargeError(f"a {what} is at most {limit} bytes", limit=limit)
         masters = self.master_keys()
@@ -1908,7 +1929,7 @@ class Engine:
             raise _late_result_refused() if masters else InvalidRequestError(f"malformed {what}")  # nothing is read
         if signature is None:
             return posted, None
-        state = self.store.get(posted.run_id)
+        state = read(posted) if read is not None else self.store.get(posted.run_id)
         keys = [app_key(master, state.app_id) for master in masters] if state is not None else []
         if signature.key_id not in {key_id(key) for key in keys}:
             raise _late_result_refused()  # no such run, or a key this server does not hold for its app
@@ -1922,16 +1943,39 @@ class Engine:
         return posted, state
 
     def _verified_late_result(
-        self, body: bytes, headers: dict[str, str], *, path: str | None = None
-    ) -> tuple[LateResult, RunState | None]:
+        self, body: bytes, headers: dict[str, str], *, path: str | None = None, remembered: bool = False
+    ) -> tuple[LateResult, RunState | None, bool]:
         """A posted outcome, checked as :meth:`_verified_post` says (at most ``MAX_LATE_RESULT_BYTES``), and its
-        values. The run as read for the check (None on a server with no key)."""
+        values. The run as read for the check (None on a server with no key), and whether it was read.
+
+        ``remembered``: the check may use what this process remembers of the run (``RunStore.cached``), with no
+        read, when that holds the attempt the outcome names still in flight: the usual case, since the result
+        function that authorized it is most often the one its outcome comes back to. A run's app and an
+        attempt's build never change, so the signature check and the trusted next step hold on it; the decision
+        is fenced by its write (:meth:`apply`, ``known_fresh``)."""
+        read = True
+
+        def remembered_or_read(posted: LateResult) -> RunState | None:
+            nonlocal read
+            cached = self.store.cached(posted.run_id) if remembered else None
+            if cached is not None and _attempt_in_flight(cached, posted.step_id, posted.phase, posted.generation):
+                read = False
+                return cached
+            return self.store.get(posted.run_id)
+
         late, state = self._verified_post(
-            body, headers, LateResult, late_result_scope, path=path, limit=MAX_LATE_RESULT_BYTES, what="late result"
+            body,
+            headers,
+            LateResult,
+            late_result_scope,
+            path=path,
+            limit=MAX_LATE_RESULT_BYTES,
+            what="late result",
+            read=remembered_or_read,
         )
         if (problem := _values_problem(late.attempt, late.next)) is not None:
             raise InvalidRequestError(f"the late result's value {problem}", code="invalid_value")
-        return late, state
+        return late, state, read
 
     def submit_heartbeat(self, body: bytes, headers: dict[str, str], *, path: str | None = None) -> HeartbeatReply:
         """A running callback's heartbeat (decision 33), checked as a late result is (its size first, then its

@@ -75,6 +75,9 @@ class MemoryStore:
         """Read without counting a request (test harness and benchmark bookkeeping)."""
         return self._read(run_id)
 
+    def cached(self, run_id: str) -> RunState | None:
+        return None  # a read here costs nothing: always read
+
     def create(self, state: RunState) -> None:
         self.counter.add("store.write")
         with self._lock:

@@ -146,6 +146,11 @@ class RequestCounter:
 class RunStore(Protocol):
     def get(self, run_id: str) -> RunState | None: ...
 
+    def cached(self, run_id: str) -> RunState | None:
+        """The newest state of the run this process has read or written, with no request; None if it has none.
+        It may be out of date: a decision on it is fenced by its conditional write, and one that writes nothing
+        is taken again on a read (``Engine.apply``, ``known_fresh``)."""
+
     def seal_key(self) -> str:
         """The deployment's key for sealing what the engine puts on its own queue (deferred answers, wake
         orders): made at random the first time, kept in the store, never rotated with the signing keys (an

@@ -82,7 +82,14 @@ from ryusen_server.core.view import REMEDIES
 from ryusen_server.deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from ryusen_server.engine import INLINE_UP_TO_S, SWEEP_GRACE_S, Engine, ServerSettings
 from ryusen_server.memory import MemoryStore
-from ryusen_server.ports import InvokeResult, Release, RunPage, ServerError, StoreUnavailableError
+from ryusen_server.ports import (
+    InvokeResult,
+    Release,
+    RunPage,
+    ServerError,
+    StoreUnavailableError,
+    VersionConflictError,
+)
 from ryusen_server.runtime import DispatchMessage, TimerMessage, lease_keeper, process_message
 
 from . import workload
@@ -499,6 +506,9 @@ class Simulation:
             return
         if kind == "lease_timer_shared":
             self.cases["event left in flight by the result function, watched by the run's lease timer"] += 1
+            return
+        if kind == "cached_state_read_again":
+            self.cases["a decision on a remembered state wrote nothing: read again and decided again"] += 1
             return
         actor = self._by_thread.get(threading.get_ident())
         holder = actor.name if actor is not None else "setup"
@@ -1437,6 +1447,26 @@ class SimStore:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.inner = MemoryStore()
+        self.committed: dict[str, list[RunState]] = {}
+        """Every state of each run as written, oldest first (what a process may still remember)."""
+        self.rng = random.Random(f"cache-{sim.seed}")
+        """Its own draws, apart from the simulation's: what the process remembers of a run."""
+        self.handed_out_of_date: set[tuple[str, int]] = set()
+
+    def cached(self, run_id: str) -> RunState | None:
+        """What the DynamoDB store's process remembers of the run, at its most out of date: nothing, the newest
+        state, or any older state written before (another process wrote since)."""
+        states = self.committed.get(run_id)
+        draw = self.rng.random()
+        if not states or draw < 0.2:
+            return None
+        if draw < 0.6:
+            return states[-1]
+        state = self.rng.choice(states)
+        if state is not states[-1]:
+            self.sim.cases["a result decided on a remembered state out of date"] += 1
+            self.handed_out_of_date.add((run_id, state.version))
+        return state
 
     def peek(self, run_id: str) -> RunState | None:
         return self.inner.peek(run_id)
@@ -1475,13 +1505,20 @@ class SimStore:
     def create(self, state: RunState) -> None:
         def commit() -> None:
             self.inner.create(state)
+            self.committed[state.id] = [state]
             self.sim.check.committed(state)
 
         self._write(f"create {state.id}", commit)
 
     def save(self, state: RunState, *, expected_version: int) -> None:
         def commit() -> None:
-            self.inner.save(state, expected_version=expected_version)
+            try:
+                self.inner.save(state, expected_version=expected_version)
+            except VersionConflictError:
+                if (state.id, expected_version) in self.handed_out_of_date:
+                    self.sim.cases["a decision on a remembered state out of date: its write refused by the fence"] += 1
+                raise
+            self.committed[state.id].append(state)
             self.sim.check.committed(state)
 
         self._write(f"save {state.id} v{expected_version}->v{state.version}", commit)

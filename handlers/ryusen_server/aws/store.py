@@ -45,7 +45,10 @@ costs the same at step 10 and at step 10,000; an entry over
 within two write units. A process keeps the newest state of the runs it
 touched (:class:`_RunCache`): reading one is a consistent Query for the
 entries after that version, usually none. A process that never saw the run
-reads the head and every entry in one (paginated) Query.
+reads the head and every entry in one (paginated) Query. The result function
+reads nothing at all for an outcome whose attempt the state it keeps holds in
+flight (``cached``): its decision's write is fenced by the entry's key like any
+other, and a decision that would write nothing is taken again on a read.
 
 The head shows what a list shows. A save that changes it (phase, outcome,
 recovery, blockers, the finish, the step count every
@@ -663,6 +666,10 @@ class DynamoStore:
     def get(self, run_id: str) -> RunState | None:
         return self._read(run_id, count=True)
 
+    def cached(self, run_id: str) -> RunState | None:
+        cached = self._runs.get(run_id)
+        return None if cached is None or self._past_retention(cached) else cached
+
     def peek(self, run_id: str) -> RunState | None:
         """Read without counting a request (test harness and benchmark bookkeeping)."""
         return self._read(run_id, count=False)
@@ -748,11 +755,12 @@ class DynamoStore:
             raise PayloadTooLargeError(
                 f"run {state.id} is {size} bytes as a DynamoDB item; the limit is {MAX_ITEM_BYTES}"
             )
-        self._write_values(state.id, packed.values, item_expires)
+        written = self._write_values(state.id, packed.values, item_expires)
         if state.idempotency_key is None:
             self._put_new_run(state, run)
         else:
             self._put_new_run_with_key(state, run, state.idempotency_key)
+        self._values_committed(state.id, written)
         self._runs.put(state)
 
     def _fill(self, run_id: str, docs: Sequence[tuple[Any, Sequence[tuple[Path, str]]]], *, count: bool) -> None:
@@ -881,7 +889,7 @@ class DynamoStore:
             raise PayloadTooLargeError(
                 f"run {state.id}: one change of {size} bytes is larger than a DynamoDB item ({MAX_ITEM_BYTES})"
             )
-        self._write_values(state.id, packed.values, item_expires)
+        written = self._write_values(state.id, packed.values, item_expires)
         entry, token = _with_write_token(entry)
         # the first write after a quiet spell rewrites the check time the sweeper may have put off (ports)
         quiet = (state.updated_at - base.updated_at).total_seconds() >= CHECK_HORIZON_S
@@ -889,6 +897,7 @@ class DynamoStore:
             self._put_entry(state, entry, token)
         else:
             self._put_entry_and_head(state, entry, token, expires)
+        self._values_committed(state.id, written)
         self._runs.put(state)
 
     def _put_entry(self, state: RunState, entry: dict[str, AttributeValueTypeDef], token: str) -> None:
@@ -1115,11 +1124,15 @@ class DynamoStore:
 
     # ---- large values (see the module docstring) ---------------------------------------
 
-    def _write_values(self, run_id: str, values: Mapping[str, bytes], expires: int | None = None) -> None:
-        """Write the value items this process does not know to exist yet (BatchWriteItem, 25 a request)."""
+    def _write_values(self, run_id: str, values: Mapping[str, bytes], expires: int | None = None) -> dict[str, bytes]:
+        """Write the value items this process does not know to exist yet (BatchWriteItem, 25 a request), with the
+        expiry of the write they come before; returns them, for :meth:`_values_committed` once it has committed.
+        Until then they are not known to exist: should that write be refused (someone wrote the run meanwhile), the
+        decision taken again writes them again, with its own expiry (the refused decision's may be sooner: a run
+        it would have finished expires before one that goes on)."""
         new = {digest: raw for digest, raw in values.items() if self._values.get(run_id, digest) is None}
         if not new:
-            return
+            return new
         items: list[dict[str, AttributeValueTypeDef]] = [
             {**_value_key(run_id, digest), "value": {"B": zlib.compress(raw)}} for digest, raw in new.items()
         ]
@@ -1127,7 +1140,12 @@ class DynamoStore:
             for item in items:
                 item["expires_at"] = {"N": str(expires)}
         self._batch_write(items)
-        for digest, raw in new.items():
+        return new
+
+    def _values_committed(self, run_id: str, written: Mapping[str, bytes]) -> None:
+        """The write that refers to ``written`` (value items just written) committed: they are known to exist,
+        with an expiry that lasts as long as that write's."""
+        for digest, raw in written.items():
             self._values.put(run_id, digest, raw)
 
     def _read_values(self, wanted: Sequence[tuple[str, str]], *, count: bool) -> dict[tuple[str, str], bytes]:
