@@ -30,12 +30,15 @@ from rich.text import Text
 
 from ryusen._internal import client as client_module
 from ryusen._internal.client import (
+    RESOLVE_FOLLOWS,
     ApiError,
     Client,
+    ConflictError,
     ConnectionFailedError,
     NotFoundError,
     ResolveAction,
     blocker_for,
+    blocker_moved,
     is_loopback,
     parse_time,
 )
@@ -1030,29 +1033,44 @@ def resolve(
     api = ctx.find_object(Api)
     assert api is not None, "the ryusen group sets the Api"
     client = api.client
+    named = phase is not None and generation is not None
     if phase is None or generation is None:
         run_id, blocked = on_run(client, run_id, client.get)
         try:
-            phase, generation = blocker_for(blocked, step_id, phase)
+            attempt = blocker_for(blocked, step_id, phase)
         except ValueError as exc:
             raise CliError(f"{exc} (--phase and --generation)") from None
-    attempt = (phase, generation)
-    run_id, run = on_run(
-        client,
-        run_id,
-        lambda r: client.resolve(
-            r,
-            step_id,
-            action,
-            result=result if succeed else None,
-            error=message,
-            final=final,
-            phase=attempt[0],
-            generation=attempt[1],
-            reason=reason,
-        ),
-    )
-    click.echo(printable(f"resolved {step_id} {phase} #{generation} ({action}): {run.summary}"))
+    else:
+        attempt = (phase, generation)
+    for follows in range(RESOLVE_FOLLOWS + 1):
+
+        def resolve_on(r: str, attempt: tuple[str, int] = attempt) -> Any:
+            return client.resolve(
+                r,
+                step_id,
+                action,
+                result=result if succeed else None,
+                error=message,
+                final=final,
+                phase=attempt[0],
+                generation=attempt[1],
+                reason=reason,
+            )
+
+        try:
+            run_id, run = on_run(client, run_id, resolve_on)
+            break
+        except ConflictError as exc:
+            # only the step named: its blocker is meant, which a probe of the run may have moved on meanwhile
+            moved = (
+                None
+                if named or follows == RESOLVE_FOLLOWS
+                else blocker_moved(exc, attempt, client.get(run_id), step_id, phase)
+            )
+            if moved is None:
+                raise
+            attempt = moved
+    click.echo(printable(f"resolved {step_id} {attempt[0]} #{attempt[1]} ({action}): {run.summary}"))
 
 
 @cli.command()

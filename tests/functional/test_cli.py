@@ -395,6 +395,24 @@ def test_resolve_without_the_attempt_acts_on_the_steps_one_blocker(server: FakeS
     assert none.exit_code == 1 and "no blocker on step 'ship'" in none.stderr and "--phase" in none.stderr
 
 
+def test_resolve_without_the_attempt_follows_the_blocker_a_probe_moved_on(server: FakeServer) -> None:
+    """The blocked run's probe fenced generation 1 and names 2 in the blocker between the CLI's read and its
+    resolve: the step's blocker is what was meant, so the CLI resolves generation 2."""
+
+    def blocked(generation: int) -> dict[str, Any]:
+        blocker = {"type": "new_step_before_target", "step_id": "book", "phase": "compensation"}
+        return run_view(blockers=[{**blocker, "generation": generation}])
+
+    server.on("GET", "/v1/runs/run_1", blocked(1), blocked(2))
+    server.on(
+        "POST", "/v1/runs/run_1/steps/book/compensation/1/resolve", error("generation_settled", "it is fenced", 409)
+    )
+    server.on("POST", "/v1/runs/run_1/steps/book/compensation/2/resolve", run_view(summary="compensating"))
+    result = ryusen("resolve", "run_1", "book", "--succeed", '{"undone": "by hand"}')
+    assert result.exit_code == 0, result.output
+    assert "resolved book compensation #2 (succeed)" in result.stdout
+
+
 def test_show_follow_prints_the_run_again_as_it_changes_until_it_finishes(server: FakeServer, clock: FakeClock) -> None:
     running = run_view()
     finished = run_view(phase="finished", outcome="completed", summary="completed", output={"ok": True})

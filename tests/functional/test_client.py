@@ -225,6 +225,61 @@ def test_resolve_sends_each_action_as_the_api_takes_it(kwargs: dict[str, Any], b
     assert recorder.body() == body
 
 
+def _blocked_view(generation: int) -> dict[str, Any]:
+    blocker = {"type": "new_step_before_target", "step_id": "book", "phase": "compensation", "generation": generation}
+    return {**VIEW, "phase": "compensating", "blockers": [blocker]}
+
+
+def _settled() -> httpx.Response:
+    return httpx.Response(409, json={"error": {"code": "generation_settled", "message": "generation 1 is fenced"}})
+
+
+def test_resolving_the_steps_blocker_follows_it_when_a_probe_moved_it_to_the_next_generation() -> None:
+    """A blocked run's probe takes its blocked pass again, fencing that generation and naming the next in the
+    blocker (``ryusen dev`` probes a second after the run blocks, then at doubling intervals): a resolve of the
+    generation the caller read a moment before is refused. Naming only the step means its blocker, whichever
+    generation it is at now: the client reads it again and resolves that one."""
+    recorder = Recorder(
+        httpx.Response(200, json=_blocked_view(1)),
+        _settled(),
+        httpx.Response(200, json=_blocked_view(2)),
+        httpx.Response(200, json=VIEW),
+    )
+    with client_for(recorder) as client:
+        assert client.resolve("run_1", "book", "succeed", result={"undone": "by hand"}).id == "run_1"
+    posts = [r.url.raw_path for r in recorder.requests if r.method == "POST"]
+    assert posts == [
+        b"/v1/runs/run_1/steps/book/compensation/1/resolve",
+        b"/v1/runs/run_1/steps/book/compensation/2/resolve",
+    ]
+
+
+def test_a_resolve_refused_for_another_reason_or_of_a_named_generation_is_not_sent_again() -> None:
+    still = Recorder(httpx.Response(200, json=_blocked_view(1)), _settled(), httpx.Response(200, json=_blocked_view(1)))
+    with client_for(still) as client, pytest.raises(ConflictError, match="generation_settled"):
+        client.resolve("run_1", "book", "succeed")  # the blocker did not move: the refusal stands
+    named = Recorder(_settled())
+    with client_for(named) as client, pytest.raises(ConflictError):
+        client.resolve("run_1", "book", "succeed", phase="compensation", generation=1)
+    assert [r.method for r in named.requests] == ["POST"]
+
+
+def test_the_async_client_follows_a_blocker_a_probe_moved_too() -> None:
+    recorder = Recorder(
+        httpx.Response(200, json=_blocked_view(3)),
+        _settled(),
+        httpx.Response(200, json=_blocked_view(4)),
+        httpx.Response(200, json=VIEW),
+    )
+
+    async def scenario() -> list[bytes]:
+        async with AsyncClient("http://127.0.0.1:8700", transport=httpx.MockTransport(recorder)) as client:
+            await client.resolve("run_1", "book", "skip")
+        return [r.url.raw_path for r in recorder.requests if r.method == "POST"]
+
+    assert asyncio.run(scenario())[-1] == b"/v1/runs/run_1/steps/book/compensation/4/resolve"
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -404,6 +404,26 @@ def blocker_for(run: Run, step_id: str, phase: str | None) -> tuple[str, int]:
     return found.pop()
 
 
+RESOLVE_FOLLOWS = 3
+"""How many times a resolve that names only the step follows its blocker to a newer generation."""
+
+
+def blocker_moved(
+    refusal: ConflictError, attempt: tuple[str, int], run: Run, step_id: str, phase: str | None
+) -> tuple[str, int] | None:
+    """The attempt the step's blocker names now, if ``refusal`` says the one resolved had settled and the blocker
+    has moved on from it; else None (the refusal stands). A blocked run's probe takes its blocked pass again,
+    which fences the generation it held and names the next in the same blocker: a resolve of the generation read
+    a moment before meets ``generation_settled``, while the caller who named only the step meant the blocker."""
+    if refusal.code != "generation_settled":
+        return None
+    try:
+        now = blocker_for(run, step_id, phase)
+    except ValueError:
+        return None  # no blocker on the step any more: someone else moved it on
+    return now if now != attempt else None
+
+
 def _check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not run_id:
         raise ValueError("run_id must be a non-empty string")
@@ -692,10 +712,21 @@ class Client:
     ) -> Run:
         """Decide a blocked attempt: ``"succeed"`` with its ``result``, ``"fail"`` with an ``error`` (a message
         or ``{"type", "message", "data"}``; ``final=True`` allows no retry), ``"retry"``, or ``"skip"`` (a
-        compensation no pass reached). Without ``phase`` and ``generation``, the step's one blocker is meant."""
-        if phase is None or generation is None:
-            phase, generation = blocker_for(self.get(run_id), step_id, phase)
-        call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
+        compensation no pass reached). Without ``phase`` and ``generation``, the step's one blocker is meant,
+        at whatever generation it is when the server takes the resolution (see :func:`blocker_moved`)."""
+        if phase is not None and generation is not None:
+            call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
+            return self._send(call)  # type: ignore[no-any-return]
+        attempt = blocker_for(self.get(run_id), step_id, phase)
+        for _ in range(RESOLVE_FOLLOWS):
+            call = _Requests.resolve(run_id, step_id, *attempt, action, result, error, final, reason)
+            try:
+                return self._send(call)  # type: ignore[no-any-return]
+            except ConflictError as exc:
+                if (moved := blocker_moved(exc, attempt, self.get(run_id), step_id, phase)) is None:
+                    raise
+                attempt = moved
+        call = _Requests.resolve(run_id, step_id, *attempt, action, result, error, final, reason)
         return self._send(call)  # type: ignore[no-any-return]
 
     # -- steps completed from outside (decision 32)
@@ -868,9 +899,19 @@ class AsyncClient:
         generation: int | None = None,
         reason: str | None = None,
     ) -> Run:
-        if phase is None or generation is None:
-            phase, generation = blocker_for(await self.get(run_id), step_id, phase)
-        call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
+        if phase is not None and generation is not None:
+            call = _Requests.resolve(run_id, step_id, phase, generation, action, result, error, final, reason)
+            return await self._send(call)  # type: ignore[no-any-return]
+        attempt = blocker_for(await self.get(run_id), step_id, phase)
+        for _ in range(RESOLVE_FOLLOWS):
+            call = _Requests.resolve(run_id, step_id, *attempt, action, result, error, final, reason)
+            try:
+                return await self._send(call)  # type: ignore[no-any-return]
+            except ConflictError as exc:
+                if (moved := blocker_moved(exc, attempt, await self.get(run_id), step_id, phase)) is None:
+                    raise
+                attempt = moved
+        call = _Requests.resolve(run_id, step_id, *attempt, action, result, error, final, reason)
         return await self._send(call)  # type: ignore[no-any-return]
 
     async def complete(self, token: str, result: Any = None) -> Run:
