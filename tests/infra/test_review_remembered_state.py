@@ -36,6 +36,7 @@ import pytest
 from ryusen_server.aws.store import DynamoStore
 from tests.infra.test_stack_in_a_box import (  # noqa: F401
     Deployed,
+    _app_sharing_replays,
     _inline_up_to,
     _lease_timers_now,
     _serve_for_events,
@@ -51,15 +52,9 @@ PADDING = 3000
 def _cancellable_app(deployed: Deployed, name: str) -> tuple[list[str], dict[str, float]]:  # noqa: F811
     """A Lambda app taking events: steps a (compensated, its compensator slow), b and c (the last, whose result is
     a large value). What ran, in order, and the sleeps of each step (once)."""
-    from ryusen import Ryusen, Step
-    from ryusen._internal.signing import SeenRequests, app_key
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
+    from ryusen import Step
 
-    class Shared(SeenRequests):
-        shared = True
-
-    master = dispatch_lambda.engine().engine.master_keys()[0]
-    app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
+    app = _app_sharing_replays(name)
     ran: list[str] = []
     slow: dict[str, float] = {}
 
@@ -102,6 +97,23 @@ def _items(deployed: Deployed, run_id: str) -> list[dict[str, Any]]:  # noqa: F8
         query["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
 
+def _cancelled_while_c_runs(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> tuple[str, list[str]]:
+    """Every step as an event (c is sent, and its outcome taken, by the result function); the run is cancelled
+    through the API while c runs (3 s), and a's compensator takes 4 s. The run's id and what ran so far."""
+    _inline_up_to(monkeypatch, 0.0)
+    ran, slow = _cancellable_app(deployed, name)
+    slow["c"] = 3.0
+    slow["undo-a"] = 4.0
+    run_id = _start(deployed, f"{name}-flow", {})
+    wait_for(lambda: "c" in ran or None, timeout=30, what="c to start")
+    assert deployed.api("POST", f"/v1/runs/{run_id}/cancel", {"reason": "customer"}).status_code == 202
+    return run_id, ran
+
+
 def test_review_remembered_state_a_refused_decision_leaves_a_value_item_expiring_before_its_run(
     deployed: Deployed,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -112,13 +124,7 @@ def test_review_remembered_state_a_refused_decision_leaves_a_value_item_expiring
     run, now + retention; that write is refused by the fence. Decided again on the cancelled run, c's outcome is
     recorded and the run unwinds (a's compensator takes 4 s), finishing later: its head expires 4 s after c's
     result's value item, which the committed entries refer to."""
-    _inline_up_to(monkeypatch, 0.0)  # every step as an event: c is sent, and its outcome taken, by the result function
-    ran, slow = _cancellable_app(deployed, "remembered")
-    slow["c"] = 3.0
-    slow["undo-a"] = 4.0
-    run_id = _start(deployed, "remembered-flow", {})
-    wait_for(lambda: "c" in ran or None, timeout=30, what="c to start")
-    assert deployed.api("POST", f"/v1/runs/{run_id}/cancel", {"reason": "customer"}).status_code == 202
+    run_id, ran = _cancelled_while_c_runs(deployed, monkeypatch, "remembered")
     run = deployed.finished(run_id, timeout=60)
     assert run["outcome"] == "cancelled", run["summary"]
     assert ran == ["a", "b", "c", "undo-a"], ran
@@ -153,13 +159,7 @@ def test_review_remembered_state_a_value_item_gone_before_its_run_makes_the_run_
     """The consequence of the finding above: DynamoDB's TTL deletes an expired item late and in no order; the value
     item expiring first is gone while the run is still within its retention, and a process that has not cached the
     value (another container, a cold start) cannot read the run at all."""
-    _inline_up_to(monkeypatch, 0.0)
-    ran, slow = _cancellable_app(deployed, "remembered2")
-    slow["c"] = 3.0
-    slow["undo-a"] = 4.0
-    run_id = _start(deployed, "remembered2-flow", {})
-    wait_for(lambda: "c" in ran or None, timeout=30, what="c to start")
-    assert deployed.api("POST", f"/v1/runs/{run_id}/cancel", {"reason": "customer"}).status_code == 202
+    run_id, _ran = _cancelled_while_c_runs(deployed, monkeypatch, "remembered2")
     run = deployed.finished(run_id, timeout=60)
     assert run["outcome"] == "cancelled", run["summary"]
 
@@ -188,13 +188,7 @@ def test_review_remembered_state_an_unfinished_runs_value_item_expires_before_wh
     them (``defer_check``); c's result's value item expires 30 days (``LIVE_EXPIRY_S``) before that. With a
     retention under 23 days and a run that stays unfinished (a compensation blocked until an operator resolves it),
     the value item is deleted before the sweeper's first renewal, and the live run can never be read again."""
-    _inline_up_to(monkeypatch, 0.0)
-    ran, slow = _cancellable_app(deployed, "remembered3")
-    slow["c"] = 3.0
-    slow["undo-a"] = 4.0
-    run_id = _start(deployed, "remembered3-flow", {})
-    wait_for(lambda: "c" in ran or None, timeout=30, what="c to start")
-    assert deployed.api("POST", f"/v1/runs/{run_id}/cancel", {"reason": "customer"}).status_code == 202
+    run_id, ran = _cancelled_while_c_runs(deployed, monkeypatch, "remembered3")
     wait_for(lambda: "undo-a" in ran or None, timeout=30, what="a's compensator to start")
     items = _items(deployed, run_id)
     head = next(i for i in items if i["sk"]["S"] == "RUN")

@@ -855,6 +855,20 @@ def _inline_up_to(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         monkeypatch.setattr(wired.engine, "settings", replace(wired.engine.settings, inline_up_to_s=seconds))
 
 
+def _app_sharing_replays(name: str) -> Any:
+    """An app ``name`` signing with its key derived from the box's master, whose containers share a replay memory
+    (so it may announce ``lambda_event``)."""
+    from ryusen import Ryusen
+    from ryusen._internal.signing import SeenRequests, app_key
+    from ryusen_server.lambdas import dispatch as dispatch_lambda
+
+    class Shared(SeenRequests):
+        shared = True
+
+    master = dispatch_lambda.engine().engine.master_keys()[0]
+    return Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
+
+
 def _timed_app(
     deployed: Deployed,
     name: str,
@@ -867,15 +881,9 @@ def _timed_app(
     """A Lambda app that takes events (as ``_event_app``) whose steps all call ``work`` (one step name), each with
     the given timeout and retry policy: its function's ARN, the step ids in the order their callbacks started, the
     sleeps (``slow[step_id]``: how long that step sleeps, once; else ``default_s``), and the app."""
-    from ryusen import Ryusen, Step
-    from ryusen._internal.signing import SeenRequests, app_key
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
+    from ryusen import Step
 
-    class Shared(SeenRequests):
-        shared = True
-
-    master = dispatch_lambda.engine().engine.master_keys()[0]
-    app = Ryusen(name, signing_key=app_key(master, name), seen_requests=Shared())
+    app = _app_sharing_replays(name)
     ran: list[str] = []
     slow: dict[str, float] = {}
 
