@@ -1985,6 +1985,10 @@ class _Transition:
                 return self.evaluate_recovery()  # S5: joins the unwind
             if self.in_group(step):
                 return self.sibling_settled(step)  # decision 30: the function goes on once its siblings settle
+            if self.s.group is not None and self.group_census()[0] > 0:
+                # A step outside the running group, which an operator's retry of a sibling reopened beside it: the
+                # function goes on once the group's siblings have settled (the discovery after the group), not now.
+                return self.start_siblings()
             if self.next is not None:  # continuation: what the replay found next, in this same write
                 self.build_id = attempt.build_id
                 return self.discovered(self.next)
