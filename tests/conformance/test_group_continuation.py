@@ -13,12 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ryusen._internal.wire import (
-    NESTED_STEP_ERROR,
-    CallbackFailed,
     CallbackSucceeded,
-    ConcurrentStepConflict,
-    ErrorInfo,
-    Occurrence,
     Phase,
     StepPlan,
     StepReached,
@@ -30,21 +25,15 @@ from tests.conformance.test_review_completion_groups import (
     apply,
     deliver,
     forward,
+    held_a_beside_completed_b,
     live,
     repair_pass,
     report,
-    started,
 )
 
 
 def _c_in_flight_beside_as_reopened_group() -> RunState:
-    state = started([StepPlan(id="a"), StepPlan(id="b")], 2)
-    state = deliver(deliver(state, "a"), "b")
-    state = report(state, "b", CallbackSucceeded(result=2))
-    opened = ConcurrentStepConflict(first=Occurrence(step_id="a"), second=Occurrence(step_id="inner"))
-    nested = ErrorInfo(type=NESTED_STEP_ERROR, message="opened a step", data={**opened.model_dump(), "build_id": "b1"})
-    state = report(state, "a", CallbackFailed(error=nested))
-    assert state.blocked_by_definition
+    state = held_a_beside_completed_b()
     state, seq = repair_pass(state)  # the new release does not reach a: the function goes on to c
     state = apply(state, DiscoveryReported(seq=seq, response=StepReached(step=StepPlan(id="c"))))
     state = deliver(state, "c", release=RELEASE2)

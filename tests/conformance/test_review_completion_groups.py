@@ -526,9 +526,8 @@ def test_an_operators_retry_of_a_held_sibling_from_an_older_group_runs_inside_a_
     assert not violations, violations
 
 
-def test_a_held_sibling_retried_while_no_group_runs_then_the_group_ends_and_queues_its_discovery() -> None:
-    """rejoin_group with no group running: a held sibling's retry reopens its group; its settlement ends the group
-    and queues the discovery (no stall); nothing else starts beside it."""
+def held_a_beside_completed_b() -> RunState:
+    """Siblings a and b: b completed; a's callback opened a step, so a is held (the run blocked on it)."""
     state = started([StepPlan(id="a"), StepPlan(id="b")], 2)
     state = deliver(deliver(state, "a"), "b")
     state = report(state, "b", CallbackSucceeded(result=2))
@@ -536,6 +535,13 @@ def test_a_held_sibling_retried_while_no_group_runs_then_the_group_ends_and_queu
     nested = ErrorInfo(type=NESTED_STEP_ERROR, message="opened a step", data={**opened.model_dump(), "build_id": "b1"})
     state = report(state, "a", CallbackFailed(error=nested))
     assert state.blocked_by_definition
+    return state
+
+
+def test_a_held_sibling_retried_while_no_group_runs_then_the_group_ends_and_queues_its_discovery() -> None:
+    """rejoin_group with no group running: a held sibling's retry reopens its group; its settlement ends the group
+    and queues the discovery (no stall); nothing else starts beside it."""
+    state = held_a_beside_completed_b()
     state = apply(state, Resolve(step_id="a", phase=Phase.FORWARD, generation=1, action="retry", reason="r", by="o"))
     assert live(state) == ["a"] and state.group is not None
     state = deliver(state, "a", generation=2)
