@@ -343,12 +343,13 @@ ACKNOWLEDGE_AFTER_S = 0.1
 RESULT_CARRY_ON_S = 10.0
 """How long the result function goes on with a run after recording an outcome (invoking and recording the tasks
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
-INLINE_UP_TO_S = 0.25
-"""The default of ``ServerSettings.inline_up_to_s`` (``RYUSEN_INLINE_UP_TO_S``). An attempt sent as an event costs
-about $2.5 per million steps more than one answered inline, before the wait (its lease timer's SQS requests, the
-dispatch invocation that judges it, its read and logs, and the result function's request); waiting costs a 512 MB
-dispatcher about $6.67 per million steps a second. They meet near 0.37 s (docs/performance.md); 0.25 s errs on
-the side of events, which never hold a dispatcher."""
+INLINE_UP_TO_S = 0.05
+"""The default of ``ServerSettings.inline_up_to_s`` (``RYUSEN_INLINE_UP_TO_S``): where waiting costs what an event
+saves, measured (docs/design/dispatch.md, way C item 6). A step waited for costs about $1.54 per million steps
+plus a 512 MB dispatcher's time, $6.67 per million steps a second (the step and about 17 ms of its own work); one
+sent as an event costs about $2.11, and nothing a second (bench/cost.py, 20-step runs, 2026-12-06). They meet
+near 0.07 s; 0.05 s errs on the side of events, which never hold a dispatcher. (It was 0.25 s when an event
+carried a lease timer of its own and cost about $2.5 more.)"""
 INLINE_UP_TO_MAX_S = 1.0
 """The most ``inline_up_to_s`` may be: under ``INLINE_LISTEN_S`` less the SDK's late margin (1 s), so that an
 answer as quick as the setting allows is never also posted as a late result."""
@@ -542,14 +543,17 @@ class RunLeaseTimers:
         self._lock = threading.Lock()
 
     def watching(self, run_id: str, now: datetime, lease_ends_at: datetime) -> bool:
-        """Whether a timer sent here watches an attempt of the run authorized by ``now`` whose lease ends then.
-        Still on the queue is judged on the monotonic clock too: a wall clock stepped back cannot stretch it."""
+        """Whether a timer sent here watches an attempt of the run authorized by ``now`` whose lease ends then: it
+        is due no later than the attempt's own timer would be (SQS delays by whole seconds, so that is the lease
+        rounded up to the second from ``now``). Still on the queue is judged on the monotonic clock too: a wall
+        clock stepped back cannot stretch it."""
         with self._lock:
             held = self._sent.get(run_id)
         if held is None:
             return False
         due_at, watches_before, on_queue_until = held
-        return now <= watches_before and due_at <= lease_ends_at and self._monotonic() <= on_queue_until
+        own_due = now + timedelta(seconds=math.ceil(max(0.0, (lease_ends_at - now).total_seconds())))
+        return now <= watches_before and due_at <= own_due and self._monotonic() <= on_queue_until
 
     def sent(self, run_id: str, due_at: datetime, watches_before: datetime, wait_s: float) -> None:
         on_queue_until = self._monotonic() + wait_s - LEASE_TIMER_SHARE_MARGIN_S

@@ -157,3 +157,20 @@ def test_a_result_function_counts_on_its_timer_only_while_it_is_surely_on_the_qu
     assert not timers.watching("other", at(30), lease_ends_at=at(90))
     mono[0] += 59.0  # 59 s went by, and the wall clock was stepped back 10 s: it reads 49 s
     assert not timers.watching("run1", at(49), lease_ends_at=at(120))
+
+
+def test_a_timer_due_when_the_attempts_own_timer_would_be_watches_it_though_sqs_rounded_its_delay_up() -> None:
+    """SQS delays by whole seconds, so a timer sent for a lease of 62.1 s is due 63 s after its send. An attempt
+    authorized 0.1 s later, whose lease ends 62.2 s from the first send, would get a timer of its own due 63.1 s
+    from then (62.1 rounded up): the run's timer, due 0.1 s sooner, watches it. Before, it was refused (due 0.8 s
+    after the lease), and a run of 0.1 s steps sent as events sent a timer per step (bench/cost.py: 1.05 dispatch
+    invocations and 3.1 SQS requests a step, $3.71 per million steps against $2.20 at 1 s)."""
+    from ryusen_server.engine import RunLeaseTimers
+
+    mono = [1000.0]
+    timers = RunLeaseTimers(monotonic=lambda: mono[0])
+    timers.sent("run1", due_at=at(63), watches_before=at(60.1), wait_s=62.1)
+    mono[0] += 0.1
+    assert timers.watching("run1", at(0.1), lease_ends_at=at(62.2))
+    # never later than its own timer would come back: a lease that ends 0.95 s sooner is not watched
+    assert not timers.watching("run1", at(0.1), lease_ends_at=at(61.05))

@@ -123,7 +123,7 @@ def test_the_quick_path_setting_is_read_and_a_bad_value_stops_the_cold_start() -
     wait would not be listened for long enough: the SDK posts an answer within 1 s of its window late too)."""
     from ryusen_server.engine import INLINE_UP_TO_S
 
-    assert server_settings({}).inline_up_to_s == INLINE_UP_TO_S == 0.25
+    assert server_settings({}).inline_up_to_s == INLINE_UP_TO_S == 0.05
     assert server_settings({"RYUSEN_INLINE_UP_TO_S": "0"}).inline_up_to_s == 0.0
     assert server_settings({"RYUSEN_INLINE_UP_TO_S": "0.5"}).inline_up_to_s == 0.5
     for zero in ("0.00", "00", "-0", "0e0"):

@@ -59,6 +59,26 @@ def test_a_run_of_quick_steps_sent_as_events_sends_one_lease_timer_not_one_per_s
     _lease_timers_now(deployed)  # it comes back, finds nothing in flight, and is done (the queue empties)
 
 
+def test_steps_of_a_tenth_of_a_second_with_a_timeout_of_a_fraction_of_a_second_share_one_lease_timer(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same run with a timeout of 8.5 s and steps of 0.1 s: SQS delays by whole seconds, so the first timer
+    (a lease of about 68.5 s) is due 69 s after its send, about 0.5 s after the next step's lease ends. That
+    step's own timer would be due later still (its lease rounded up), so the first timer watches it. Before, it
+    was refused, and every step sent a timer of its own (bench/cost.py at 0.1 s: 20 timers for a 20-step run)."""
+    _inline_up_to(monkeypatch, 0.0)
+    steps = tuple("abcdef")
+    _arn, ran, _slow, _app = _timed_app(deployed, "tenths", steps=steps, timeout_s=8.5, default_s=0.1)
+    before = len(deployed.box.calls)
+    run = deployed.finished(_start(deployed, "tenths-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == list(steps)
+    timers = _timers_sent(deployed, before, run["id"])
+    assert len(timers) == 1, f"{len(timers)} lease timers for one run of {len(steps)} steps: {timers}"
+    _lease_timers_now(deployed)
+
+
 def _shift_clocks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """The dispatch and result functions' clocks, ``seconds`` ahead from now on."""
     from ryusen_server.lambdas import dispatch as dispatch_lambda
