@@ -31,7 +31,10 @@ sweeper. So the callback sleeps D itself when D <= ``--real-up-to`` (1 s). A lon
 compressed clock: the callback sleeps 1 s. A step declares a timeout 2 s past what it sleeps. That is beyond
 the SDK's late margin (1 s): a callback that ends closer to its timeout posts its outcome a second time. The
 events on the engine's side happen in the same order as at D: the
-``accepted`` answer at 0.1 s, the posted outcome, then the lease's end. Every handler invocation is billed
+``accepted`` answer at 0.1 s, the posted outcome, then the lease's end. What watches a lease is judged at D
+too: a step of D whose lease (its timeout and the 60 s grace of an event) and duration would have it watched by
+a Scheduler schedule (``scheduled_lease_from_s``, ``scheduled_lease_share``) is watched by one on the compressed
+clock, and one that would not be is not. Every handler invocation is billed
 its own measured wall time. The one exception is a callback sleep that falls entirely within a dispatch
 invocation, which means the dispatcher waited for it (an inline answer). That sleep is billed at D instead of
 the time actually slept. The bench checks this: on the ``http`` endpoint every compressed attempt must have
@@ -71,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import tempfile
 import threading
@@ -291,9 +295,29 @@ class Bench:
                 table, index = table + t, index + i
         return table, index
 
+    def lease_watch_as_at(self, duration_s: float) -> None:
+        """What watches a lease is judged at the step's true duration and lease, not the compressed ones: a step of
+        D seconds (a timeout of D + 2 s, and the 60 s grace of an event) that would be watched by a Scheduler
+        schedule at D (``scheduled_lease_from_s``, ``scheduled_lease_share``) is watched by one here too, and one
+        that would not be is not, whatever its compressed lease."""
+        from dataclasses import replace
+
+        from ryusen_server.engine import SCHEDULED_LEASE_FROM_S, SCHEDULED_LEASE_SHARE
+        from ryusen_server.lambdas import results as results_lambda
+
+        engine = results_lambda.engine().engine
+        from_s: float | None = SCHEDULED_LEASE_FROM_S
+        share = SCHEDULED_LEASE_SHARE
+        if duration_s > self.real_up_to_s:
+            lease_s = duration_s + 2 + engine.settings.engine.lease_grace_s
+            scheduled = lease_s >= SCHEDULED_LEASE_FROM_S and duration_s * SCHEDULED_LEASE_SHARE >= lease_s
+            from_s, share = (0.0, math.inf) if scheduled else (None, share)
+        engine.settings = replace(engine.settings, scheduled_lease_from_s=from_s, scheduled_lease_share=share)
+
     def run(self, endpoint: Endpoint, duration_s: float) -> Scenario:
         sleep_s = duration_s if duration_s <= self.real_up_to_s else self.real_up_to_s
         timeout_s = sleep_s + 2  # past the SDK's late margin (1 s), which would post an inline outcome again
+        self.lease_watch_as_at(duration_s)
         before = self.stored()
         self.fast_forwarded = 0
         endpoint.answers.clear()
@@ -418,6 +442,14 @@ def print_table(kind: str, scenarios: list[Scenario], memory_mb: dict[str, int],
         [sum(s.usage.secrets.values()) / s.steps for s in scenarios],
     )
     row("SQS requests", [sum(s.usage.sqs.values()) / s.steps for s in scenarios])
+    row(
+        "Scheduler schedules created and deleted (not billed)",
+        [
+            (s.usage.scheduler_calls["CreateSchedule"] + s.usage.scheduler_calls["DeleteSchedule"]) / s.steps
+            for s in scenarios
+        ],
+    )
+    row("Scheduler deliveries", [s.usage.scheduler_invocations / s.steps for s in scenarios])
     row("API Gateway requests", [sum(s.usage.api_requests.values()) / s.steps for s in scenarios])
     row("stored bytes (table + indexes)", [sum(s.stored) / s.steps for s in scenarios], "{:.0f}")
     row("log bytes", [sum(s.usage.log_bytes.values()) / s.steps for s in scenarios], "{:.0f}")

@@ -366,6 +366,15 @@ STEP_DURATIONS_NEEDED = 3
 """How many of them must have been seen, all within ``inline_up_to_s``, before an attempt goes inline."""
 STEP_DURATIONS_LOOK_BACK = 16
 """How many of a run's newest steps a read of it is learned from (a step's durations, ``StepDurations.learn``)."""
+SCHEDULED_LEASE_FROM_S = 60.0
+"""The default of ``ServerSettings.scheduled_lease_from_s`` (``RYUSEN_SCHEDULED_LEASE_FROM_S``): an event's lease is
+its timeout and a minute's grace, so any event's, and ``scheduled_lease_share`` decides."""
+SCHEDULED_LEASE_SHARE = 4.0
+"""The default of ``ServerSettings.scheduled_lease_share``."""
+SCHEDULER_LATENESS_S = 60.0
+"""EventBridge Scheduler delivers a one-time schedule within about a minute after its time, never before: a lease
+watch is due this long before its lease ends (not before now), and one that comes back early waits on the queue
+for the rest of the lease, so the attempt is still taken as Unknown at its lease."""
 LEASE_TIMER_MAX_DELAY_S = 900.0
 """SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 
@@ -413,6 +422,16 @@ class ServerSettings:
     long: a wait that short costs less than an event's lease timer and result post. It is listened for
     ``INLINE_LISTEN_S`` at most. The result function never does: the SDK's post waits for its carrying on, and
     that time would be billed to the app's Lambda. 0: every attempt of such an endpoint is an event."""
+    scheduled_lease_from_s: float | None = SCHEDULED_LEASE_FROM_S
+    """An attempt the result function sends as an event with a lease at least this long, after a step that took
+    long enough (``scheduled_lease_share``), is watched by a lease timer that can be taken back
+    (``TaskQueue.watch_lease``: a Scheduler schedule on AWS), deleted once its outcome is recorded, rather than by
+    an SQS message, which cannot be, and which a step of minutes shares with one other step at most. None: SQS
+    timers only (docs/design/dispatch.md, "A lease watch that is deleted")."""
+    scheduled_lease_share: float = SCHEDULED_LEASE_SHARE
+    """... and when the attempt whose outcome was just recorded took at least the new lease divided by this: an
+    SQS timer, which watches what is authorized within its lease, would then serve fewer steps than this, and
+    cost more than a schedule (a step of a second with a timeout of 10 minutes keeps sharing one SQS timer)."""
     store_retry_s: float = STORE_RETRY_S
     """How long a write the store keeps refusing (throttled past botocore's retries, a 5xx) is tried again
     before the caller gives up for now: a dispatcher then defers the answer it has to the queue (``deferred.py``)
@@ -564,6 +583,32 @@ class RunLeaseTimers:
                 self._sent.popitem(last=False)
 
 
+class ParkedLeaseWatches:
+    """The lease watches this process parked (``Engine._watch_lease_by_schedule``), so that it deletes each once its
+    outcome is recorded here. Bounded (least recently parked out): a forgotten one is deleted if its step took long,
+    else delivered, finds its attempt settled, and is done."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self._capacity:
+                self._keys.popitem(last=False)
+
+    def parked(self, key: str) -> bool:
+        """Whether this process parked ``key`` (and forgets it: it is deleted now)."""
+        with self._lock:
+            if key not in self._keys:
+                return False
+            del self._keys[key]
+            return True
+
+
 class SentMemos:
     """The memo this process last sent each run's endpoint, under the token it minted for it (``memo_cache``).
 
@@ -615,6 +660,21 @@ class SentMemos:
                 while self._runs and (len(self._runs) > self.capacity or self._bytes > self.max_bytes):
                     self._bytes -= self._runs.popitem(last=False)[1][2]
         return token, base, changed
+
+
+def _attempt_took_s(state: RunState, step_id: str, phase: Phase, generation: int) -> float | None:
+    """How long that attempt took, from its authorization to its outcome, if it has both."""
+    step = state.step(step_id)
+    attempt = step.attempt(phase, generation) if step is not None else None
+    if attempt is None or attempt.authorized_at is None or attempt.settled_at is None:
+        return None
+    return (attempt.settled_at - attempt.authorized_at).total_seconds()
+
+
+def _lease_watch_key(run_id: str, step_id: str, phase: Phase, generation: int) -> str:
+    """Names one attempt's lease watch (``TaskQueue.watch_lease``), the same for its sender and its deleter."""
+    digest = hashlib.sha256(f"{step_id}\n{phase.value}\n{generation}".encode()).hexdigest()[:12]
+    return f"{run_id}-{digest}"
 
 
 def _attempt_in_flight(state: RunState, step_id: str, phase: Phase, generation: int) -> bool:
@@ -812,6 +872,8 @@ class Engine:
         self.step_durations = StepDurations()
         """How long the recent attempts of each step took, as this process saw them (``inline_up_to_s``)."""
         self.run_lease_timers = RunLeaseTimers()
+        self.lease_watches = ParkedLeaseWatches()
+        """The lease watches this process parked on the Scheduler, deleted once their outcomes are recorded here."""
         """The lease timers this process's result function sent, by run (one timer for a run's steps)."""
         self._releases_read: dict[str, tuple[float, Release | None]] = {}
         """The newest release of each function as this process last read or synced it, and when (monotonic)."""
@@ -1866,6 +1928,9 @@ class Engine:
             return Decision(state=state)
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
+        if events and self._lease_watched_by_schedule(decision.state, late.step_id, late.phase, late.generation):
+            # its outcome is recorded: the lease watch scheduled for it is not needed, and is not billed once deleted
+            self.queue.unwatch_lease(_lease_watch_key(late.run_id, late.step_id, late.phase, late.generation))
         delivered = self._carry_on(decision, release, deadline, None, chain_until=carry_until)
         if delivered.in_flight is not None and delivered.in_flight.kind is not TaskKind.DISCOVER:
             # No message was received here to be the lease timer of the attempt this left in flight (answered
@@ -1879,7 +1944,12 @@ class Engine:
             # at its lease.
             now = self.clock()
             lease_ends_at = now + timedelta(seconds=max(0.0, delivered.redeliver_after_s))
-            if events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
+            took_s = _attempt_took_s(decision.state, late.step_id, late.phase, late.generation)
+            if events and self._watch_lease_by_schedule(
+                decision.state, delivered.in_flight, now, lease_ends_at, after_s=took_s
+            ):
+                self._emit("lease_watch_scheduled", delivered.in_flight)
+            elif events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
                 self._emit("lease_timer_shared", delivered.in_flight)
             else:
                 wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
@@ -1893,6 +1963,44 @@ class Engine:
                     due_at = now + timedelta(seconds=math.ceil(wait_s))
                     self.run_lease_timers.sent(late.run_id, due_at, watches_before, wait_s)
         return decision
+
+    def _watch_lease_by_schedule(
+        self, state: RunState, task: TaskRef, now: datetime, lease_ends_at: datetime, *, after_s: float | None
+    ) -> bool:
+        """Watch a long lease with a timer that can be taken back (``scheduled_lease_from_s``), after a step that took
+        ``after_s``: due ``SCHEDULER_LATENESS_S`` before the lease ends, since Scheduler may deliver it up to that
+        late. False when the lease is short, the step before was quick beside it (an SQS timer is then shared by
+        many steps), or the queue has no such timer: then an SQS timer watches it, as before."""
+        from_s = self.settings.scheduled_lease_from_s
+        if from_s is None or task.step_id is None or task.phase is None or task.generation is None:
+            return False
+        lease_s = (lease_ends_at - now).total_seconds()
+        if lease_s < from_s or after_s is None or after_s * self.settings.scheduled_lease_share < lease_s:
+            return False
+        key = _lease_watch_key(state.id, task.step_id, task.phase, task.generation)
+        at = max(now, lease_ends_at - timedelta(seconds=SCHEDULER_LATENESS_S))
+        if not self.queue.watch_lease(task.model_copy(update={"lease_timer": True}), at, key=key, app_id=state.app_id):
+            return False
+        self.lease_watches.add(key)
+        return True
+
+    def _lease_watched_by_schedule(self, state: RunState, step_id: str, phase: Phase, generation: int) -> bool:
+        """Whether that attempt, now settled, may have had its lease watched by a schedule, which is then deleted:
+        this process parked one for it, or its lease was long enough and it took long beside it (another container
+        may have parked it). A quick step with a long timeout is neither, and costs no request; a schedule that
+        was never made costs a delete that finds nothing, one not deleted costs its delivery."""
+        from_s = self.settings.scheduled_lease_from_s
+        step = state.step(step_id)
+        attempt = step.attempt(phase, generation) if step is not None else None
+        if from_s is None or attempt is None or attempt.status is AttemptStatus.AUTHORIZED:
+            return False
+        if self.lease_watches.parked(_lease_watch_key(state.id, step_id, phase, generation)):
+            return True
+        if attempt.authorized_at is None or attempt.respond_by is None or attempt.settled_at is None:
+            return False
+        window = (attempt.respond_by - attempt.authorized_at).total_seconds() + (attempt.lease_grace_s or 0.0)
+        took = (attempt.settled_at - attempt.authorized_at).total_seconds()
+        return window >= from_s and took * self.settings.scheduled_lease_share >= window
 
     def _verified_post(
         self,

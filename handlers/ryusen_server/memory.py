@@ -219,6 +219,8 @@ class MemoryQueue:
         self.max_receive_count = max_receive_count
         self.dead_letters: list[TaskRef | DeferredMessage | WakeMessage] = []
         self.counter = counter or RequestCounter()
+        self._watches: dict[str, str] = {}
+        """Lease timers that can be taken back (:meth:`watch_lease`): key -> message id."""
 
     def drop_all(self) -> int:
         """Lose every message, delivered or not (a queue that did not survive a restart); how many there were."""
@@ -247,6 +249,23 @@ class MemoryQueue:
             self._messages[mid] = QueuedMessage(
                 mid, WakeMessage(wake=order), self._clock() + timedelta(seconds=delay_s)
             )
+
+    def watch_lease(self, task: TaskRef, at: datetime, *, key: str, app_id: str | None = None) -> bool:
+        """A lease timer that can be taken back until it is due (as a Scheduler schedule on AWS)."""
+        self.counter.add("queue.watch_lease")
+        with self._lock:
+            mid = f"m{next(self._ids)}"
+            self._messages[mid] = QueuedMessage(mid, task, at)
+            self._watches[key] = mid
+        return True
+
+    def unwatch_lease(self, key: str) -> None:
+        self.counter.add("queue.unwatch_lease")
+        with self._lock:
+            mid = self._watches.pop(key, None)
+            message = self._messages.get(mid) if mid is not None else None
+            if message is not None and message.receive_count == 0 and message.visible_at > self._clock():
+                del self._messages[message.message_id]  # not delivered yet: taken back
 
     def receive(self, max_messages: int = 10) -> list[QueuedMessage]:
         self.counter.add("queue.receive")

@@ -234,6 +234,15 @@ class TaskQueue(Protocol):
     def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
         """Put a release sync's wake on the queue (:meth:`Engine.carry_out_wake`)."""
 
+    def watch_lease(self, task: TaskRef, at: datetime, *, key: str, app_id: str | None = None) -> bool:
+        """Deliver the lease timer ``task`` at ``at`` or up to a minute later, in a way :meth:`unwatch_lease` can take
+        back before then (an EventBridge Scheduler schedule on AWS). False when this queue has no such way, or the
+        schedule was refused: nothing was sent, and the caller sends an ordinary timer."""
+
+    def unwatch_lease(self, key: str) -> None:
+        """Take back the lease timer ``key`` if it has not been delivered. Best effort: one that could not be taken
+        back is delivered, finds its attempt settled, and is done."""
+
 
 class TimerService(Protocol):
     def schedule(self, timer: TimerRef) -> None: ...

@@ -20,6 +20,8 @@ from .engine import (
     INLINE_UP_TO_MAX_S,
     INLINE_UP_TO_S,
     RELEASE_RECHECK_S,
+    SCHEDULED_LEASE_FROM_S,
+    SCHEDULED_LEASE_SHARE,
     STORE_RETRY_S,
     ServerSettings,
 )
@@ -116,6 +118,8 @@ def server_settings(env: Mapping[str, str] | None = None) -> ServerSettings:
         chain=_flag(env, "RYUSEN_CHAIN_STEPS", True),
         acknowledge_after_s=_acknowledge_after(env),
         inline_up_to_s=_inline_up_to(env),
+        scheduled_lease_from_s=_scheduled_lease_from(env),
+        scheduled_lease_share=_finite(env, "RYUSEN_SCHEDULED_LEASE_SHARE", SCHEDULED_LEASE_SHARE),
         store_retry_s=_req(env, "RYUSEN_STORE_RETRY_S", STORE_RETRY_S),
         previous_key_window_s=_seconds_or_never(env, "RYUSEN_PREVIOUS_KEY_WINDOW_S", PREVIOUS_KEY_WINDOW_S),
     )
@@ -129,6 +133,25 @@ def _acknowledge_after(env: Mapping[str, str]) -> float | None:
     value = _seconds_or_never(env, "RYUSEN_ACKNOWLEDGE_AFTER_S", ACKNOWLEDGE_AFTER_S)
     if value > 900:
         raise ValueError(f"setting RYUSEN_ACKNOWLEDGE_AFTER_S must be at most 900 seconds, or never, not {raw!r}")
+    return value
+
+
+def _finite(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number."""
+    value = _req(env, name, default)
+    if not math.isfinite(value):
+        raise ValueError(f"setting {name} must be a positive number, not {env.get(name)!r}")
+    return value
+
+
+def _scheduled_lease_from(env: Mapping[str, str]) -> float | None:
+    """``RYUSEN_SCHEDULED_LEASE_FROM_S``: seconds (0: every lease of an event), or ``never`` (SQS timers only)."""
+    raw = env.get("RYUSEN_SCHEDULED_LEASE_FROM_S")
+    if raw is not None and raw.strip().lower() == "never":
+        return None
+    value = _seconds_or_never(env, "RYUSEN_SCHEDULED_LEASE_FROM_S", SCHEDULED_LEASE_FROM_S)
+    if not math.isfinite(value):
+        raise ValueError(f"setting RYUSEN_SCHEDULED_LEASE_FROM_S must be a number of seconds or never, not {raw!r}")
     return value
 
 

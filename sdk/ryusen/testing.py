@@ -422,6 +422,12 @@ class WorkflowEnvironment:
     def wake(self, order: WakeOrder, delay_s: float = 0.0) -> None:
         self.queue.wake(order, delay_s)
 
+    def watch_lease(self, task: TaskRef, at: datetime, *, key: str, app_id: str | None = None) -> bool:
+        return self.queue.watch_lease(task, at, key=key, app_id=app_id)
+
+    def unwatch_lease(self, key: str) -> None:
+        self.queue.unwatch_lease(key)
+
     def _intercept(self, url: str, body: bytes, headers: dict[str, str]) -> InvokeResult | None:
         request = TaskRequest.model_validate_json(body)
         step_id = request.step_id

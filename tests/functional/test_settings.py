@@ -131,3 +131,25 @@ def test_the_quick_path_setting_is_read_and_a_bad_value_stops_the_cold_start() -
     for bad in ("soon", "-1", "1.5", "nan", "-nan", "inf"):
         with pytest.raises(ValueError, match="RYUSEN_INLINE_UP_TO_S"):
             server_settings({"RYUSEN_INLINE_UP_TO_S": bad})
+
+
+def test_the_lease_watch_settings_are_read_and_a_bad_value_stops_the_cold_start() -> None:
+    """``RYUSEN_SCHEDULED_LEASE_FROM_S`` (seconds, or ``never``: SQS timers only) and
+    ``RYUSEN_SCHEDULED_LEASE_SHARE``: when a result function parks an event's lease watch on the Scheduler. A
+    value that is not a number, negative, or not finite names the setting."""
+    from ryusen_server.engine import SCHEDULED_LEASE_FROM_S, SCHEDULED_LEASE_SHARE
+
+    default = server_settings({})
+    assert (default.scheduled_lease_from_s, default.scheduled_lease_share) == (60.0, 4.0)
+    assert (SCHEDULED_LEASE_FROM_S, SCHEDULED_LEASE_SHARE) == (60.0, 4.0)
+    assert server_settings({"RYUSEN_SCHEDULED_LEASE_FROM_S": "never"}).scheduled_lease_from_s is None
+    assert server_settings({"RYUSEN_SCHEDULED_LEASE_FROM_S": " Never "}).scheduled_lease_from_s is None
+    assert server_settings({"RYUSEN_SCHEDULED_LEASE_FROM_S": "0"}).scheduled_lease_from_s == 0.0
+    assert server_settings({"RYUSEN_SCHEDULED_LEASE_FROM_S": "300"}).scheduled_lease_from_s == 300.0
+    assert server_settings({"RYUSEN_SCHEDULED_LEASE_SHARE": "8"}).scheduled_lease_share == 8.0
+    for bad in ("soon", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="RYUSEN_SCHEDULED_LEASE_FROM_S"):
+            server_settings({"RYUSEN_SCHEDULED_LEASE_FROM_S": bad})
+    for bad in ("many", "0", "-4", "nan", "inf"):
+        with pytest.raises(ValueError, match="RYUSEN_SCHEDULED_LEASE_SHARE"):
+            server_settings({"RYUSEN_SCHEDULED_LEASE_SHARE": bad})

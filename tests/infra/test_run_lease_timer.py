@@ -11,6 +11,7 @@ timer of its own (tests/conformance/test_review_run_lease_timer.py)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -138,3 +139,136 @@ def test_an_attempt_the_runs_timer_watches_that_goes_silent_is_unknown_at_its_le
 
 def _attempts(run: dict[str, Any], step_id: str) -> list[dict[str, Any]]:
     return list(next((s for s in run["steps"] if s["id"] == step_id), {"attempts": []})["attempts"])
+
+
+def _lease_schedules(deployed: Deployed) -> list[dict[str, Any]]:  # noqa: F811
+    """The lease watches parked on the Scheduler now (``ryusen-lease-*`` schedules), whenever they are due."""
+    import boto3
+
+    client = boto3.client("scheduler", region_name="us-east-1")
+    group = deployed.env["RYUSEN_SCHEDULE_GROUP"]
+    listed = client.list_schedules(GroupName=group).get("Schedules", [])
+    return [
+        client.get_schedule(Name=s["Name"], GroupName=group) for s in listed if s["Name"].startswith("ryusen-lease-")
+    ]
+
+
+def _scheduler_calls(deployed: Deployed, since: int, operation: str) -> list[dict[str, Any]]:  # noqa: F811
+    return [c.params for c in deployed.box.calls[since:] if c.function == "results" and c.operation == operation]
+
+
+def _steps_taken_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The result function judges a lease watch as if each step had taken as long as its lease (its
+    ``scheduled_lease_share`` unbounded): the box's steps take milliseconds, a step of minutes would not."""
+    from dataclasses import replace
+
+    from ryusen_server.lambdas import results as results_lambda
+
+    engine = results_lambda.engine().engine
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, scheduled_lease_share=math.inf))
+
+
+def test_a_quick_step_with_a_long_timeout_keeps_sharing_the_runs_sqs_timer(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps of milliseconds with a timeout of 5 minutes: one SQS timer watches them all (its lease covers the
+    run), which costs less than a schedule a step; no schedule is created, and none is asked to be deleted."""
+    _inline_up_to(monkeypatch, 0.0)
+    steps = ("a", "b", "c", "d")
+    _arn, ran, _slow, _app = _timed_app(deployed, "quicklong", steps=steps, timeout_s=300.0)
+    before = len(deployed.box.calls)
+    run = deployed.finished(_start(deployed, "quicklong-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == list(steps)
+    assert len(_timers_sent(deployed, before, run["id"])) == 1
+    assert _scheduler_calls(deployed, before, "CreateSchedule") == []
+    assert _scheduler_calls(deployed, before, "DeleteSchedule") == []  # nor a request to delete one per step
+    _lease_timers_now(deployed)
+
+
+def test_a_long_lease_is_watched_by_a_schedule_deleted_once_its_outcome_is_recorded(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps with a timeout of 5 minutes (a lease of 6) sent as events: a step of minutes shares an SQS timer with
+    one other step at most, and every timer comes back, to find its attempt settled (about $1.35 per million
+    steps at 10 minutes). Each such attempt the result function sends is watched instead by a Scheduler schedule
+    (billed only if delivered), due a minute before its lease ends, and deleted once its outcome is recorded: no
+    SQS timer is sent, and no lease schedule is left once the run has finished."""
+    _inline_up_to(monkeypatch, 0.0)
+    _steps_taken_as_long(monkeypatch)
+    steps = ("a", "b", "c")
+    _arn, ran, _slow, _app = _timed_app(deployed, "longlease", steps=steps, timeout_s=300.0)
+    before = len(deployed.box.calls)
+    run = deployed.finished(_start(deployed, "longlease-flow", {}))
+    assert run["outcome"] == "completed", run["summary"]
+    assert ran == list(steps)
+    assert _timers_sent(deployed, before, run["id"]) == []
+    created = _scheduler_calls(deployed, before, "CreateSchedule")
+    deleted = _scheduler_calls(deployed, before, "DeleteSchedule")
+    # "a" was sent by the dispatcher (its message is its lease timer); "b" and "c" by the result function
+    assert len(created) == 2 and all(c["Name"].startswith("ryusen-lease-run_") for c in created), created
+    assert {c["Name"] for c in created} <= {d["Name"] for d in deleted}, (created, deleted)
+    for schedule in created:
+        due = datetime.fromisoformat(schedule["ScheduleExpression"][3:-1]).replace(tzinfo=UTC)
+        assert timedelta(seconds=290) < due - datetime.now(UTC) < timedelta(seconds=301), schedule
+    assert _lease_schedules(deployed) == []
+
+
+def test_a_silent_attempt_watched_by_a_schedule_is_unknown_at_its_lease_not_before(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Step "b" (a 5-minute timeout) is sent as an event that Lambda takes and loses. Its lease watch is a
+    schedule. Delivered a minute before the lease ends (Scheduler's earliest), it finds "b" in flight and waits on
+    the queue for the rest of the lease: "b" is not Unknown yet. Once the lease has ended (the functions' clocks
+    moved past it, the queue's delays ended), it takes "b" as Unknown; with on_unknown="retry" the retry runs "b"
+    once and the run completes."""
+    from ryusen import RetryPolicy
+
+    _inline_up_to(monkeypatch, 0.0)
+    _steps_taken_as_long(monkeypatch)
+    retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
+    arn, ran, _slow, _app = _timed_app(deployed, "lostlong", steps=("a", "b", "c"), timeout_s=300.0, retry=retry)
+    handler, who = deployed.box.event_handlers[arn]
+    dropped: list[str] = []
+
+    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        body = json.loads(event["body"])
+        if body.get("step_id") == "b" and not dropped:
+            dropped.append("b")
+            return {"statusCode": 202}  # the container died: nothing ran, nothing is posted
+        result: dict[str, Any] = handler(event, context)
+        return result
+
+    deployed.box.event_handlers[arn] = (losing, who)
+    run_id = _start(deployed, "lostlong-flow", {})
+    in_flight = wait_for(lambda: dropped and _attempts(deployed.run(run_id), "b"), timeout=30, what="b in flight")
+    [watch] = wait_for(lambda: _lease_schedules(deployed), timeout=10, what="b's lease watch")
+    lease = datetime.fromisoformat(in_flight[0]["lease_expires_at"])
+    due = datetime.fromisoformat(watch["ScheduleExpression"][3:-1]).replace(tzinfo=UTC)
+    assert timedelta(seconds=59) <= lease - due <= timedelta(seconds=61), (lease, due)
+
+    import boto3
+
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    _shift_clocks(monkeypatch, (due - datetime.now(UTC)).total_seconds() + 1.0)  # Scheduler delivers it: early
+    sqs.send_message(QueueUrl=deployed.env["RYUSEN_QUEUE_URL"], MessageBody=watch["Target"]["Input"])
+    boto3.client("scheduler", region_name="us-east-1").delete_schedule(
+        Name=watch["Name"], GroupName=deployed.env["RYUSEN_SCHEDULE_GROUP"]
+    )  # delivered: Scheduler deletes it (ActionAfterCompletion)
+    time.sleep(3)
+    [b] = _attempts(deployed.run(run_id), "b")
+    assert b["status"] == "authorized" and b["unknown"] is None, b  # not before its lease
+
+    _shift_clocks(monkeypatch, (lease - datetime.now(UTC)).total_seconds() + 1.0)
+    deadline = time.monotonic() + 30
+    while (run := deployed.run(run_id))["phase"] != "finished":
+        assert time.monotonic() < deadline, json.dumps(_attempts(run, "b"))
+        _messages_due_now()
+        time.sleep(0.5)
+    assert run["outcome"] == "completed", run["summary"]
+    assert dropped == ["b"] and ran == ["a", "b", "c"], ran
+    [lost, retried] = _attempts(run, "b")
+    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)

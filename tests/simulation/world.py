@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import random
 import threading
 import time
@@ -80,7 +81,7 @@ from ryusen_server.core.model import (
 )
 from ryusen_server.core.view import REMEDIES
 from ryusen_server.deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
-from ryusen_server.engine import INLINE_UP_TO_S, SWEEP_GRACE_S, Engine, ServerSettings
+from ryusen_server.engine import INLINE_UP_TO_S, SCHEDULED_LEASE_FROM_S, SWEEP_GRACE_S, Engine, ServerSettings
 from ryusen_server.memory import MemoryStore
 from ryusen_server.ports import (
     InvokeResult,
@@ -138,6 +139,9 @@ DEFER_FAULTS = ("crash_before", "crash_after", "error_before", "duplicate", "del
 """Sending a deferred answer: SQS keeps what it accepted (a "lost" send models a message of work the sweeper
 repairs; an answer is not work anyone could redo)."""
 SCHEDULE_FAULTS = ("crash_before", "crash_after", "error_before", "lost")
+LEASE_WATCH_FAULTS = ("crash_before", "crash_after", "error_before", "error_after")
+"""Creating a lease watch's schedule (``SqsQueue.watch_lease``): refused (the engine sends an SQS timer), or created
+with its answer lost (both watch the attempt). A created schedule is not lost."""
 INVOKE_FAULTS = ("crash_before", "unreachable", "bad_gateway", "duplicate_request", "front_end_throttled")
 ANSWER_FAULTS = ("crash_after", "answer_lost", "answer_late", "bad_gateway_after")
 DELIVERY_FAULTS = ("duplicate_delivery", "reordered")
@@ -171,6 +175,7 @@ ALL_FAULTS = (
         + READ_FAULTS
         + SEND_FAULTS
         + SCHEDULE_FAULTS
+        + LEASE_WATCH_FAULTS
         + INVOKE_FAULTS
         + ANSWER_FAULTS
         + DELIVERY_FAULTS
@@ -414,6 +419,11 @@ class Simulation:
         """Shared by every endpoint instance (``RYUSEN_REPLAY_TABLE``): a duplicated request is refused anywhere."""
         self.skews = [timedelta(0), timedelta(seconds=self.rng.uniform(-1, 1) * self.profile.skew_s)]
         settings = self.settings
+        # a long lease of an event watched by a schedule deleted once its outcome is recorded: never, as deployed (a
+        # lease of 2 minutes after a step that took a quarter of it), or for every event (drawn apart, as below)
+        lease_from_s, lease_share = random.Random(f"lease-watch-{self.seed}").choice(
+            ((None, 4.0), (SCHEDULED_LEASE_FROM_S, 4.0), (0.0, math.inf))
+        )
         self.engines = [
             Engine(
                 store=self.store,
@@ -430,6 +440,8 @@ class Simulation:
                     # waits are cut at INLINE_LISTEN_S and end in a posted outcome. Drawn apart, so that each seed's
                     # other draws stay what they were.
                     inline_up_to_s=random.Random(f"inline-{self.seed}").choice((0.0, INLINE_UP_TO_S, 10.0)),
+                    scheduled_lease_from_s=lease_from_s,
+                    scheduled_lease_share=lease_share,
                 ),
                 clock=self._clock_of(i),
                 new_id=lambda: f"run_{next(self.ids):04d}",
@@ -1561,6 +1573,8 @@ class SimQueue:
         self.sim = sim
         self.messages: dict[str, Message] = {}
         self.dead: list[DispatchMessage] = []
+        self.watches: dict[str, str] = {}
+        """Lease watches parked on the Scheduler (``watch_lease``): key -> the message it delivers."""
 
     def put(self, body: DispatchMessage, delay_s: float) -> None:
         mid = f"m{next(self.sim.ids)}"
@@ -1597,6 +1611,36 @@ class SimQueue:
             self.put(WakeMessage(wake=order), delay_s)
         if verdict == "crash_after":
             raise Crash()
+
+    def watch_lease(self, task: TaskRef, at: datetime, *, key: str, app_id: str | None = None) -> bool:
+        """A lease watch parked on the Scheduler (``SqsQueue.watch_lease``): delivered to the queue at ``at`` or up
+        to a minute later (Scheduler's precision), unless taken back first. A create that failed may have created
+        it (its answer lost): the engine then sends an SQS timer as well."""
+        verdict = self.sim.boundary("scheduler.create", f"lease watch {key}", LEASE_WATCH_FAULTS)
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            return False
+        mid = f"m{next(self.sim.ids)}"
+        self.messages[mid] = Message(mid, task, at + timedelta(seconds=self.sim.rng.uniform(0, 60)))
+        self.watches[key] = mid
+        self.sim.cases["lease watches scheduled"] += 1
+        if verdict == "crash_after":
+            raise Crash()
+        return verdict != "error_after"
+
+    def unwatch_lease(self, key: str) -> None:
+        """Delete a lease watch's schedule: one not yet delivered is gone; a failed delete is delivered anyway."""
+        verdict = self.sim.boundary("scheduler.delete", f"lease watch {key}", ("crash_before", "error_before"))
+        if verdict == "crash_before":
+            raise Crash()
+        if verdict == "error_before":
+            return  # logged by the adapter: the watch is delivered, finds its attempt settled, and is done
+        mid = self.watches.pop(key, None)
+        message = self.messages.get(mid) if mid is not None else None
+        if message is not None and message.receives == 0 and message.visible_at > self.sim.now:
+            del self.messages[message.id]
+            self.sim.cases["lease watches taken back"] += 1
 
     def change_visibility(self, message: Message, seconds: float) -> None:
         verdict = self.sim.boundary(

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
 
 from ..core.model import TaskRef, TimerRef
 from ..deferred import DeferralRefusedError, DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from ..ports import RequestCounter
 from ..runtime import TimerMessage, parse_dispatch_body
+from .timers import schedule_name
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs.client import SQSClient
@@ -116,6 +117,17 @@ def app_queue_digest(app_id: str) -> str:
     return hashlib.sha256(app_id.encode()).hexdigest()[:12]
 
 
+def lease_watch_name(key: str) -> str:
+    """The schedule name of a lease watch (``SqsQueue.watch_lease``): ``key`` names the attempt."""
+    return f"ryusen-lease-{key}"
+
+
+def _error_code(exc: Exception) -> str:
+    if isinstance(exc, ClientError):
+        return str(exc.response.get("Error", {}).get("Code", "error"))
+    return type(exc).__name__
+
+
 def parse_body(body: str) -> TaskRef | TimerRef | DeferredAnswer | WakeOrder:
     """A dispatch message's body: a TaskRef, ``{"timer": TimerRef}`` or ``{"deferred": DeferredAnswer}``. Raises
     ValueError if none."""
@@ -177,6 +189,32 @@ class SqsQueue:
             log.warning("no scheduler: %s is delayed %ss instead of %ss", task.describe(), MAX_DELAY_S, delay)
             delay = MAX_DELAY_S
         self._send_message(body, delay, group, url=url)
+
+    def watch_lease(self, task: TaskRef, at: datetime, *, key: str, app_id: str | None = None) -> bool:
+        """A lease timer parked as a one-time Scheduler schedule named by ``key``, which :meth:`unwatch_lease`
+        deletes once its attempt has settled: Scheduler bills the schedules it delivers, not those deleted first.
+        False without a scheduler, or when the schedule is refused (a throttle): the caller sends it on SQS."""
+        if self._scheduler is None:
+            return False
+        unset = {"lease_timer": not task.lease_timer, "watches_before": task.watches_before is None}
+        body = task.model_dump_json(exclude={k for k, v in unset.items() if v})
+        own = self._app_queues.get(app_queue_digest(app_id)) if app_id is not None and self._app_queues else None
+        try:
+            self._scheduler.schedule_message(lease_watch_name(key), at, body, target_arn=own[1] if own else None)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("lease watch %s not scheduled (%s): sent on the queue instead", key, _error_code(exc))
+            return False
+        return True
+
+    def unwatch_lease(self, key: str) -> None:
+        """Delete the lease watch's schedule; one already delivered or gone is fine, and a failed delete only
+        costs its delivery."""
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.delete(schedule_name(lease_watch_name(key)))
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("lease watch %s not deleted (%s): it will be delivered", key, _error_code(exc))
 
     def defer(self, answer: DeferredAnswer, delay_s: float = 0.0) -> None:
         """Put a deferred answer on the queue (``deferred.py``); one over SQS's message limit is refused."""
