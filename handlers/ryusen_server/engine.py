@@ -662,6 +662,15 @@ class SentMemos:
         return token, base, changed
 
 
+def _authorized_at(state: RunState, task: TaskRef) -> datetime | None:
+    """When ``state`` says the attempt ``task`` names was authorized."""
+    if task.step_id is None or task.phase is None or task.generation is None:
+        return None
+    step = state.step(task.step_id)
+    attempt = step.attempt(task.phase, task.generation) if step is not None else None
+    return attempt.authorized_at if attempt is not None else None
+
+
 def _attempt_took_s(state: RunState, step_id: str, phase: Phase, generation: int) -> float | None:
     """How long that attempt took, from its authorization to its outcome, if it has both."""
     step = state.step(step_id)
@@ -718,6 +727,9 @@ class Delivered:
     in_flight: TaskRef | None = None
     """The attempt left in flight when the message is kept as its lease timer (it was answered ``accepted``, or
     its dispatcher stopped listening)."""
+    authorized_at: datetime | None = None
+    """When that attempt's authorization says it was authorized (what a run's lease timer compares with its
+    ``watches_before``)."""
 
 
 def _awaits(state: RunState, event: DeferredEvent) -> bool:
@@ -872,9 +884,9 @@ class Engine:
         self.step_durations = StepDurations()
         """How long the recent attempts of each step took, as this process saw them (``inline_up_to_s``)."""
         self.run_lease_timers = RunLeaseTimers()
+        """The lease timers this process's result function sent, by run (one timer for a run's steps)."""
         self.lease_watches = ParkedLeaseWatches()
         """The lease watches this process parked on the Scheduler, deleted once their outcomes are recorded here."""
-        """The lease timers this process's result function sent, by run (one timer for a run's steps)."""
         self._releases_read: dict[str, tuple[float, Release | None]] = {}
         """The newest release of each function as this process last read or synced it, and when (monotonic)."""
 
@@ -1520,14 +1532,20 @@ class Engine:
             # no waiting. This message, the lease timer, comes back when the lease expires.
             self._emit("acknowledged", task)
             return Delivered(
-                done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()), in_flight=task
+                done=False,
+                redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()),
+                in_flight=task,
+                authorized_at=_authorized_at(state, task),
             )
         if cut and result.kind == "timed_out" and task.kind is not TaskKind.DISCOVER:
             # This dispatcher had to stop listening before the attempt's own timeout. The attempt stays
             # authorized: the SDK was told (respond_by) to submit its result to the result endpoint, and
             # the message, the lease timer, comes back when the lease expires if nothing arrives.
             return Delivered(
-                done=False, redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()), in_flight=task
+                done=False,
+                redeliver_after_s=max(1.0, (lease_at - self.clock()).total_seconds()),
+                in_flight=task,
+                authorized_at=_authorized_at(state, task),
             )
         if result.kind == "timed_out":
             result = replace(result, detail=window.no_response())  # the declared timeout, not the socket's
@@ -1928,9 +1946,6 @@ class Engine:
             return Decision(state=state)
         if decision.rejection is not None:
             raise NotFoundError(decision.rejection.message, code=decision.rejection.code)
-        if events and self._lease_watched_by_schedule(decision.state, late.step_id, late.phase, late.generation):
-            # its outcome is recorded: the lease watch scheduled for it is not needed, and is not billed once deleted
-            self.queue.unwatch_lease(_lease_watch_key(late.run_id, late.step_id, late.phase, late.generation))
         delivered = self._carry_on(decision, release, deadline, None, chain_until=carry_until)
         if delivered.in_flight is not None and delivered.in_flight.kind is not TaskKind.DISCOVER:
             # No message was received here to be the lease timer of the attempt this left in flight (answered
@@ -1949,7 +1964,13 @@ class Engine:
                 decision.state, delivered.in_flight, now, lease_ends_at, after_s=took_s
             ):
                 self._emit("lease_watch_scheduled", delivered.in_flight)
-            elif events and self.run_lease_timers.watching(late.run_id, now, lease_ends_at):
+            elif events and self.run_lease_timers.watching(
+                # judged at its authorization as written, if later: that is what the returning timer compares with
+                # watches_before (a wall clock stepped back since the write would otherwise leave it unwatched)
+                late.run_id,
+                max(now, delivered.authorized_at or now),
+                lease_ends_at,
+            ):
                 self._emit("lease_timer_shared", delivered.in_flight)
             else:
                 wait_s = min(max(1.0, delivered.redeliver_after_s), LEASE_TIMER_MAX_DELAY_S)
@@ -1962,6 +1983,10 @@ class Engine:
                     # when it is due: SQS delays by whole seconds (and from the send, a few milliseconds later)
                     due_at = now + timedelta(seconds=math.ceil(wait_s))
                     self.run_lease_timers.sent(late.run_id, due_at, watches_before, wait_s)
+        if events and self._lease_watched_by_schedule(decision.state, late.step_id, late.phase, late.generation):
+            # Its outcome is recorded: the lease watch parked for it is not needed, and is not billed once deleted.
+            # Last, after the next attempt is sent and watched: the delete is no part of that attempt's lease.
+            self.queue.unwatch_lease(_lease_watch_key(late.run_id, late.step_id, late.phase, late.generation))
         return decision
 
     def _watch_lease_by_schedule(

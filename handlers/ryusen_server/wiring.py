@@ -134,6 +134,27 @@ def client(service: str, resources: AwsResources) -> Any:
     )
 
 
+def lease_watch_scheduler(resources: AwsResources, counter: RequestCounter) -> SchedulerTimers:
+    """Where the result function parks lease watches (``SqsQueue.watch_lease``): the Scheduler with short timeouts
+    and two tries, so that a throttled or hanging ``CreateSchedule`` fails over to the SQS timer within seconds,
+    well inside the function's time, rather than after botocore's minutes of retries. A try whose answer was lost
+    is safe to repeat: the name is the attempt's, and a schedule that exists already counts as made."""
+    scheduler = boto3.client(
+        "scheduler",
+        region_name=resources.region,
+        endpoint_url=resources.endpoint_url,
+        config=Config(retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=2, read_timeout=3),
+    )
+    return SchedulerTimers(
+        scheduler,
+        group=resources.schedule_group,
+        target_arn=resources.queue_arn,
+        role_arn=resources.scheduler_role_arn,
+        dead_letter_arn=resources.scheduler_dlq_arn,
+        counter=counter,
+    )
+
+
 def event_invoker(resources: AwsResources, counter: RequestCounter) -> LambdaEventInvoker:
     """What sends attempts to Lambda endpoints as events: Lambda's API, with a short read timeout (``Invoke`` with
     ``InvocationType=Event`` answers once the event is queued) and no retries of botocore's. A try whose answer was
@@ -230,6 +251,7 @@ def aws_engine(
             hold=hold,
             fair=resources.fair_queue,
             app_queues=resources.app_queues,
+            lease_watches=lease_watch_scheduler(resources, counter),
         ),
         timers=timers,
         invoker=HttpInvoker(counter, policy=policy) if signs else _NoInvoker(),

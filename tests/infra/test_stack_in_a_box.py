@@ -842,7 +842,7 @@ def test_a_copy_of_an_attempts_event_that_lambda_delivers_again_runs_nothing(dep
 QUICK_ON_A_LOADED_MACHINE_S = 0.6
 """The quick path's threshold in the tests that learn a step quick: a step here sleeps 0 s, yet an attempt's
 authorization-to-outcome on a loaded 2-core CI machine (the app's first event, a thread switch) has taken more
-than the default 0.25 s, and one such sample keeps the step off the quick path for its next five. Slow in these
+than the default (0.05 s), and one such sample keeps the step off the quick path for its next five. Slow in these
 tests is 0.7 s or more."""
 
 
@@ -945,8 +945,8 @@ def _lease_timers_now(deployed: Deployed) -> None:
 def test_a_step_a_lambda_endpoint_ran_quickly_is_waited_for_by_a_dispatcher_and_one_slow_for_once_holds_it_2_s(
     deployed: Deployed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 25's fast path, measured: an event costs about $2.5 per million steps more than an inline answer, and
-    a dispatcher's wait $6.67 a second (docs/performance.md). A dispatcher that has seen a step's last three
+    """Issue 25's fast path, measured: an event costs about $0.57 per million steps more than an inline answer, and
+    a dispatcher's wait $6.67 a second (docs/design/dispatch.md, way C item 6). A dispatcher that has seen a step's last three
     attempts take at most inline_up_to_s (from the runs it read: here, as their lease timers came back) invokes
     the next on the URL and waits, and chains the next steps so while they stay quick: a run of quick steps sends
     no event. A step quick until now that takes 3 s this time is listened for 2 s (INLINE_LISTEN_S): its SDK

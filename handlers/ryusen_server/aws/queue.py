@@ -153,6 +153,7 @@ class SqsQueue:
         hold: DelayHold | None = None,
         fair: bool = True,
         app_queues: Mapping[str, tuple[str, str]] | None = None,
+        lease_watches: SchedulerTimers | None = None,
     ) -> None:
         """``hold``: keep delays up to ``MAX_DELAY_S`` there instead of in ``DelaySeconds`` (``ryusen dev``).
         ``fair``: send each task with its app's message group (``RYUSEN_FAIR_QUEUE``; off only where SQS has
@@ -167,6 +168,8 @@ class SqsQueue:
         self._hold = hold
         self._fair = fair
         self._app_queues = dict(app_queues or {})
+        self._lease_watches = lease_watches or scheduler
+        """Where lease watches are parked: a Scheduler client that gives up within seconds (``watch_lease``)."""
 
     def send(self, task: TaskRef, delay_s: float = 0.0, *, app_id: str | None = None) -> None:
         """Send a task; ``app_id``, its run's app, becomes its message group (fair dispatch between apps)."""
@@ -194,13 +197,13 @@ class SqsQueue:
         """A lease timer parked as a one-time Scheduler schedule named by ``key``, which :meth:`unwatch_lease`
         deletes once its attempt has settled: Scheduler bills the schedules it delivers, not those deleted first.
         False without a scheduler, or when the schedule is refused (a throttle): the caller sends it on SQS."""
-        if self._scheduler is None:
+        if self._lease_watches is None:
             return False
         unset = {"lease_timer": not task.lease_timer, "watches_before": task.watches_before is None}
         body = task.model_dump_json(exclude={k for k, v in unset.items() if v})
         own = self._app_queues.get(app_queue_digest(app_id)) if app_id is not None and self._app_queues else None
         try:
-            self._scheduler.schedule_message(lease_watch_name(key), at, body, target_arn=own[1] if own else None)
+            self._lease_watches.schedule_message(lease_watch_name(key), at, body, target_arn=own[1] if own else None)
         except (ClientError, BotoCoreError) as exc:
             log.warning("lease watch %s not scheduled (%s): sent on the queue instead", key, _error_code(exc))
             return False
@@ -209,10 +212,10 @@ class SqsQueue:
     def unwatch_lease(self, key: str) -> None:
         """Delete the lease watch's schedule; one already delivered or gone is fine, and a failed delete only
         costs its delivery."""
-        if self._scheduler is None:
+        if self._lease_watches is None:
             return
         try:
-            self._scheduler.delete(schedule_name(lease_watch_name(key)))
+            self._lease_watches.delete(schedule_name(lease_watch_name(key)))
         except (ClientError, BotoCoreError) as exc:
             log.warning("lease watch %s not deleted (%s): it will be delivered", key, _error_code(exc))
 
