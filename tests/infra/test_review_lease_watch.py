@@ -14,19 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import boto3
 import pytest
 
 from tests.infra import test_stack_in_a_box as box_tests
 from tests.infra.conftest import Synthesized, synthesize
-from tests.infra.test_stack_in_a_box import Deployed, _inline_up_to, _messages_due_now, _start, _timed_app
+from tests.infra.test_run_lease_timer import (
+    _attempts,
+    _finished_past_the_lease,
+    _losing_once,
+    _scheduler_calls,
+    _shift_clocks,
+    _steps_taken_as_long,
+)
+from tests.infra.test_stack_in_a_box import Deployed, _inline_up_to, _start, _timed_app
 from tests.stack import wait_for
 
 
@@ -40,32 +46,6 @@ def deployed(synthesized_with_video: Synthesized) -> Iterator[Deployed]:
     fixture = contextlib.contextmanager(box_tests.deployed.__wrapped__)  # type: ignore[attr-defined]
     with fixture(synthesized_with_video) as made:
         yield made
-
-
-def _results_calls(deployed: Deployed, since: int, operation: str) -> list[dict[str, Any]]:
-    return [c.params for c in deployed.box.calls[since:] if c.function == "results" and c.operation == operation]
-
-
-def _steps_taken_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dataclasses import replace
-
-    from ryusen_server.lambdas import results as results_lambda
-
-    engine = results_lambda.engine().engine
-    monkeypatch.setattr(engine, "settings", replace(engine.settings, scheduled_lease_share=math.inf))
-
-
-def _shift_clocks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    from ryusen_server.lambdas import dispatch as dispatch_lambda
-    from ryusen_server.lambdas import results as results_lambda
-
-    for wired in (dispatch_lambda.engine(), results_lambda.engine()):
-        real = wired.engine.clock
-        monkeypatch.setattr(wired.engine, "clock", lambda real=real: real() + timedelta(seconds=seconds))
-
-
-def _attempts(run: dict[str, Any], step_id: str) -> list[dict[str, Any]]:
-    return list(next((s for s in run["steps"] if s["id"] == step_id), {"attempts": []})["attempts"])
 
 
 # ---- finding ---------------------------------------------------------------------------------------------------
@@ -100,26 +80,6 @@ def test_a_scheduler_request_that_hangs_fails_over_to_the_sqs_timer_within_the_r
 # ---- guards ----------------------------------------------------------------------------------------------------
 
 
-def test_guard_quick_steps_with_the_default_timeout_make_no_scheduler_requests(
-    deployed: Deployed,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Four steps of milliseconds with the default timeout of 5 minutes, sent as events: none is watched by a
-    schedule (they share the run's SQS timer), and the result function makes no ``DeleteSchedule`` for them either
-    (each would be a round trip before the next attempt's invoke, and a draw on the account's 1,000-a-second
-    ``DeleteSchedule`` rate, 250 outside the main Regions)."""
-    _inline_up_to(monkeypatch, 0.0)
-    steps = ("a", "b", "c", "d")
-    _arn, ran, _slow, _app = _timed_app(deployed, "reviewquick", steps=steps, timeout_s=300.0)
-    before = len(deployed.box.calls)
-    run = deployed.finished(_start(deployed, "reviewquick-flow", {}))
-    assert run["outcome"] == "completed", run["summary"]
-    assert ran == list(steps)
-    assert _results_calls(deployed, before, "CreateSchedule") == []
-    deleted = [d["Name"] for d in _results_calls(deployed, before, "DeleteSchedule")]
-    assert deleted == [], f"{len(deleted)} DeleteSchedule requests for {len(steps)} steps that had no schedule"
-
-
 def test_guard_an_app_with_a_queue_of_its_own_gets_its_lease_watches_there_and_a_silent_attempt_is_unknown_at_its_lease(
     deployed: Deployed,
     monkeypatch: pytest.MonkeyPatch,
@@ -138,29 +98,18 @@ def test_guard_an_app_with_a_queue_of_its_own_gets_its_lease_watches_there_and_a
     video_arn, video_url = box.arns[video_queue], box.refs[video_queue]
     retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
     arn, ran, _slow, _app = _timed_app(deployed, "video", steps=("a", "b", "c"), timeout_s=300.0, retry=retry)
-    handler, who = box.event_handlers[arn]
-    dropped: list[str] = []
-
-    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
-        body = json.loads(event["body"])
-        if body.get("step_id") == "c" and not dropped:
-            dropped.append("c")
-            return {"statusCode": 202}  # the container died: nothing ran, nothing is posted
-        result: dict[str, Any] = handler(event, context)
-        return result
-
-    box.event_handlers[arn] = (losing, who)
+    dropped = _losing_once(deployed, arn, "c")
     before = len(box.calls)
     run_id = _start(deployed, "video-flow", {})
     in_flight = wait_for(lambda: dropped and _attempts(deployed.run(run_id), "c"), timeout=30, what="c in flight")
-    created = wait_for(lambda: len(_results_calls(deployed, before, "CreateSchedule")) == 2 and True, timeout=10)
+    created = wait_for(lambda: len(_scheduler_calls(deployed, before, "CreateSchedule")) == 2 and True, timeout=10)
     assert created
-    schedules = _results_calls(deployed, before, "CreateSchedule")
+    schedules = _scheduler_calls(deployed, before, "CreateSchedule")
     assert [json.loads(s["Target"]["Input"])["step_id"] for s in schedules] == ["b", "c"]
     for schedule in schedules:
         assert schedule["Target"]["Arn"] == video_arn, schedule["Target"]
         assert schedule["Target"]["RoleArn"] == deployed.env["RYUSEN_SCHEDULER_ROLE_ARN"]
-    deleted = {d["Name"] for d in _results_calls(deployed, before, "DeleteSchedule")}
+    deleted = {d["Name"] for d in _scheduler_calls(deployed, before, "DeleteSchedule")}
     assert schedules[0]["Name"] in deleted and schedules[1]["Name"] not in deleted
 
     scheduler = boto3.client("scheduler", region_name="us-east-1")
@@ -181,13 +130,5 @@ def test_guard_an_app_with_a_queue_of_its_own_gets_its_lease_watches_there_and_a
     [c] = _attempts(deployed.run(run_id), "c")
     assert c["status"] == "authorized" and c["unknown"] is None, c  # not before its lease
 
-    _shift_clocks(monkeypatch, (lease - datetime.now(UTC)).total_seconds() + 1.0)
-    deadline = time.monotonic() + 30
-    while (run := deployed.run(run_id))["phase"] != "finished":
-        assert time.monotonic() < deadline, json.dumps(_attempts(run, "c"))
-        _messages_due_now()
-        time.sleep(0.5)
-    assert run["outcome"] == "completed", run["summary"]
+    _finished_past_the_lease(deployed, monkeypatch, run_id, lease, "c")
     assert dropped == ["c"] and ran == ["a", "b", "c"], ran
-    [lost, retried] = _attempts(run, "c")
-    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)

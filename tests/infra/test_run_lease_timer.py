@@ -90,6 +90,45 @@ def _shift_clocks(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         monkeypatch.setattr(wired.engine, "clock", lambda real=real: real() + timedelta(seconds=seconds))
 
 
+def _losing_once(deployed: Deployed, arn: str, step_id: str) -> list[str]:  # noqa: F811
+    """Make the app's events lose ``step_id``'s first attempt (Lambda took it, and its container died before the
+    SDK posted: nothing ran, nothing is posted); the list returned names it once it is lost."""
+    handler, who = deployed.box.event_handlers[arn]
+    dropped: list[str] = []
+
+    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        body = json.loads(event["body"])
+        if body.get("step_id") == step_id and not dropped:
+            dropped.append(step_id)
+            return {"statusCode": 202}
+        result: dict[str, Any] = handler(event, context)
+        return result
+
+    deployed.box.event_handlers[arn] = (losing, who)
+    return dropped
+
+
+def _finished_past_the_lease(
+    deployed: Deployed,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    run_id: str,
+    lease: datetime,
+    step_id: str,
+) -> dict[str, Any]:
+    """Move the functions' clocks past ``lease`` and run the queue's delays forward until the run finishes; the
+    run, whose ``step_id`` was lost once, has been retried (on_unknown="retry") and completed."""
+    _shift_clocks(monkeypatch, (lease - datetime.now(UTC)).total_seconds() + 1.0)
+    deadline = time.monotonic() + 30
+    while (run := deployed.run(run_id))["phase"] != "finished":
+        assert time.monotonic() < deadline, json.dumps(_attempts(run, step_id))
+        _messages_due_now()
+        time.sleep(0.5)
+    assert run["outcome"] == "completed", run["summary"]
+    [lost, retried] = _attempts(run, step_id)
+    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)
+    return run
+
+
 def test_an_attempt_the_runs_timer_watches_that_goes_silent_is_unknown_at_its_lease(
     deployed: Deployed,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -105,35 +144,15 @@ def test_an_attempt_the_runs_timer_watches_that_goes_silent_is_unknown_at_its_le
     _inline_up_to(monkeypatch, 0.0)
     retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
     arn, ran, _slow, _app = _timed_app(deployed, "silent", steps=("a", "b", "c", "d"), timeout_s=1.0, retry=retry)
-    handler, who = deployed.box.event_handlers[arn]
-    dropped: list[str] = []
-
-    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
-        body = json.loads(event["body"])
-        if body.get("step_id") == "c" and not dropped:
-            dropped.append("c")
-            return {"statusCode": 202}  # the container died: nothing ran, nothing is posted
-        result: dict[str, Any] = handler(event, context)
-        return result
-
-    deployed.box.event_handlers[arn] = (losing, who)
+    dropped = _losing_once(deployed, arn, "c")
     before = len(deployed.box.calls)
     run_id = _start(deployed, "silent-flow", {})
     in_flight = wait_for(lambda: dropped and _attempts(deployed.run(run_id), "c"), timeout=30, what="c in flight")
     lease = datetime.fromisoformat(in_flight[0]["lease_expires_at"])
-    ahead = (lease - datetime.now(UTC)).total_seconds() + 1.0
-    assert ahead < 120, in_flight
-    _shift_clocks(monkeypatch, ahead)
+    assert (lease - datetime.now(UTC)).total_seconds() < 120, in_flight
     timers_then = _timers_sent(deployed, before, run_id)
-    deadline = time.monotonic() + 30
-    while (run := deployed.run(run_id))["phase"] != "finished":
-        assert time.monotonic() < deadline, json.dumps(_attempts(run, "c"))
-        _messages_due_now()
-        time.sleep(0.5)
-    assert run["outcome"] == "completed", run["summary"]
+    _finished_past_the_lease(deployed, monkeypatch, run_id, lease, "c")
     assert dropped == ["c"] and ran == ["a", "b", "c", "d"], ran  # "c" ran once: the retry
-    [lost, retried] = _attempts(run, "c")
-    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)
     assert [t["step_id"] for t in timers_then] == ["b"], f"not one lease timer for b and c: {timers_then}"
 
 
@@ -231,18 +250,7 @@ def test_a_silent_attempt_watched_by_a_schedule_is_unknown_at_its_lease_not_befo
     _steps_taken_as_long(monkeypatch)
     retry = RetryPolicy(max_attempts=3, initial_delay=timedelta(0), on_unknown="retry")
     arn, ran, _slow, _app = _timed_app(deployed, "lostlong", steps=("a", "b", "c"), timeout_s=300.0, retry=retry)
-    handler, who = deployed.box.event_handlers[arn]
-    dropped: list[str] = []
-
-    def losing(event: dict[str, Any], context: Any) -> dict[str, Any]:
-        body = json.loads(event["body"])
-        if body.get("step_id") == "b" and not dropped:
-            dropped.append("b")
-            return {"statusCode": 202}  # the container died: nothing ran, nothing is posted
-        result: dict[str, Any] = handler(event, context)
-        return result
-
-    deployed.box.event_handlers[arn] = (losing, who)
+    dropped = _losing_once(deployed, arn, "b")
     run_id = _start(deployed, "lostlong-flow", {})
     in_flight = wait_for(lambda: dropped and _attempts(deployed.run(run_id), "b"), timeout=30, what="b in flight")
     [watch] = wait_for(lambda: _lease_schedules(deployed), timeout=10, what="b's lease watch")
@@ -262,13 +270,5 @@ def test_a_silent_attempt_watched_by_a_schedule_is_unknown_at_its_lease_not_befo
     [b] = _attempts(deployed.run(run_id), "b")
     assert b["status"] == "authorized" and b["unknown"] is None, b  # not before its lease
 
-    _shift_clocks(monkeypatch, (lease - datetime.now(UTC)).total_seconds() + 1.0)
-    deadline = time.monotonic() + 30
-    while (run := deployed.run(run_id))["phase"] != "finished":
-        assert time.monotonic() < deadline, json.dumps(_attempts(run, "b"))
-        _messages_due_now()
-        time.sleep(0.5)
-    assert run["outcome"] == "completed", run["summary"]
+    _finished_past_the_lease(deployed, monkeypatch, run_id, lease, "b")
     assert dropped == ["b"] and ran == ["a", "b", "c"], ran
-    [lost, retried] = _attempts(run, "b")
-    assert lost["unknown"] is not None and retried["status"] == "succeeded", (lost, retried)
