@@ -105,6 +105,7 @@ from .core.events import (
 from .core.model import (
     RESULT_FUNCTION_CARRIER,
     RESULT_FUNCTION_EVENTS_CARRIER,
+    Attempt,
     AttemptStatus,
     DeadlineSource,
     RunPhase,
@@ -372,9 +373,9 @@ its timeout and a minute's grace, so any event's, and ``scheduled_lease_share`` 
 SCHEDULED_LEASE_SHARE = 4.0
 """The default of ``ServerSettings.scheduled_lease_share``."""
 SCHEDULER_LATENESS_S = 60.0
-"""EventBridge Scheduler delivers a one-time schedule within about a minute after its time, never before: a lease
-watch is due this long before its lease ends (not before now), and one that comes back early waits on the queue
-for the rest of the lease, so the attempt is still taken as Unknown at its lease."""
+"""EventBridge Scheduler delivers a one-time schedule within about a minute of its time (AWS documents a minute's
+precision): a lease watch is due this long before its lease ends (not before now), and one that comes back early
+waits on the queue for the rest of the lease, so the attempt is still taken as Unknown at its lease."""
 LEASE_TIMER_MAX_DELAY_S = 900.0
 """SQS's longest delay: a lease timer for a longer lease comes back early and is kept until the lease ends."""
 
@@ -666,15 +667,13 @@ def _authorized_at(state: RunState, task: TaskRef) -> datetime | None:
     """When ``state`` says the attempt ``task`` names was authorized."""
     if task.step_id is None or task.phase is None or task.generation is None:
         return None
-    step = state.step(task.step_id)
-    attempt = step.attempt(task.phase, task.generation) if step is not None else None
+    attempt = _attempt(state, task.step_id, task.phase, task.generation)
     return attempt.authorized_at if attempt is not None else None
 
 
 def _attempt_took_s(state: RunState, step_id: str, phase: Phase, generation: int) -> float | None:
     """How long that attempt took, from its authorization to its outcome, if it has both."""
-    step = state.step(step_id)
-    attempt = step.attempt(phase, generation) if step is not None else None
+    attempt = _attempt(state, step_id, phase, generation)
     if attempt is None or attempt.authorized_at is None or attempt.settled_at is None:
         return None
     return (attempt.settled_at - attempt.authorized_at).total_seconds()
@@ -686,10 +685,15 @@ def _lease_watch_key(run_id: str, step_id: str, phase: Phase, generation: int) -
     return f"{run_id}-{digest}"
 
 
+def _attempt(state: RunState, step_id: str, phase: Phase, generation: int) -> Attempt | None:
+    """That attempt, as ``state`` holds it."""
+    step = state.step(step_id)
+    return step.attempt(phase, generation) if step is not None else None
+
+
 def _attempt_in_flight(state: RunState, step_id: str, phase: Phase, generation: int) -> bool:
     """``state`` holds that attempt authorized and not yet settled."""
-    step = state.step(step_id)
-    attempt = step.attempt(phase, generation) if step is not None else None
+    attempt = _attempt(state, step_id, phase, generation)
     return attempt is not None and attempt.status is AttemptStatus.AUTHORIZED
 
 
@@ -2015,8 +2019,7 @@ class Engine:
         may have parked it). A quick step with a long timeout is neither, and costs no request; a schedule that
         was never made costs a delete that finds nothing, one not deleted costs its delivery."""
         from_s = self.settings.scheduled_lease_from_s
-        step = state.step(step_id)
-        attempt = step.attempt(phase, generation) if step is not None else None
+        attempt = _attempt(state, step_id, phase, generation)
         if from_s is None or attempt is None or attempt.status is AttemptStatus.AUTHORIZED:
             return False
         if self.lease_watches.parked(_lease_watch_key(state.id, step_id, phase, generation)):
