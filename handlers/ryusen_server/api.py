@@ -314,9 +314,7 @@ def build_api(engine: Engine, fetch_manifest: ManifestFetcher) -> APIGatewayRest
             limit=limit,
             cursor=params.get("cursor"),
         )
-        return _json(
-            200, {"runs": [run_summary_view(s, page.step_counts.get(s.id)) for s in page.runs], "cursor": page.cursor}
-        )
+        return _json(200, {"runs": page.runs, "cursor": page.cursor})
 
     @api.get("/v1/runs/<run_id>")
     def get_run(run_id: str) -> Response[str]:

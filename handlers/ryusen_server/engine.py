@@ -413,8 +413,9 @@ class ServerSettings:
     release_recheck_s: float = RELEASE_RECHECK_S
     """How long a chaining dispatcher uses the newest release it read before reading it again: after each
     callback it decides from the newest release (R1), and a release synced through another process reaches
-    a chain within this long (0: read it after every callback). A sync through this process, and every new
-    dispatch message, is seen at once."""
+    a chain within this long and DynamoDB's replication (the recheck is an eventually consistent read; 0: a
+    consistent read after every callback). A sync through this process, and every new dispatch message, is
+    seen at once."""
     index_settle_s: float = 0.0
     inline_up_to_s: float = INLINE_UP_TO_S
     """A dispatcher invokes an attempt to a Lambda endpoint that takes events (``lambda_event``) on its URL and
@@ -901,11 +902,22 @@ class Engine:
         return release
 
     def _newest_release(self, function_id: str) -> Release | None:
-        """The newest release of ``function_id`` as of at most ``release_recheck_s`` ago."""
+        """The newest release of ``function_id`` as of at most ``release_recheck_s`` ago. Once this process has
+        read it, a recheck is an eventually consistent read (half a read unit, the one read left on a step's
+        path): one that names another release than the one remembered, newer or a lagging copy's older one, is
+        read again consistently before it is used, so a process never goes back to a release it saw replaced. A
+        sync another process made reaches it within the recheck and DynamoDB's replication (usually well under
+        a second), as if it had landed that much later. A recheck of 0 reads consistently after every callback."""
         seen = self._releases_read.get(function_id)
-        if seen is not None and time.monotonic() - seen[0] < self.settings.release_recheck_s:
+        if seen is None or self.settings.release_recheck_s <= 0:
+            return self._read_release(function_id)
+        if time.monotonic() - seen[0] < self.settings.release_recheck_s:
             return seen[1]
-        return self._read_release(function_id)
+        release = self.store.get_release(function_id, consistent=False)
+        if release != seen[1]:
+            return self._read_release(function_id)
+        self._releases_read[function_id] = (time.monotonic(), release)
+        return release
 
     def serialize_runs(self) -> None:
         """Take decisions about one run one at a time in this process (see ``run_locks``)."""

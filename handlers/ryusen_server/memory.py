@@ -19,6 +19,7 @@ import pydantic_core
 from .aws import journal
 from .core import decide as _core
 from .core.model import RunState, TaskRef, TimerRef
+from .core.view import run_summary_view
 from .deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
 from .ports import (
     InvalidRequestError,
@@ -141,7 +142,7 @@ class MemoryStore:
         start = int(cursor) if cursor else 0
         page = selected[start : start + limit]
         more = start + limit < len(selected)
-        return RunPage(runs=page, cursor=str(start + limit) if more else None)
+        return RunPage(runs=[run_summary_view(s) for s in page], cursor=str(start + limit) if more else None)
 
     def runs_blocked_by_definition(self, function_id: str) -> list[str]:
         self.counter.add("store.read")
@@ -178,7 +179,7 @@ class MemoryStore:
                 self._seal = secrets.token_hex(32)
             return self._seal
 
-    def get_release(self, function_id: str) -> Release | None:
+    def get_release(self, function_id: str, *, consistent: bool = True) -> Release | None:
         self.counter.add("store.read")
         with self._lock:
             return self._releases.get(function_id)

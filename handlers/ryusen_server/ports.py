@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from ryusen._internal.wire import FunctionManifest
 
@@ -104,10 +104,11 @@ class Release:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunPage:
-    runs: list[RunState]
+    runs: list[dict[str, Any]]
+    """Each run as a list shows it (``core.view.run_summary_view``): a store may keep this apart from the run and
+    rewrite it only when it changes (a running run's step count may lag: ``DynamoStore`` rewrites it when the
+    run's phase, words or blockers change, at 100 steps and each doubling after, and when it ends)."""
     cursor: str | None = None
-    step_counts: dict[str, int] = field(default_factory=dict)
-    """Steps of each run, where ``runs`` leaves the steps out (a store that lists runs by their summary)."""
 
 
 @dataclass(slots=True)
@@ -177,8 +178,8 @@ class RunStore(Protocol):
         limit: int = 50,
         cursor: str | None = None,
     ) -> RunPage:
-        """Newest first. Runs read for a listing: a store may leave their large JSON values (input,
-        output, results, errors) out as None; read one run with :meth:`get` for all of it. A page holds at
+        """Newest first, each run as a list shows it (:class:`RunPage`); read one run with :meth:`get` for all
+        of it. A page holds at
         most ``limit`` runs; a store that bounds the reads of a page may return fewer, even none, with a
         cursor. The cursor is None exactly when no more runs match. ``recovery`` and ``blocked`` (the run has a
         blocker, or has none) filter as ``phase`` and ``outcome`` do."""
@@ -201,8 +202,10 @@ class RunStore(Protocol):
 
     def put_release(self, release: Release) -> None: ...
 
-    def get_release(self, function_id: str) -> Release | None:
-        """The newest synced release that declares ``function_id``."""
+    def get_release(self, function_id: str, *, consistent: bool = True) -> Release | None:
+        """The newest synced release that declares ``function_id``. ``consistent=False`` may answer from a copy
+        a moment behind (DynamoDB's eventually consistent read, half the price): it may miss a sync of the last
+        second or so, or name the release before it."""
 
     def list_releases(self) -> list[Release]:
         """The newest release of every app."""

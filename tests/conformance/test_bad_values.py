@@ -124,7 +124,7 @@ def test_one_unreadable_run_does_not_break_the_listing() -> None:
             ExpressionAttributeValues={":s": {"B": zlib.compress(b'{"not": "a run"')}},
         )
         page = env.store.list_runs(limit=10)
-        assert [r.id for r in page.runs] == [fine]
+        assert [r["id"] for r in page.runs] == [fine]
 
 
 def test_an_endpoint_answer_with_a_value_too_deep_to_store_is_no_answer() -> None:

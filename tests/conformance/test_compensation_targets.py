@@ -185,3 +185,21 @@ def test_a_resolution_of_the_blocked_compensation_read_before_a_probe_still_move
     assert len([a for a in env.get(run_id).attempts("charge", "compensation") if a["resolution"]]) == 1
     with pytest.raises(ConflictError):
         env.resolve(run_id, "charge", phase="compensation", generation=seen, action="skip")
+
+
+@pytest.mark.rfd("C10")
+@pytest.mark.parametrize("store", ["memory", "moto"])
+def test_a_run_list_counts_an_operator_skip_apart_as_the_run_does(store: str) -> None:
+    """A list of runs says what the run says: never "fully compensated" after a skip (on the DynamoDB store
+    too, whose list reads each run's head, not its journal)."""
+    refunds: list[Any] = []
+    orders = {"o1": "open"}
+    with WorkflowEnvironment(fulfilment(refunds, orders, build="b1"), store=store) as env:
+        run_id = cancelled_mid_run(env, orders)
+        run = env.wait(run_id)
+        generation = run.attempts("charge", "compensation")[-1]["generation"]
+        env.resolve(run_id, "charge", phase="compensation", generation=generation, action="skip", reason="by hand")
+        assert env.wait(run_id).summary == "cancelled, compensated, 1 skipped by the operator"
+        [listed] = env.store.list_runs(recovery="compensated").runs
+        assert listed["id"] == run_id and listed["summary"] == "cancelled, compensated, 1 skipped by the operator"
+        assert listed["recovery"] == "compensated" and listed["steps"] == 2 and listed["blocked"] is False

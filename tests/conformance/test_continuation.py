@@ -183,6 +183,54 @@ def test_a_release_synced_through_another_process_reaches_a_chain_within_release
     assert run.step("ship")["attempts"][0]["release_id"] == "r-a"
 
 
+def test_a_recheck_of_the_newest_release_is_an_eventually_consistent_read_once_it_was_read() -> None:
+    """The recheck is the one read left on a step's path: after a process's first (consistent) read of a
+    function's release, it rechecks with an eventually consistent read, half the read units (issue 25)."""
+    ran: list[str] = []
+    env = WorkflowEnvironment(shop_release("b", ran, []), store="moto")
+    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)  # rechecked after every callback
+    reads: list[bool] = []
+    read = env.store.get_release
+
+    def spy(function_id: str, *, consistent: bool = True) -> Any:
+        reads.append(consistent)
+        return read(function_id, consistent=consistent)
+
+    env.store.get_release = spy  # type: ignore[method-assign]
+    try:
+        assert env.run("order").outcome == "completed" and ran == ["ship@b", "receipt@b"]
+        # consistent: the first read, and a new message's (it reads afresh); every recheck after a callback not
+        assert reads[0] is True and reads.count(False) >= 2 and reads.count(True) <= 2, reads
+    finally:
+        env.close()
+
+
+def test_a_lagging_copy_that_names_the_release_before_never_takes_a_chain_back_to_it() -> None:
+    """An eventually consistent read may answer from a copy that has not seen the last sync: the release it
+    names differs from the one this process remembers, so it is read again consistently, and the chain goes on
+    with the newest (R1), never the one it replaced."""
+    ran: list[str] = []
+    deploys: list[Any] = []
+    env = WorkflowEnvironment(shop_release("a", ran, deploys))
+    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)  # rechecked after every callback
+    old = env.store.get_release("order")
+    read = env.store.get_release
+    lagging: list[bool] = []
+
+    def lagging_copy(function_id: str, *, consistent: bool = True) -> Any:
+        if not consistent:
+            lagging.append(True)
+            return old  # the copy has not seen release b
+        return read(function_id, consistent=consistent)
+
+    env.store.get_release = lagging_copy  # type: ignore[method-assign]
+    deploys.append(lambda: env.sync(shop_release("b", ran, deploys)))  # synced while ship's callback runs
+    run = env.run("order")
+    assert run.outcome == "completed" and ran == ["ship@a", "receipt@b"], ran
+    assert lagging, "the chain rechecked the release through the lagging copy"
+    assert run.step("receipt")["attempts"][0]["release_id"] == "r-b"
+
+
 # ---- over HTTP: the continuation has a budget of its own --------------------------------------------------
 
 

@@ -166,7 +166,7 @@ def server() -> tuple[WorkflowEnvironment, Any, Ryusen]:
 
 
 def state_of(env: WorkflowEnvironment) -> Any:
-    runs = sorted((s.id, s.version) for s in env.store.list_runs(limit=200).runs)
+    runs = sorted((r["id"], env.store.get(r["id"]).version) for r in env.store.list_runs(limit=200).runs)  # type: ignore[union-attr]
     releases = sorted((r.app_id, r.release_id, str(r.synced_at)) for r in env.store.list_releases())
     return runs, releases
 

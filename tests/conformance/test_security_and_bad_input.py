@@ -212,7 +212,7 @@ def call(
 
 
 def snapshot(env: WorkflowEnvironment) -> list[tuple[str, int]]:
-    return sorted((s.id, s.version) for s in env.store.list_runs(limit=200).runs)
+    return sorted((r["id"], env.store.get(r["id"]).version) for r in env.store.list_runs(limit=200).runs)  # type: ignore[union-attr]
 
 
 @pytest.mark.rfd("O3")

@@ -178,7 +178,7 @@ def test_the_listing_index_spreads_runs_over_many_partition_keys(dynamo: tuple[D
     items = store._client.scan(TableName=store.table_name, ProjectionExpression="list_pk")["Items"]
     keys = {item["list_pk"]["S"] for item in items if "list_pk" in item}
     assert len(keys) >= 8, keys
-    assert [r.id for r in store.list_runs(limit=5).runs] == [f"run_{i:03d}" for i in range(63, 58, -1)]
+    assert [r["id"] for r in store.list_runs(limit=5).runs] == [f"run_{i:03d}" for i in range(63, 58, -1)]
 
 
 def test_a_finished_run_and_everything_it_stored_expire_after_the_retention(

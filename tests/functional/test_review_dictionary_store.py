@@ -98,7 +98,7 @@ def test_a_mixed_run_is_renewed_expired_listed_and_read_cold(client: Any, monkey
     assert kinds == {True, False}
     cold = DynamoStore(client, TABLE, retention_s=90 * DAY)
     assert cold.get(state.id) == state
-    assert [r.id for r in cold.list_runs().runs] == [state.id]
+    assert [r["id"] for r in cold.list_runs().runs] == [state.id]
     state = after.complete(state)
     assert DynamoStore(client, TABLE, retention_s=90 * DAY).get(state.id) == state
 

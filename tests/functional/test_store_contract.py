@@ -7,6 +7,7 @@ written the way the engine writes it: ``save(new, expected_version=old.version)`
 from __future__ import annotations
 
 import base64
+import json
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
+from ryusen import Ryusen, Step
 from ryusen._internal.wire import (
     CallbackSucceeded,
     ConflictFound,
@@ -32,6 +34,8 @@ from ryusen._internal.wire import (
     StepPlan,
     StepReached,
 )
+from ryusen.testing import WorkflowEnvironment
+from ryusen_server.aws import store as store_module
 from ryusen_server.aws.store import LIST_SHARDS, DynamoStore, create_table
 from ryusen_server.core.decide import decide
 from ryusen_server.core.events import (
@@ -57,6 +61,7 @@ from ryusen_server.ports import (
     RunStore,
     VersionConflictError,
 )
+from tests.infra.meter import item_size
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 SETTINGS = EngineSettings()
@@ -177,8 +182,13 @@ def runs(store: RunStore) -> Runs:
     return Runs(store)
 
 
-def ids(states: list[RunState]) -> list[str]:
-    return [s.id for s in states]
+def ids(states: list[RunState] | list[dict[str, Any]]) -> list[str]:
+    return [s["id"] if isinstance(s, dict) else s.id for s in states]
+
+
+def shown(states: list[RunState]) -> list[dict[str, Any]]:
+    """``states`` as a list shows them."""
+    return [run_summary_view(s) for s in states]
 
 
 def incompressible(seed: int, size: int = 200 * 1024) -> str:
@@ -220,9 +230,8 @@ def test_a_run_far_larger_than_a_dynamodb_item_round_trips(store: RunStore, runs
     state = runs.fail(state)  # the unwind starts: the compensation tasks carry the recorded results
     assert state.run_bytes > 1_000_000 and state.recovery == "compensating"
     assert store.get("run_big") == state
-    page = store.list_runs()  # a listing may leave large values and steps out: what it shows is the same
-    [listed] = page.runs
-    assert run_summary_view(listed, page.step_counts.get(listed.id)) == run_summary_view(state)
+    [listed] = store.list_runs().runs  # a listing leaves large values and steps out: what it shows is the same
+    assert listed == run_summary_view(state)
 
 
 def test_a_run_of_many_steps_with_results_just_under_the_offload_size_round_trips(store: RunStore) -> None:
@@ -400,7 +409,7 @@ def all_pages(store: RunStore, limit: int, **filters: Any) -> list[list[str]]:
 
 def test_list_runs_is_newest_first(store: RunStore, listed: list[RunState]) -> None:
     page = store.list_runs()
-    assert page.runs == newest_first(listed)
+    assert page.runs == shown(newest_first(listed))
     assert page.cursor is None
     assert ids(page.runs)[4:6] == ["run_07", "run_06"]  # a tie on created_at is ordered by id
 
@@ -427,7 +436,7 @@ def test_list_runs_filters(store: RunStore, listed: list[RunState], filters: dic
         )
 
     expected = newest_first([s for s in listed if matches(s)])
-    assert store.list_runs(**filters).runs == expected  # type: ignore[arg-type]
+    assert store.list_runs(**filters).runs == shown(expected)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -590,6 +599,68 @@ def test_dynamo_one_request_per_store_call_on_the_step_path(dynamo: DynamoStore)
     assert dynamo.counter.counts == {"dynamodb.read": 1}
 
 
+def test_dynamo_a_run_head_stays_within_one_write_unit_from_its_start_to_its_end() -> None:
+    """The head is written at the start and rewritten in the finish's transaction (twice its write units): over
+    1 KB, each costs one more unit. It holds the run as created and what a list shows, not the run twice."""
+    app = Ryusen("shop")
+
+    @app.function("checkout")
+    def checkout(order: Any, step: Step) -> Any:
+        step.run("reserve", lambda: {"reservation": "r_81c2e9"}, compensate=lambda r: None)
+        step.run("charge", lambda: {"charge_id": "ch_3QX0aF2eZvKYlo2C"}, compensate=lambda c: None)
+        return step.run("ship", lambda: (_ for _ in ()).throw(ValueError("no courier")))
+
+    with WorkflowEnvironment(app, store="moto") as env:
+        store = env.store
+        assert isinstance(store, DynamoStore)
+        store.retention_s = 30 * 86400  # the deployed default: every item carries its expiry
+        env.engine.new_id = lambda: "run_" + "5f0e3c1b9a7d42e8b6c4a2f0d8e6b4c2"  # as long as the engine's
+        sizes: list[int] = []
+
+        def head_bytes(run_id: str) -> int:
+            key = {"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": "RUN"}}
+            item = store._client.get_item(TableName=store.table_name, Key=key)["Item"]
+            return item_size(item)
+
+        order = {
+            "order_id": "ord_7Hq2",
+            "sku": "lamp-oak-40",
+            "qty": 1,
+            "card": "4242",
+            "amount": 30,
+            "currency": "EUR",
+        }
+        run_id = env.start("checkout", {**order, "address": {"city": "Lyon", "postcode": "69002"}})
+        sizes.append(head_bytes(run_id))
+        run = env.wait(run_id)
+        sizes.append(head_bytes(run_id))
+        assert run.summary == "failed, fully compensated"
+        assert max(sizes) <= 1024, sizes
+
+
+def test_dynamo_lists_a_run_whose_head_was_written_before_summaries_took_the_list_form(
+    dynamo: DynamoStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run written by the release before (its head's summary the run without steps, its step count apart) is
+    still listed after an upgrade, as it was shown then."""
+    runs = Runs(dynamo)
+    written = store_module._index_attributes
+
+    def as_before(state: RunState) -> dict[str, Any]:
+        item = written(state)
+        doc = state.model_dump(mode="json", exclude={"steps", "unwind"})
+        item["summary"] = {"B": store_module._compress(json.dumps(doc).encode())}
+        item["step_count"] = {"N": str(len(state.steps))}
+        return item
+
+    with monkeypatch.context() as before:
+        before.setattr(store_module, "_index_attributes", as_before)
+        state = runs.complete(runs.run_step(runs.start("run_1"), "reserve", {"id": 7}))
+    cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
+    assert cold.list_runs().runs == [run_summary_view(state)]
+    assert cold.list_runs().runs[0]["steps"] == 1
+
+
 def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> None:
     runs = Runs(dynamo)
     state = runs.run_step(runs.start("run_big"), "reserve", {"blob": incompressible(1)})
@@ -615,12 +686,10 @@ def test_dynamo_a_listing_reads_no_large_values(dynamo: DynamoStore) -> None:
     state = runs.run_step(runs.start("run_big", input={"blob": incompressible(0)}), "reserve", {"b": incompressible(1)})
     state = runs.complete(state)  # a running run's step count in a list may lag (exact once it ends)
     cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
-    page = cold.list_runs()
-    [listed] = page.runs
+    [listed] = cold.list_runs().runs
     # one index query per shard, then the head items: no value items, no journal
     assert cold.counter.counts == {"dynamodb.read": LIST_SHARDS + 1}
-    assert listed.input is None and listed.steps == [] and page.step_counts == {"run_big": 1}
-    assert run_summary_view(listed, page.step_counts["run_big"]) == run_summary_view(state)
+    assert listed == run_summary_view(state) and listed["steps"] == 1
 
 
 def test_dynamo_refuses_a_run_item_over_the_item_limit_before_writing_anything(dynamo: DynamoStore) -> None:

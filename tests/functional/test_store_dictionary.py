@@ -80,7 +80,7 @@ def test_a_run_written_before_dictionaries_is_read_listed_and_carried_on(
     reader = store(client)
     assert reader.get(state.id) == state
     page = reader.list_runs()
-    assert [r.id for r in page.runs] == [state.id] and page.runs[0].outcome == state.outcome
+    assert [r["id"] for r in page.runs] == [state.id] and page.runs[0]["outcome"] == state.outcome
 
 
 def test_an_item_naming_a_dictionary_this_version_does_not_know_is_refused_by_name(

@@ -249,11 +249,11 @@ def test_a_filtered_listing_reads_a_bounded_number_of_index_items_a_page(client:
         scanned.append(0)
         page = store.list_runs(function_id="rare", limit=10, cursor=cursor)
         assert scanned[-1] <= 16 * 4, scanned  # 16 shards, at most 4 index items each
-        found += [run.id for run in page.runs]
+        found += [run["id"] for run in page.runs]
         pages += 1
         cursor = page.cursor
         if cursor is None:
             break
     assert found == ["run_000"] and pages > 1
     newest = store.list_runs(limit=5)
-    assert [r.id for r in newest.runs] == [f"run_{i:03d}" for i in range(200, 195, -1)]
+    assert [r["id"] for r in newest.runs] == [f"run_{i:03d}" for i in range(200, 195, -1)]

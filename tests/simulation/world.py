@@ -81,7 +81,14 @@ from ryusen_server.core.model import (
 )
 from ryusen_server.core.view import REMEDIES
 from ryusen_server.deferred import DeferredAnswer, DeferredMessage, WakeMessage, WakeOrder
-from ryusen_server.engine import INLINE_UP_TO_S, SCHEDULED_LEASE_FROM_S, SWEEP_GRACE_S, Engine, ServerSettings
+from ryusen_server.engine import (
+    INLINE_UP_TO_S,
+    RELEASE_RECHECK_S,
+    SCHEDULED_LEASE_FROM_S,
+    SWEEP_GRACE_S,
+    Engine,
+    ServerSettings,
+)
 from ryusen_server.memory import MemoryStore
 from ryusen_server.ports import (
     InvokeResult,
@@ -442,6 +449,10 @@ class Simulation:
                     inline_up_to_s=random.Random(f"inline-{self.seed}").choice((0.0, INLINE_UP_TO_S, 10.0)),
                     scheduled_lease_from_s=lease_from_s,
                     scheduled_lease_share=lease_share,
+                    # the simulation's time is not the process's: a recheck after every callback in half the
+                    # seeds (through a copy that may lag, SimStore.get_release), else the deployed second of wall
+                    # time, which a seed's few milliseconds never reach
+                    release_recheck_s=random.Random(f"recheck-{self.seed}").choice((0.0, RELEASE_RECHECK_S)),
                 ),
                 clock=self._clock_of(i),
                 new_id=lambda: f"run_{next(self.ids):04d}",
@@ -1464,6 +1475,10 @@ class SimStore:
         self.rng = random.Random(f"cache-{sim.seed}")
         """Its own draws, apart from the simulation's: what the process remembers of a run."""
         self.handed_out_of_date: set[tuple[str, int]] = set()
+        self.releases_synced: dict[str, list[Release]] = {}
+        """Every release synced for each function, oldest first (what a lagging copy may still name)."""
+        self.lag_rng = random.Random(f"lag-{sim.seed}")
+        """Its own draws: what an eventually consistent read of a release answers."""
 
     def cached(self, run_id: str) -> RunState | None:
         """What the DynamoDB store's process remembers of the run, at its most out of date: nothing, the newest
@@ -1555,11 +1570,22 @@ class SimStore:
         self._write(f"defer check {run_id}", lambda: self.inner.defer_check(run_id, at))
 
     def put_release(self, release: Release) -> None:
-        self._write(f"put release {release.release_id}", lambda: self.inner.put_release(release))
+        def commit() -> None:
+            self.inner.put_release(release)
+            for function in release.functions:
+                self.releases_synced.setdefault(function.id, []).append(release)
 
-    def get_release(self, function_id: str) -> Release | None:
+        self._write(f"put release {release.release_id}", commit)
+
+    def get_release(self, function_id: str, *, consistent: bool = True) -> Release | None:
+        """An eventually consistent read answers from a copy that may lag: a third of them name a release
+        synced before the newest (or none yet)."""
         self._read("release")
-        return self.inner.get_release(function_id)
+        synced = self.releases_synced.get(function_id, [])
+        if not consistent and synced and self.lag_rng.random() < 1 / 3:
+            self.sim.cases["a release read from a lagging copy"] += 1
+            return self.lag_rng.choice([None, *synced[:-1]])
+        return self.inner.get_release(function_id, consistent=consistent)
 
     def list_releases(self) -> list[Release]:
         self._read("releases")

@@ -7,9 +7,9 @@ pk                             sk           what
 =============================  ===========  ==========================================
 ``RUN#{run_id}``               ``RUN``      the run's head: ``body`` (B, zlib of the run's
                                             JSON when it was created, large values left
-                                            out), ``summary`` (B, what a list shows),
-                                            ``step_count``, ``head_version`` and the
-                                            index attributes (below)
+                                            out), ``summary`` (B, the run as a list
+                                            shows it), ``head_version`` and the index
+                                            attributes (below)
 ``RUN#{run_id}``               ``EV#{version:012d}``
                                             a journal entry: ``entry`` (B, zlib of what
                                             changed from the version before, see
@@ -144,6 +144,7 @@ from pydantic import TypeAdapter
 
 from ..core import decide as _core
 from ..core.model import RunState
+from ..core.view import run_summary_view, summary
 from ..ports import (
     CHECK_HORIZON_S,
     InvalidRequestError,
@@ -482,8 +483,9 @@ def _reproduces(base: RunState, delta: journal.Delta, state: RunState) -> bool:
 
 def _step_count_band(steps: int) -> int:
     """0 below :data:`STEP_COUNT_REFRESH` steps, then one more each time the count doubles: the head's step
-    count is rewritten when the band changes (a listed count is at least half the real one, and a run of
-    10,000 steps rewrites it 7 times)."""
+    count is rewritten when the band changes (from 100 steps on, a listed count is at least half the real
+    one; below, it is the count when the head was last rewritten, for the phase, the words or the blockers;
+    a run of 10,000 steps rewrites it 7 times)."""
     return 0 if steps < STEP_COUNT_REFRESH else (steps // STEP_COUNT_REFRESH).bit_length()
 
 
@@ -496,6 +498,7 @@ def _head_fields(state: RunState, expires: int | None) -> tuple[Any, ...]:
         state.recovery,
         state.finished_at,
         tuple(b.message for b in state.blockers),
+        summary(state),  # its words count the operator's skips too (decisions 24)
         state.blocked_by_definition,
         _step_count_band(len(state.steps)),
         expires,
@@ -503,10 +506,42 @@ def _head_fields(state: RunState, expires: int | None) -> tuple[Any, ...]:
 
 
 def _summary_doc(state: RunState) -> dict[str, Any]:
-    """The run as a list shows it: every field but the steps and the unwind, large values left out."""
-    doc = state.model_dump(mode="json", exclude={"steps", "unwind"})
-    _offload(doc, SMALL_OFFLOAD_BYTES)  # keeps the head, rewritten with the summary, at about one write unit
+    """The run as a list shows it (:func:`run_summary_view`, its id in the key): a few hundred bytes less than
+    the run itself, which the head's body already holds as created, so that the head stays within one write
+    unit where it used to hold the run twice (a start and a finish's transaction one unit more each)."""
+    doc = run_summary_view(state)
+    del doc["id"]
     return doc
+
+
+_LISTED_FIELDS = (
+    "app_id",
+    "function_id",
+    "phase",
+    "outcome",
+    "recovery",
+    "summary",
+    "created_at",
+    "finished_at",
+    "steps",
+    "blocked",
+)
+"""What a head's summary in the list's form holds (``run_summary_view`` but its id)."""
+
+
+def _listed(run_id: str, item: Mapping[str, Any]) -> dict[str, Any]:
+    """A head's ``summary`` as a list shows it; ValueError if it is not one. A head written before summaries were
+    the list's own form holds the run without steps and unwind, and its step count apart (its words miss the
+    operator's skips)."""
+    doc = pydantic_core.from_json(_decompress(item["summary"]["B"]))
+    if not isinstance(doc, dict):
+        raise ValueError(f"a summary is a JSON object, not {type(doc).__name__}")
+    if "summary" not in doc:
+        return run_summary_view(RunState.model_validate(doc), int(item["step_count"]["N"]))
+    missing = [name for name in _LISTED_FIELDS if name not in doc]
+    if missing:
+        raise ValueError(f"a summary without {', '.join(missing)}")
+    return {"id": run_id, **{name: doc[name] for name in _LISTED_FIELDS}}  # a later release's extra fields: not shown
 
 
 def _index_attributes(state: RunState) -> dict[str, AttributeValueTypeDef]:
@@ -518,7 +553,6 @@ def _index_attributes(state: RunState) -> dict[str, AttributeValueTypeDef]:
         "list_pk": {"S": _list_partition(state.id)},
         "list_sk": {"S": f"{created}#{state.id}"},
         "summary": {"B": _compress(pydantic_core.to_json(_summary_doc(state)))},
-        "step_count": {"N": str(len(state.steps))},
         "head_version": {"N": str(state.version)},
     }
     if state.outcome is not None:
@@ -1041,19 +1075,19 @@ class DynamoStore:
         matches.sort(key=lambda item: str(item["list_sk"]["S"]), reverse=True)
         page = matches[:limit]
         ids = [_run_id_of(item) for item in page]
-        runs, counts = self._get_many(ids)
+        runs = self._get_many(ids)
         if recovery is not None or blocked is not None:
             runs = {
-                run_id: state
-                for run_id, state in runs.items()
-                if (recovery is None or (state.recovery.value if state.recovery else None) == recovery)
-                and (blocked is None or bool(state.blockers) == blocked)
+                run_id: listed
+                for run_id, listed in runs.items()
+                if (recovery is None or listed["recovery"] == recovery)
+                and (blocked is None or listed["blocked"] == blocked)
             }
         if len(matches) > limit:
             next_cursor: str | None = _encode_cursor(page[-1]["list_sk"]["S"])
         else:
             next_cursor = _encode_cursor(floor) if floor is not None else None
-        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor, step_counts=counts)
+        return RunPage(runs=[runs[i] for i in ids if i in runs], cursor=next_cursor)
 
     def _list_shard(
         self,
@@ -1106,21 +1140,19 @@ class DynamoStore:
             query["ExclusiveStartKey"] = start
             page_size = min(page_size * 2, 1000, left)  # a selective filter: read more per request
 
-    def _get_many(self, run_ids: Sequence[str]) -> tuple[dict[str, RunState], dict[str, int]]:
-        """The head items of a page of runs, by id, as their summaries and step counts: BatchGetItem in
-        chunks of 100, retrying unprocessed keys."""
+    def _get_many(self, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The head items of a page of runs, by id, as a list shows them: BatchGetItem in chunks of 100,
+        retrying unprocessed keys."""
         items = self._batch_get([_run_key(run_id) for run_id in run_ids], projection="pk, summary, step_count")
-        runs: dict[str, RunState] = {}
-        counts: dict[str, int] = {}
+        runs: dict[str, dict[str, Any]] = {}
         for item in items:
             run_id = _run_id_of(item)
             try:
-                runs[run_id] = RunState.model_validate(pydantic_core.from_json(_decompress(item["summary"]["B"])))
-                counts[run_id] = int(item["step_count"]["N"])
+                runs[run_id] = _listed(run_id, item)
             except (ValueError, KeyError, zlib.error):
                 # one item this code cannot read must not break every listing: it is left out, and said so
                 log.exception("run %s: its summary cannot be read; left out of the list", run_id)
-        return runs, counts
+        return runs
 
     # ---- large values (see the module docstring) ---------------------------------------
 
@@ -1329,14 +1361,15 @@ class DynamoStore:
             self._seal_key = str(item["seal_key"]["S"])
         return self._seal_key
 
-    def get_release(self, function_id: str) -> Release | None:
-        """One strongly consistent read of one of the function's pointers, picked at random (a release just
-        synced is what the next run must use, R1; the copies spread the reads of a busy function over
-        several partitions), then the body, which never changes: from this process's memory, else one read."""
+    def get_release(self, function_id: str, *, consistent: bool = True) -> Release | None:
+        """One read of one of the function's pointers, picked at random (the copies spread the reads of a busy
+        function over several partitions), strongly consistent unless asked (a release just synced is what the
+        next run must use, R1), then the body, which never changes: from this process's memory, else one
+        strongly consistent read (the pointer may be newer than a copy of the body)."""
         copy = secrets.randbelow(RELEASE_COPIES)
         self.counter.add("dynamodb.read")
         item = self._client.get_item(
-            TableName=self.table_name, Key=_release_pointer_key(function_id, copy), ConsistentRead=True
+            TableName=self.table_name, Key=_release_pointer_key(function_id, copy), ConsistentRead=consistent
         ).get("Item")
         if item is None:  # a table synced before the copies: the release inline under the function's old key
             self.counter.add("dynamodb.read")
