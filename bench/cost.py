@@ -3,7 +3,8 @@
     PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py            # 20-step runs, every endpoint kind
     PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py --quick    # 6-step runs
     PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py --kinds http --durations 1,600
-
+    PYTHONPATH=sdk:handlers:infra .venv/bin/python bench/cost.py --kinds event --durations 1 --split 100
+                                                           # a run's own cost apart from its steps
 **What runs.** The stack in a box (tests/infra/box.py, with the fixture of tests/infra/test_stack_in_a_box.py)
 creates the synthesized CDK template's resources in moto. It runs the real handlers (API, dispatch, sweep,
 and any other ``ryusen_server.lambdas`` function the template has) with the template's environment, and the
@@ -511,6 +512,13 @@ def main() -> int:
     parser.add_argument("--durations", default=None, help="step durations in seconds (default 0.1,1,10,600)")
     parser.add_argument("--kinds", default="http,lambda,event", help="endpoint kinds: http, lambda, event")
     parser.add_argument("--real-up-to", type=float, default=1.0, help="longer steps run on a compressed clock")
+    parser.add_argument(
+        "--split",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="also run STEPS-step runs, and print what a run costs apart from its steps (a line through both)",
+    )
     args = parser.parse_args()
     steps = args.steps or (6 if args.quick else 20)
     durations = [float(d) for d in args.durations.split(",")] if args.durations else list(DURATIONS_S)
@@ -538,19 +546,29 @@ def main() -> int:
         with box_with_meter(meter) as (deployed, memory_mb):
             uninstall = meter.install()
             try:
-                results, sweep = measure(deployed, meter, steps, durations, kinds, args.real_up_to)
+                results, sweep = measure(deployed, meter, steps, durations, kinds, args.real_up_to, args.split)
             finally:
                 uninstall()
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         caller.reset(token)
     report(results, sweep, memory_mb, steps)
+    if args.split:
+        report_split(results, memory_mb, steps, args.split)
     return 0
 
 
 def measure(
-    deployed: Any, meter: Meter, steps: int, durations: list[float], kinds: list[str], real_up_to_s: float
+    deployed: Any,
+    meter: Meter,
+    steps: int,
+    durations: list[float],
+    kinds: list[str],
+    real_up_to_s: float,
+    split: int | None = None,
 ) -> tuple[dict[str, list[Scenario]], Usage]:
+    """Each kind at each duration in ``steps``-step runs (and in ``split``-step runs after them, kept under the
+    kind's name with ``@split``)."""
     import boto3
 
     from ryusen._internal.signing import app_key
@@ -598,6 +616,11 @@ def measure(
                 file=sys.__stderr__,
             )
             results.setdefault(endpoint.kind, []).append(scenario)
+        if split:
+            bench.steps = split
+            for duration in durations:
+                results.setdefault(f"{endpoint.kind}@{split}", []).append(bench.run(endpoint, duration))
+            bench.steps = steps
     # one sweeper pass over a quiet table, as its every-minute rule calls it
     from tests.lambda_http import LambdaContext
 
@@ -613,6 +636,25 @@ def measure(
     return results, meter.reset()
 
 
+def report_split(results: dict[str, list[Scenario]], memory_mb: dict[str, int], steps: int, split: int) -> None:
+    """What a run costs apart from its steps, and each step apart from its run: the cost of a whole run is taken
+    as a line in its steps, through the ``steps``- and ``split``-step runs at each duration."""
+    print(f"\nA run and its steps apart ({steps}- and {split}-step runs), $ per million:\n")
+    print("| kind | step takes | per run | per step | per step in runs of 20 / 100 / 1,000 | $1.50 from |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, short in results.items():
+        long = results.get(f"{kind}@{split}")
+        if "@" in kind or not long:
+            continue
+        for a, b in zip(short, long, strict=True):
+            runs = [sum(line_items(x, memory_mb).values()) * x.steps for x in (a, b)]  # $ per million runs
+            per_step = (runs[1] - runs[0]) / (b.steps - a.steps)
+            per_run = runs[0] - per_step * a.steps
+            at = " / ".join(f"{per_step + per_run / n:.2f}" for n in (20, 100, 1000))
+            reach = f"{math.ceil(per_run / (1.5 - per_step))} steps" if per_step < 1.5 else "never"
+            print(f"| {kind} | {label(a.duration_s)} | {per_run:.2f} | {per_step:.2f} | {at} | {reach} |")
+
+
 def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str, int], steps: int) -> None:
     notes = {
         "http": "the app served over HTTP (WSGI, threaded): it acknowledges attempts past 0.1 s",
@@ -622,6 +664,8 @@ def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str
     }
     print(f"Ryusen cost per million steps: {steps}-step runs, us-east-1 prices, {datetime.now(UTC):%Y-%m-%d}")
     for kind, scenarios in results.items():
+        if "@" in kind:  # the longer runs of --split: their line is report_split's
+            continue
         print_table(kind, scenarios, memory_mb, notes.get(kind, kind))
     sweep_ms = sum(sweep.billed_ms.values())
     sweep_cost = (
@@ -650,6 +694,8 @@ def report(results: dict[str, list[Scenario]], sweep: Usage, memory_mb: dict[str
     )
     print("† from a secondary source (shared/facts/aws.md). Step Functions: one state transition per step.")
     for kind, scenarios in results.items():
+        if "@" in kind:
+            continue
         storage = [line_items(s, memory_mb)[STORAGE_ROW] for s in scenarios]
         longer = ", ".join(f"${x * (90 / RETENTION_DAYS - 1):.2f}" for x in storage)
         print(f"With 90 days' retention (Step Functions' history), {kind}: storage adds {longer} per million steps.")

@@ -346,9 +346,9 @@ RESULT_CARRY_ON_S = 10.0
 it authorizes, as a dispatcher chains) before it leaves the rest to the queue: the SDK's post waits for it."""
 INLINE_UP_TO_S = 0.05
 """The default of ``ServerSettings.inline_up_to_s`` (``RYUSEN_INLINE_UP_TO_S``): where waiting costs what an event
-saves, measured (docs/design/dispatch.md, way C item 6). A step waited for costs about $1.54 per million steps
+saves, measured (docs/design/dispatch.md, way C item 6). A step waited for costs about $1.43 per million steps
 plus a 512 MB dispatcher's time, $6.67 per million steps a second (the step and about 17 ms of its own work); one
-sent as an event costs about $2.11, and nothing a second (bench/cost.py, 20-step runs, 2026-12-06). They meet
+sent as an event costs about $1.89, and nothing a second (bench/cost.py, 20-step runs, 2026-12-06). They meet
 near 0.07 s; 0.05 s errs on the side of events, which never hold a dispatcher. (It was 0.25 s when an event
 carried a lease timer of its own and cost about $2.5 more.)"""
 INLINE_UP_TO_MAX_S = 1.0

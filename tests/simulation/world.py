@@ -450,9 +450,10 @@ class Simulation:
                     scheduled_lease_from_s=lease_from_s,
                     scheduled_lease_share=lease_share,
                     # the simulation's time is not the process's: a recheck after every callback in half the
-                    # seeds (through a copy that may lag, SimStore.get_release), else the deployed second of wall
-                    # time, which a seed's few milliseconds never reach
-                    release_recheck_s=random.Random(f"recheck-{self.seed}").choice((0.0, RELEASE_RECHECK_S)),
+                    # seeds (an eventually consistent read, through a copy that may lag: SimStore.get_release;
+                    # 0 would read consistently), else the deployed second of wall time, which a seed's few
+                    # milliseconds never reach
+                    release_recheck_s=random.Random(f"recheck-{self.seed}").choice((1e-9, RELEASE_RECHECK_S)),
                 ),
                 clock=self._clock_of(i),
                 new_id=lambda: f"run_{next(self.ids):04d}",
