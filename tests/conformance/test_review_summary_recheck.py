@@ -1,7 +1,7 @@
 """Review of the eventually consistent release recheck (engine._newest_release).
 
-Failing (finding): test_with_release_recheck_0_a_step_added_by_a_release_synced_through_another_process_runs.
-The rest held up."""
+Found: with release_recheck_s=0 (documented as a read after every callback) a release synced through another
+process never reached a chain while copies lagged (0 now reads consistently). The rest held up."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ from ryusen.testing import WorkflowEnvironment
 from ryusen_server.engine import Engine
 from ryusen_server.ports import StoreUnavailableError
 from tests.conformance.test_continuation import shop_release
+
+
+def rechecked(app: Ryusen, store: str) -> WorkflowEnvironment:
+    """An environment whose engine rechecks the newest release after every callback (an eventually consistent
+    read: a recheck of 0 reads consistently)."""
+    env = WorkflowEnvironment(app, store=store)
+    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)
+    return env
 
 
 def other_process_sync(env: WorkflowEnvironment, app: Any) -> None:
@@ -33,8 +41,7 @@ def other_process_sync(env: WorkflowEnvironment, app: Any) -> None:
 def test_a_failed_confirm_read_after_a_differing_recheck_neither_loses_nor_repeats_a_step(store: str) -> None:
     ran: list[str] = []
     deploys: list[Any] = []
-    env = WorkflowEnvironment(shop_release("a", ran, deploys), store=store)
-    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)
+    env = rechecked(shop_release("a", ran, deploys), store)
     read = env.store.get_release
     failures: list[str] = []
 
@@ -63,8 +70,7 @@ def test_a_failed_confirm_read_after_a_differing_recheck_neither_loses_nor_repea
 def test_a_lagging_copy_naming_no_release_is_confirmed_not_used(store: str) -> None:
     ran: list[str] = []
     deploys: list[Any] = []
-    env = WorkflowEnvironment(shop_release("b", ran, deploys), store=store)
-    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)
+    env = rechecked(shop_release("b", ran, deploys), store)
     read = env.store.get_release
     lagged: list[bool] = []
 
@@ -87,8 +93,7 @@ def test_a_resync_of_the_same_release_id_with_a_new_build_is_taken(store: str) -
     """Same release id, another build (a re-sync after a hotfix): the eventual read differs, is confirmed."""
     ran: list[str] = []
     deploys: list[Any] = []
-    env = WorkflowEnvironment(shop_release("a", ran, deploys), store=store)
-    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)
+    env = rechecked(shop_release("a", ran, deploys), store)
     b = shop_release("b", ran, deploys)
     b._release_id = "r-a"
     deploys.append(lambda: other_process_sync(env, b))
@@ -146,8 +151,7 @@ def test_a_compensator_synced_through_another_process_before_the_unwind_is_used_
     while ship's callback runs, before the run fails: the unwind must ask b (R1, decisions 5), and refund once."""
     refunds: list[Any] = []
     deploys: list[Any] = []
-    env = WorkflowEnvironment(refund_release("a", refunds, deploys), store=store)
-    env.engine.settings = replace(env.engine.settings, release_recheck_s=1e-9)
+    env = rechecked(refund_release("a", refunds, deploys), store)
     lagged = lagging_eventual_reads(env)
     deploys.append(lambda: other_process_sync(env, refund_release("b", refunds, deploys)))
     try:

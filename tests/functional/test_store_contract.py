@@ -10,6 +10,7 @@ import base64
 import json
 import random
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -656,9 +657,49 @@ def test_dynamo_lists_a_run_whose_head_was_written_before_summaries_took_the_lis
     with monkeypatch.context() as before:
         before.setattr(store_module, "_index_attributes", as_before)
         state = runs.complete(runs.run_step(runs.start("run_1"), "reserve", {"id": 7}))
+        old_blocked = runs.block(runs.start("run_2", at=T0 + timedelta(minutes=1)))
+        old_compensating = runs.fail(runs.run_step(runs.start("run_3", at=T0 + timedelta(minutes=2)), "a", 1))
+    new_blocked = runs.block(runs.start("run_4", at=T0 + timedelta(minutes=3)))
     cold = DynamoStore(boto3.client("dynamodb", region_name="us-east-1"), TABLE, RequestCounter())
-    assert cold.list_runs().runs == [run_summary_view(state)]
-    assert cold.list_runs().runs[0]["steps"] == 1
+    assert cold.list_runs().runs[-1] == run_summary_view(state) and cold.list_runs().runs[-1]["steps"] == 1
+    # old heads and new filter alike (recovery and blockers are read from the summaries)
+    assert ids(cold.list_runs(blocked=True).runs) == [new_blocked.id, old_blocked.id]
+    assert ids(cold.list_runs(recovery="compensating").runs) == [old_compensating.id]
+    assert ids(cold.list_runs(blocked=False).runs) == [old_compensating.id, state.id]
+
+
+def set_summary(store: DynamoStore, run_id: str, raw: bytes) -> None:
+    """Overwrite a run's head summary with ``raw``, compressed (a head this code did not write)."""
+    store._client.update_item(
+        TableName=store.table_name,
+        Key={"pk": {"S": f"RUN#{run_id}"}, "sk": {"S": "RUN"}},
+        UpdateExpression="SET summary = :s",
+        ExpressionAttributeValues={":s": {"B": zlib.compress(raw)}},
+    )
+
+
+@pytest.mark.parametrize("raw", [b"null", b"7", b'"a summary"', b"[1]", b'{"not": "a run"}'])
+def test_dynamo_lists_the_other_runs_when_a_head_holds_json_that_is_no_summary(dynamo: DynamoStore, raw: bytes) -> None:
+    """One run this code cannot read is left out and logged; every other run is still listed (the review found
+    such JSON raised TypeError through every listing)."""
+    runs = Runs(dynamo)
+    runs.start("run_broken")
+    fine = runs.start("run_fine")
+    set_summary(dynamo, "run_broken", raw)
+    assert dynamo.list_runs().runs == [run_summary_view(fine)]
+
+
+def test_dynamo_a_summary_in_the_list_form_without_a_field_is_left_out_of_a_filtered_list(dynamo: DynamoStore) -> None:
+    """A summary without ``recovery`` or ``blocked`` (a later release's form, a bug) is no summary: left out,
+    not read by the filter (the review found it raised KeyError through every filtered listing)."""
+    runs = Runs(dynamo)
+    runs.start("run_broken")
+    fine = runs.start("run_fine")
+    doc = run_summary_view(fine)
+    del doc["id"], doc["recovery"], doc["blocked"]
+    set_summary(dynamo, "run_broken", json.dumps(doc).encode())
+    assert ids(dynamo.list_runs(blocked=False).runs) == ["run_fine"]
+    assert ids(dynamo.list_runs().runs) == ["run_fine"]
 
 
 def test_dynamo_keeps_large_values_out_of_the_run_item(dynamo: DynamoStore) -> None:
