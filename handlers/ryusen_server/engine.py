@@ -892,13 +892,26 @@ class Engine:
         """The lease timers this process's result function sent, by run (one timer for a run's steps)."""
         self.lease_watches = ParkedLeaseWatches()
         """The lease watches this process parked on the Scheduler, deleted once their outcomes are recorded here."""
-        self._releases_read: dict[str, tuple[float, Release | None]] = {}
-        """The newest release of each function as this process last read or synced it, and when (monotonic)."""
+        self._releases_read: dict[str, tuple[float, Release | None, int]] = {}
+        """The newest release of each function as this process last read it, when (monotonic), and which read of
+        this process (``_release_reads``) answered it."""
+        self._release_reads: dict[str, int] = {}
+        """How many consistent reads of each function's release this process began: of two reads in flight at
+        once (dispatcher threads), the one begun later answers with at least what the other saw."""
+        self._release_lock = threading.Lock()
 
     def _read_release(self, function_id: str) -> Release | None:
-        """The newest release of ``function_id``, read from the store (and remembered for ``_newest_release``)."""
+        """The newest release of ``function_id``, read consistently from the store and remembered for
+        ``_newest_release``, unless a read this process began later already answered: that answer is newer or
+        the same, and is kept (a read that began before a sync may answer after one that began after it)."""
+        with self._release_lock:
+            begun = self._release_reads[function_id] = self._release_reads.get(function_id, 0) + 1
         release = self.store.get_release(function_id)
-        self._releases_read[function_id] = (time.monotonic(), release)
+        with self._release_lock:
+            known = self._releases_read.get(function_id)
+            if known is not None and known[2] > begun:
+                return known[1]
+            self._releases_read[function_id] = (time.monotonic(), release, begun)
         return release
 
     def _newest_release(self, function_id: str) -> Release | None:
@@ -914,10 +927,12 @@ class Engine:
         if time.monotonic() - seen[0] < self.settings.release_recheck_s:
             return seen[1]
         release = self.store.get_release(function_id, consistent=False)
-        if release != seen[1]:
-            return self._read_release(function_id)
-        self._releases_read[function_id] = (time.monotonic(), release)
-        return release
+        with self._release_lock:
+            known = self._releases_read.get(function_id)  # as now: another thread may have read it meanwhile
+            if known is not None and release == known[1]:
+                self._releases_read[function_id] = (time.monotonic(), release, known[2])
+                return release
+        return self._read_release(function_id)
 
     def serialize_runs(self) -> None:
         """Take decisions about one run one at a time in this process (see ``run_locks``)."""

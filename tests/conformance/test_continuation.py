@@ -231,6 +231,39 @@ def test_a_lagging_copy_that_names_the_release_before_never_takes_a_chain_back_t
     assert run.step("receipt")["attempts"][0]["release_id"] == "r-b"
 
 
+@pytest.mark.parametrize("consistent", [False, True], ids=["a lagging recheck", "a consistent read begun first"])
+def test_a_read_of_the_release_that_answers_late_never_takes_a_process_back(consistent: bool) -> None:
+    """Two dispatcher threads of one process read the release at once, and the slower answers with the release
+    before (a copy that lags, or a consistent read begun before the sync): the process keeps the newer one the
+    other thread read. (The simulator found the lagging recheck taking a process back; seed 9750.)"""
+    env = WorkflowEnvironment(shop_release("a", [], []))
+    engine = env.engine
+    engine.settings = replace(engine.settings, release_recheck_s=1e-9)
+    old = engine._newest_release("order")  # read once: a recheck comes next
+    assert old is not None and old.release_id == "r-a"
+    env.engine = Engine(store=env.store, queue=engine.queue, timers=engine.timers, invoker=engine.invoker)
+    env.sync(shop_release("b", [], []))  # through another process: this one still remembers a
+    env.engine = engine
+    read = env.store.get_release
+    slow: list[str] = []
+
+    def interleaved(function_id: str, *, consistent: bool = True) -> Any:
+        if not slow and consistent == wanted:
+            slow.append("in flight")
+            other = engine._newest_release(function_id)  # the other thread, while this read is in flight
+            assert other is not None and other.release_id == "r-b"
+            return old  # this read answers last, with the release before
+        return read(function_id, consistent=consistent)
+
+    wanted = consistent
+    env.store.get_release = interleaved  # type: ignore[method-assign]
+    first = engine._read_release("order") if consistent else engine._newest_release("order")
+    assert slow == ["in flight"]
+    assert first is not None and first.release_id == "r-b", first
+    again = engine._newest_release("order")
+    assert again is not None and again.release_id == "r-b"
+
+
 # ---- over HTTP: the continuation has a budget of its own --------------------------------------------------
 
 

@@ -61,6 +61,8 @@ REGRESSION_SEEDS = {
     " day-old probe and, judging the run by it, looked at it again a day later (test_sweeper.py has it alone)",
     2275: "a probe that fired a day late queued a blocked compensation again but kept its spent probe time, so"
     " the run looked a day overdue and the sweeper, backing off, left the compensation's lost message for a day",
+    9750: "a dispatcher's recheck of the release, answered late by a copy that lagged, took its process back to the"
+    " release before after another thread of it had used the newer one (test_continuation.py has it alone)",
     8172: "a deferred answer's receiver claimed a chained attempt (never sent) of an acknowledging release and"
     " re-authorized it with the lease of one that neither acknowledges nor heartbeats: its timeout plus 60 s, not"
     " one heartbeat interval plus 3 s (issue 25; test_acknowledged_dispatch.py has it alone)",
@@ -418,6 +420,24 @@ def test_the_simulator_catches_a_heartbeat_reply_that_stops_a_run_with_no_stop(m
     monkeypatch.setattr(Engine, "submit_heartbeat", stop_always)
     caught = _first_violation(range(300))
     assert caught is not None and "the reply says the run is stopping; it has no stop intent" in caught, caught
+
+
+def test_the_simulator_catches_a_process_that_goes_back_to_a_release_a_lagging_copy_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Broken (R1): a recheck's eventually consistent answer is used unconfirmed, so a copy that lags takes a
+    process back to a release it saw replaced (or to none)."""
+
+    def unconfirmed(self: Engine, function_id: str) -> Any:
+        if function_id not in self._releases_read:
+            return self._read_release(function_id)
+        release = self.store.get_release(function_id, consistent=False)
+        self._releases_read[function_id] = (0.0, release, 0)
+        return release
+
+    monkeypatch.setattr(Engine, "_newest_release", unconfirmed)
+    caught = _first_violation(range(300))
+    assert caught is not None and "R1: a process went back to release" in caught, caught
 
 
 def test_the_simulator_catches_a_missing_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:

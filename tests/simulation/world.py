@@ -461,6 +461,8 @@ class Simulation:
             )
             for i in range(2)
         ]
+        for engine in self.engines:
+            self._watch_releases(engine)
         self.result_function = random.Random(f"results-{self.seed}").random() < 0.5
         """Acknowledged outcomes are posted to the result function (``Engine.submit_result``: it records the outcome,
         carries the run on, and sends lease timers, one for a run's steps), else through the API's result route
@@ -640,6 +642,26 @@ class Simulation:
 
     def note(self, text: str) -> None:
         self.trace.append(f"{self.events:5d} {(self.now - EPOCH).total_seconds():9.1f}s  {text}")
+
+    def _watch_releases(self, engine: Engine) -> None:
+        """R1 within one process: the release a process decides from never goes back to one synced before one it
+        already used (its rechecks may be answered by a copy that lags, ``SimStore.get_release``)."""
+        newest = engine._newest_release
+        used: dict[str, int] = {}
+
+        def watched(function_id: str) -> Release | None:
+            release = newest(function_id)
+            synced = self.store.releases_synced.get(function_id, [])
+            order = max((i for i, r in enumerate(synced) if r == release), default=-1)
+            if order < used.get(function_id, -1):
+                self.violation(
+                    f"R1: a process went back to release {release.release_id if release else None} of"
+                    f" {function_id} after it used {synced[used[function_id]].release_id}"
+                )
+            used[function_id] = max(order, used.get(function_id, -1))
+            return release
+
+        engine._newest_release = watched  # type: ignore[method-assign]
 
     def violation(self, text: str) -> None:
         self.note(f"VIOLATION: {text}")
